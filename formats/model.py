@@ -1,0 +1,259 @@
+"""The image's records as frozen dataclasses.
+
+These are what the rest of ptckpt speaks; :mod:`ptckpt.formats.records` maps
+each one to a construct Struct and back.  Fields may only be appended (with a
+default), never removed or reordered: an older image then still parses, with
+the new fields at their defaults.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+PAGE_SIZE = 4096
+
+# x86_64 struct user_regs_struct (arch/x86/include/asm/user_64.h), in order.
+GP_REG_NAMES = (
+    "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8",
+    "rax", "rcx", "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "eflags",
+    "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs", "gs",
+)
+
+
+class VmaKind(enum.IntEnum):
+    """What a mapping is, as far as a restore cares."""
+
+    ANON_PRIVATE = 1     # private anonymous memory (incl. thread stacks)
+    ANON_SHARED = 2      # MAP_SHARED|MAP_ANONYMOUS ("/dev/zero (deleted)")
+    FILE_PRIVATE = 3     # private mapping of a file (text, data, MAP_PRIVATE)
+    FILE_SHARED = 4      # shared mapping of a regular file
+    SHMEM = 5            # memfd, /dev/shm or SysV segment (shmem-backed)
+    HEAP = 6             # [heap]
+    STACK = 7            # [stack]
+    VDSO = 8             # [vdso]
+    VVAR = 9             # [vvar]
+    VVAR_VCLOCK = 10     # [vvar_vclock]
+    VSYSCALL = 11        # [vsyscall]
+    DEVICE = 12          # a mapped character device
+    OTHER = 13           # anything else, named by its path
+
+
+class Restart(enum.IntEnum):
+    """How a thread frozen inside a syscall must be resumed (DESIGN.md)."""
+
+    NONE = 0             # not in a syscall, or the syscall had completed
+    REEXECUTE = 1        # -ERESTARTSYS/-ERESTARTNOINTR/-ERESTARTNOHAND: rax=orig_rax, rip-=2
+    RESTART_BLOCK = 2    # -ERESTART_RESTARTBLOCK: restart_syscall, needs the kernel's restart block
+
+
+class FdKind(enum.IntEnum):
+    REGULAR = 1
+    DIRECTORY = 2
+    PIPE = 3
+    FIFO = 4
+    SOCKET = 5
+    EVENTFD = 6
+    EPOLL = 7
+    TIMERFD = 8
+    SIGNALFD = 9
+    INOTIFY = 10
+    FANOTIFY = 11
+    TTY = 12             # a terminal that is not a pty (console, serial ...)
+    PTY_MASTER = 13
+    PTY_SLAVE = 14
+    CHARDEV = 15
+    BLOCKDEV = 16
+    MEMFD = 17
+    PIDFD = 18
+    IO_URING = 19
+    USERFAULTFD = 20
+    PERF_EVENT = 21
+    BPF = 22
+    MQUEUE = 23
+    ANON_INODE = 24      # another anon_inode:[...] kind
+    PATH = 25            # O_PATH descriptor
+    UNKNOWN = 26
+    NSFS = 27            # a namespace file
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """One per image: what made it, where, and which processes it holds."""
+
+    ptckpt_version: str
+    kernel_release: str
+    arch: str
+    page_size: int
+    xfeatures: int            # XCR0 of the dumping machine (xsave features enabled)
+    xstate_size: int          # bytes of the NT_X86_XSTATE regset
+    root_pid: int
+    pids: tuple[int, ...]     # every process in the image, root first
+    realtime_ns: int          # clocks at the moment every thread was frozen
+    monotonic_ns: int
+    boottime_ns: int
+    hostname: str
+    fd_kinds_unsupported: tuple[str, ...] = ()   # "pid fd -> target" not restorable yet
+
+
+@dataclass(frozen=True)
+class Task:
+    """One process: identity, relations and the per-process kernel state."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    comm: str
+    state: str                # one letter from /proc/PID/stat
+    exe: str
+    cwd: str
+    root: str
+    umask: int
+    personality: int
+    nice: int
+    sched_policy: int
+    rt_priority: int
+    oom_score_adj: int
+    timerslack_ns: int
+    exit_signal: int
+    tids: tuple[int, ...]     # every thread, the leader first
+    cmdline: tuple[str, ...] = ()
+    dumpable: int = 1
+
+
+@dataclass(frozen=True)
+class Creds:
+    uids: tuple[int, int, int, int]   # real, effective, saved, fs
+    gids: tuple[int, int, int, int]
+    groups: tuple[int, ...]
+    cap_inh: int
+    cap_prm: int
+    cap_eff: int
+    cap_bnd: int
+    cap_amb: int
+    no_new_privs: int
+    seccomp: int
+
+
+@dataclass(frozen=True)
+class Mm:
+    """mm_struct fields (/proc/PID/stat fields 26-28, 45-51) plus auxv."""
+
+    start_code: int
+    end_code: int
+    start_data: int
+    end_data: int
+    start_brk: int
+    brk: int
+    start_stack: int
+    arg_start: int
+    arg_end: int
+    env_start: int
+    env_end: int
+    exe_file: str
+    auxv: tuple[tuple[int, int], ...]   # (AT_* type, value) pairs, AT_NULL excluded
+
+
+@dataclass(frozen=True)
+class Rlimit:
+    resource: int             # RLIMIT_* number
+    cur: int                  # RLIM_INFINITY is 2**64-1
+    max: int
+
+
+@dataclass(frozen=True)
+class Vma:
+    start: int
+    end: int
+    prot: int                 # PROT_READ|PROT_WRITE|PROT_EXEC bits
+    shared: bool
+    kind: VmaKind
+    pgoff: int                # byte offset into the file
+    dev_major: int
+    dev_minor: int
+    inode: int
+    path: str                 # maps path column ("" for plain anonymous)
+    vmflags: str              # smaps VmFlags, space separated ("rd wr mr mw me ac")
+    file_size: int = 0        # st_size of the mapped file at dump (0 if none)
+    file_mtime_ns: int = 0
+    file_deleted: bool = False
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """One run of saved pages: npages pages at vaddr, at byte `offset` of pages-PID.img's data."""
+
+    vaddr: int
+    npages: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Thread:
+    tid: int
+    regs: tuple[int, ...]     # GP_REG_NAMES order, exactly as PTRACE_GETREGS gave
+    xstate: bytes             # NT_X86_XSTATE regset, as PTRACE_GETREGSET gave
+    xfeatures: int            # XSTATE_BV of this thread's xsave header
+    sigmask: int
+    rseq_addr: int
+    rseq_len: int
+    rseq_sig: int
+    rseq_flags: int
+    robust_list: int
+    robust_list_len: int
+    clear_child_tid: int
+    sas_sp: int               # sigaltstack
+    sas_flags: int
+    sas_size: int
+    restart: Restart
+    syscall_nr: int           # orig_rax when frozen inside a syscall, else -1
+    comm: str = ""
+
+
+@dataclass(frozen=True)
+class Sigaction:
+    signo: int
+    handler: int              # SIG_DFL 0, SIG_IGN 1, else an address
+    flags: int
+    restorer: int
+    mask: int
+
+
+@dataclass(frozen=True)
+class PendingSignal:
+    tid: int                  # 0: the process-wide (shared) queue
+    siginfo: bytes            # 128 raw bytes of siginfo_t
+
+
+@dataclass(frozen=True)
+class Fd:
+    fd: int
+    kind: FdKind
+    path: str                 # readlink of /proc/PID/fd/N
+    flags: int                # open flags from fdinfo (O_CLOEXEC included)
+    pos: int
+    cloexec: bool
+    mnt_id: int
+    dev: int                  # st_dev of the open file
+    ino: int                  # st_ino
+    mode: int                 # st_mode
+    rdev: int                 # st_rdev (devices, ttys)
+    size: int                 # st_size at dump
+    mtime_ns: int
+    details: tuple[tuple[str, str], ...] = field(default=())   # fdinfo extras, socket family/type ...
+
+
+@dataclass(frozen=True)
+class ProcessImage:
+    """Everything core-PID.img holds, decoded."""
+
+    task: Task
+    creds: Creds
+    mm: Mm
+    rlimits: tuple[Rlimit, ...]
+    vmas: tuple[Vma, ...]
+    threads: tuple[Thread, ...]
+    sigactions: tuple[Sigaction, ...]
+    pending: tuple[PendingSignal, ...]
+    fds: tuple[Fd, ...]

@@ -1,0 +1,208 @@
+"""The typed error hierarchy of ptckpt.
+
+Every error a user can cause or meet is one of these classes.  Fields are
+attributes, the message is built from them, and each class maps to one exit
+code (``exit_code``) that the CLI passes through.  Lower layers translate
+OSError / PtraceError into these at one choke point each; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class ExitCode:
+    """Documented process exit codes of the ``ptckpt`` command (README lists them)."""
+
+    OK = 0
+    INTERNAL = 1          # a bug: an unexpected exception
+    USAGE = 2             # bad command line (typer/click's own code)
+    NO_SUCH_PROCESS = 3
+    ACCESS_DENIED = 4
+    ALREADY_TRACED = 5
+    KERNEL_THREAD = 6
+    TARGET_VANISHED = 7
+    DESTINATION_EXISTS = 8
+    IO_ERROR = 9          # disk full, unwritable directory ...
+    REMOTE_SYSCALL = 10
+    CORRUPT_IMAGE = 11
+    UNSUPPORTED_VERSION = 12
+    UNSUPPORTED_RESOURCE = 13
+    PID_BUSY = 14
+    INCOMPATIBLE = 15     # CPU or kernel cannot run the image
+    NOT_AN_IMAGE = 16
+    MISSING_FEATURE = 17  # `ptckpt check`: dump/restore cannot work here
+
+
+class PtckptError(Exception):
+    """Base of every error ptckpt reports to a user."""
+
+    exit_code = ExitCode.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- tracee errors ---------------------------------------------------------
+
+class ProcessError(PtckptError):
+    """Something about one process (pid) prevents the operation."""
+
+    def __init__(self, pid: int, message: str):
+        super().__init__(message)
+        self.pid = pid
+
+
+class NoSuchProcess(ProcessError):
+    exit_code = ExitCode.NO_SUCH_PROCESS
+
+    def __init__(self, pid: int, what: str = "process"):
+        super().__init__(pid, f"no such {what}: {pid}")
+
+
+class TargetVanished(ProcessError):
+    """The target (or one of its threads) exited while we worked on it."""
+
+    exit_code = ExitCode.TARGET_VANISHED
+
+    def __init__(self, pid: int, during: str):
+        super().__init__(pid, f"process {pid} exited during {during}")
+        self.during = during
+
+
+class AccessDenied(ProcessError):
+    exit_code = ExitCode.ACCESS_DENIED
+
+    def __init__(self, pid: int, what: str = "trace"):
+        super().__init__(pid, f"not permitted to {what} process {pid}")
+        self.what = what
+
+
+class AlreadyTraced(ProcessError):
+    exit_code = ExitCode.ALREADY_TRACED
+
+    def __init__(self, pid: int, tracer_pid: int, tracer_name: str):
+        super().__init__(
+            pid,
+            f"process {pid} is already traced by {tracer_pid} ({tracer_name})",
+        )
+        self.tracer_pid = tracer_pid
+        self.tracer_name = tracer_name
+
+
+class KernelThread(ProcessError):
+    exit_code = ExitCode.KERNEL_THREAD
+
+    def __init__(self, pid: int, name: str):
+        super().__init__(pid, f"process {pid} ({name}) is a kernel thread and cannot be checkpointed")
+        self.name = name
+
+
+class RemoteSyscallError(ProcessError):
+    """An injected syscall returned an error."""
+
+    exit_code = ExitCode.REMOTE_SYSCALL
+
+    def __init__(self, pid: int, name: str, args: tuple[int, ...], err: int,
+                 step: str | None = None, detail: str = ""):
+        args_text = ", ".join(hex(a) if a > 9 else str(a) for a in args)
+        where = f"{step}: " if step else ""
+        errname = _errno.errorcode.get(err, str(err))
+        msg = (f"{where}injected {name}({args_text}) in {pid} failed: "
+               f"{errname} ({os.strerror(err)})")
+        if detail:
+            msg += f" [{detail}]"
+        super().__init__(pid, msg)
+        self.name = name
+        self.args_ = args
+        self.errno = err
+        self.step = step
+
+
+class TraceeError(ProcessError):
+    """A ptrace request failed in a way none of the classes above describes."""
+
+    exit_code = ExitCode.INTERNAL
+
+
+# --- image errors ----------------------------------------------------------
+
+class ImageError(PtckptError):
+    """Base for problems with an image directory or file."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+
+
+class NotAnImage(ImageError):
+    exit_code = ExitCode.NOT_AN_IMAGE
+
+    def __init__(self, path: str, reason: str = "not a ptckpt image"):
+        super().__init__(path, f"{path}: {reason}")
+
+
+class BadMagic(ImageError):
+    exit_code = ExitCode.CORRUPT_IMAGE
+
+    def __init__(self, path: str, found: bytes):
+        super().__init__(path, f"{path}: bad magic {found!r}, not a ptckpt image file")
+        self.found = found
+
+
+class CorruptImage(ImageError):
+    exit_code = ExitCode.CORRUPT_IMAGE
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(path, f"{path}: corrupt image: {reason}")
+        self.reason = reason
+
+
+class UnsupportedVersion(ImageError):
+    exit_code = ExitCode.UNSUPPORTED_VERSION
+
+    def __init__(self, path: str, found: int, supported: int):
+        super().__init__(
+            path,
+            f"{path}: image format version {found} is newer than this ptckpt "
+            f"understands (up to {supported}); upgrade ptckpt",
+        )
+        self.found = found
+        self.supported = supported
+
+
+class DestinationExists(ImageError):
+    exit_code = ExitCode.DESTINATION_EXISTS
+
+    def __init__(self, path: str):
+        super().__init__(path, f"{path} exists and is not empty; choose another -D directory")
+
+
+class ImageWriteError(ImageError):
+    exit_code = ExitCode.IO_ERROR
+
+    def __init__(self, path: str, err: OSError):
+        super().__init__(path, f"cannot write image {path}: {err.strerror or err}")
+        self.errno = err.errno
+
+
+# --- resources and environment ---------------------------------------------
+
+class UnsupportedResource(PtckptError):
+    exit_code = ExitCode.UNSUPPORTED_RESOURCE
+
+    def __init__(self, pid: int, what: str):
+        super().__init__(f"process {pid}: {what} is not supported")
+        self.pid = pid
+        self.what = what
+
+
+class Incompatible(PtckptError):
+    """This machine (CPU, kernel) cannot run what the image holds."""
+
+    exit_code = ExitCode.INCOMPATIBLE
