@@ -1,0 +1,830 @@
+"""The image directory: its writer and its reader.
+
+Layout of an image directory (all files 0600, the directory 0700)::
+
+    inventory.img       INVENTORY file: one Inventory entry
+    core-PID.img        CORE file: Task, Creds, Mm, Rlimit*, Vma*, Thread*,
+                        Sigaction*, PendingSignal*, Fd* entries
+    pagemap-PID.img     PAGEMAP file: PageRun* entries
+    pages-PID.img       PAGES file: header padded to 4096 bytes, then raw page
+                        data; PageRun.offset is relative to the data (file
+                        offset - PAGES_DATA_OFFSET)
+
+The writer builds everything in a hidden temporary directory beside the target
+and renames it into place on commit(), so an image either exists complete or
+not at all.  The reader validates every file (magic, version, length,
+checksum, entries) in open() and never writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import shutil
+import stat
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ptckpt.errors import (
+    BadMagic,
+    CorruptImage,
+    DestinationExists,
+    ImageWriteError,
+    NotAnImage,
+    UnsupportedVersion,
+)
+from ptckpt.formats.model import (
+    PAGE_SIZE,
+    Creds,
+    Fd,
+    Inventory,
+    Mm,
+    PageRun,
+    PendingSignal,
+    ProcessImage,
+    Rlimit,
+    Sigaction,
+    Task,
+    Thread,
+    Vma,
+)
+from ptckpt.formats.records import (
+    FILE_ENTRY_KINDS,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    KIND_OF,
+    MAGIC,
+    PAGES_DATA_OFFSET,
+    EntryDecodeError,
+    FileHeader,
+    FileKind,
+    RawEntry,
+    build_file,
+    build_header,
+    decode_entries,
+    encode_page_runs,
+    parse_header,
+)
+
+INVENTORY_NAME = "inventory.img"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+DEFAULT_BUFFER_SIZE = 16 << 20       # PagesWriter buffers: 16 MiB ...
+DEFAULT_NBUFFERS = 3                 # ... x 3 (one being filled, two in flight)
+MAX_BUFFER_SIZE = 64 << 20
+_READ_BLOCK = 16 << 20               # block size of the reader's checksum pass
+
+
+def core_name(pid: int) -> str:
+    return f"core-{pid}.img"
+
+
+def pagemap_name(pid: int) -> str:
+    return f"pagemap-{pid}.img"
+
+
+def pages_name(pid: int) -> str:
+    return f"pages-{pid}.img"
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    """Up to `size` bytes at `offset` (fewer only at end of file)."""
+    parts = []
+    while size > 0:
+        chunk = os.pread(fd, min(size, 1 << 30), offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# =============================================================================
+# writer
+# =============================================================================
+
+class ImageWriter:
+    """Writes one image directory atomically.
+
+    ::
+
+        with ImageWriter("/var/tmp/ckpt") as image:     # create(); commit() on success, abort() on error
+            image.write_inventory(inventory)
+            for proc in processes:
+                image.write_process(proc)
+                with image.pages_writer(proc.task.pid) as pages:
+                    ...                                 # see PagesWriter
+        # the directory now exists, complete
+
+    The target must not exist, or be an empty directory (which is replaced).
+    Every OSError becomes ImageWriteError; misuse (a missing process, a
+    PagesWriter left open) raises ValueError at commit().
+    `durable=True` fsyncs every file and both directories at commit.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, durable: bool = False):
+        self.path = os.path.abspath(os.fspath(directory))
+        self.durable = durable
+        self.temp_path: str | None = None
+        self._inventory: Inventory | None = None
+        self._cores: set[int] = set()
+        self._pages_done: set[int] = set()
+        self._open_pages: dict[int, PagesWriter] = {}
+        self._state = "new"             # new -> open -> committed | aborted
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def create(self) -> ImageWriter:
+        """Make the temporary directory `.NAME.tmp-XXXX` beside the target."""
+        if self._state != "new":
+            raise ValueError(f"ImageWriter for {self.path} is {self._state}")
+        self._check_destination()
+        parent, name = os.path.split(self.path)
+        with self._write_errors(self.path):
+            self.temp_path = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+            os.chmod(self.temp_path, DIR_MODE)      # mkdtemp's 0700 is subject to umask
+        self._state = "open"
+        return self
+
+    def commit(self) -> None:
+        """Check the image is complete and rename it onto the target."""
+        self._require_open()
+        self._check_complete()
+        with self._write_errors(self.path):
+            if self.durable:
+                self._fsync_dir(self.temp_path)
+            try:
+                # rename(2) replaces an empty directory atomically and refuses a
+                # non-empty one, so a racing writer cannot be clobbered.
+                os.rename(self.temp_path, self.path)
+            except OSError as err:
+                if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    self.abort()
+                    raise DestinationExists(self.path) from err
+                raise
+            if self.durable:
+                self._fsync_dir(os.path.dirname(self.path))
+        self.temp_path = None
+        self._state = "committed"
+
+    def abort(self) -> None:
+        """Throw away everything written so far (idempotent)."""
+        for pages in list(self._open_pages.values()):
+            pages._discard()
+        self._open_pages.clear()
+        if self.temp_path is not None:
+            shutil.rmtree(self.temp_path, ignore_errors=True)
+            self.temp_path = None
+        if self._state in ("new", "open"):
+            self._state = "aborted"
+
+    def __enter__(self) -> ImageWriter:
+        if self._state == "new":
+            self.create()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+
+    # --- content ---------------------------------------------------------------
+
+    def write_inventory(self, inventory: Inventory) -> None:
+        self._require_open()
+        if self._inventory is not None:
+            raise ValueError("inventory already written")
+        self._write_file(INVENTORY_NAME, build_file(FileKind.INVENTORY, [inventory]))
+        self._inventory = inventory
+
+    def write_process(self, proc: ProcessImage) -> None:
+        """core-PID.img for one process."""
+        self._require_open()
+        pid = proc.task.pid
+        if pid in self._cores:
+            raise ValueError(f"process {pid} already written")
+        records = [proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas,
+                   *proc.threads, *proc.sigactions, *proc.pending, *proc.fds]
+        self._write_file(core_name(pid), build_file(FileKind.CORE, records))
+        self._cores.add(pid)
+
+    def pages_writer(self, pid: int, *, buffer_size: int = DEFAULT_BUFFER_SIZE,
+                     nbuffers: int = DEFAULT_NBUFFERS) -> PagesWriter:
+        """A PagesWriter for pages-PID.img and pagemap-PID.img (close() it)."""
+        self._require_open()
+        if pid in self._pages_done or pid in self._open_pages:
+            raise ValueError(f"pages of process {pid} already written")
+        pages = PagesWriter(self, pid, buffer_size=buffer_size, nbuffers=nbuffers)
+        self._open_pages[pid] = pages
+        return pages
+
+    # --- internals -------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"ImageWriter for {self.path} is {self._state}, not open")
+
+    def _check_destination(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            raise ImageWriteError(self.path, err) from err
+        if not stat.S_ISDIR(st.st_mode):
+            raise DestinationExists(self.path)
+        try:
+            if os.listdir(self.path):
+                raise DestinationExists(self.path)
+        except OSError as err:
+            raise ImageWriteError(self.path, err) from err
+
+    def _check_complete(self) -> None:
+        if self._open_pages:
+            raise ValueError(f"pages writer of process(es) {sorted(self._open_pages)} not closed")
+        if self._inventory is None:
+            raise ValueError("no inventory written")
+        pids = set(self._inventory.pids)
+        problems = []
+        for pid in sorted(pids - self._cores):
+            problems.append(f"process {pid} has no core (write_process)")
+        for pid in sorted(pids - self._pages_done):
+            problems.append(f"process {pid} has no pages (pages_writer)")
+        for pid in sorted((self._cores | self._pages_done) - pids):
+            problems.append(f"process {pid} is not in inventory.pids")
+        if problems:
+            raise ValueError("incomplete image: " + "; ".join(problems))
+
+    def _display_path(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @contextmanager
+    def _write_errors(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as err:
+            raise ImageWriteError(path, err) from err
+
+    def _create_file(self, name: str) -> int:
+        """O_EXCL-create `name` in the temp dir, mode exactly 0600; returns the fd."""
+        fd = os.open(os.path.join(self.temp_path, name),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)                # do not depend on the umask
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _write_file(self, name: str, data: bytes) -> None:
+        with self._write_errors(self._display_path(name)):
+            fd = self._create_file(name)
+            try:
+                _pwrite_all(fd, data, 0)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _Job:
+    """One buffer in flight: checksummed by one thread, written by the other."""
+
+    __slots__ = ("view", "offset", "on_done", "_pending", "_lock")
+
+    def __init__(self, view: memoryview, offset: int, on_done):
+        self.view = view
+        self.offset = offset
+        self.on_done = on_done
+        self._pending = 2
+        self._lock = threading.Lock()
+
+    def step_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self.on_done()
+
+
+class PagesWriter:
+    """Streams one process's page data into pages-PID.img, and its runs into pagemap-PID.img.
+
+    Two ways to hand over page data; both return the data offset at which the
+    bytes were placed, for add_run(), and both take whole pages only:
+
+    * **Buffers owned by the writer** (the fast path: no copy, and filling the
+      next buffer overlaps checksumming and writing the previous ones)::
+
+          buf = pages.get_buffer()        # writable memoryview, len == buffer_size
+          n = fill(buf)                   # e.g. process_vm_readv / preadv(/proc/PID/mem) into it
+          offset = pages.submit(buf, n)   # hands buf back; do not touch it afterwards
+          pages.add_run(vaddr, n // PAGE_SIZE, offset)
+
+      The writer owns `nbuffers` buffers (page-aligned anonymous mmaps).
+      get_buffer() blocks while all of them are in flight; submit() never
+      blocks.  ``submit(buf, 0)`` returns an unused buffer.
+
+    * **write(data)** with any bytes-like object: returns once the writer is done
+      with `data`, so the caller may reuse its buffer at once (checksum and write
+      still run in parallel, but the caller waits for both).
+
+    Behind both, one thread computes the running zlib.crc32 and another
+    pwrite()s, each processing buffers in submission order; both release the GIL.
+    A write error (ENOSPC ...) is raised as ImageWriteError from the next call.
+    close() waits for everything in flight, pwrite()s the final header (payload
+    length + crc) at offset 0 and writes pagemap-PID.img.  Use it as a context
+    manager: a clean exit closes it, an exception discards it (and the
+    ImageWriter's abort() removes the files).
+    """
+
+    def __init__(self, image: ImageWriter, pid: int, *, buffer_size: int, nbuffers: int):
+        if buffer_size <= 0 or buffer_size % PAGE_SIZE or buffer_size > MAX_BUFFER_SIZE:
+            raise ValueError(f"buffer_size must be a multiple of {PAGE_SIZE} up to {MAX_BUFFER_SIZE}")
+        if nbuffers < 1:
+            raise ValueError("nbuffers must be >= 1")
+        self.pid = pid
+        self.path = image._display_path(pages_name(pid))
+        self.buffer_size = buffer_size
+        self._image = image
+        self._nbuffers = nbuffers
+        self._maps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        self._checked_out: set[int] = set()        # id() of views handed to the caller
+        self._length = 0                           # data bytes submitted so far
+        self._crc = 0
+        self._runs: list[tuple[int, int, int]] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        with image._write_errors(self.path):
+            self._fd = image._create_file(pages_name(pid))
+        self._crc_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._crc_loop, name=f"pages-{pid}-crc", daemon=True),
+            threading.Thread(target=self._write_loop, name=f"pages-{pid}-write", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # --- caller side -------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Data bytes submitted so far (the offset the next submit/write gets)."""
+        return self._length
+
+    def get_buffer(self) -> memoryview:
+        """A free writable buffer of buffer_size bytes; blocks while all are in flight."""
+        self._check_usable()
+        if len(self._maps) < self._nbuffers and self._free.empty():
+            m = mmap.mmap(-1, self.buffer_size)
+            self._maps.append(m)
+            view = memoryview(m)
+            self._views.append(view)
+        else:
+            view = self._free.get()
+        self._checked_out.add(id(view))
+        self._raise_pending_error()
+        return view
+
+    def submit(self, buf: memoryview, nbytes: int) -> int:
+        """Queue the first `nbytes` of a buffer from get_buffer(); returns their data offset."""
+        if id(buf) not in self._checked_out:
+            raise ValueError("submit() takes a buffer returned by get_buffer() (and each only once)")
+        self._checked_out.discard(id(buf))
+        if nbytes < 0 or nbytes > len(buf) or nbytes % PAGE_SIZE:
+            self._free.put(buf)
+            raise ValueError(f"nbytes must be a multiple of {PAGE_SIZE} within the buffer, got {nbytes}")
+        if nbytes == 0 or self._error is not None:
+            self._free.put(buf)
+            self._raise_pending_error()
+            return self._length
+        return self._enqueue(buf[:nbytes], lambda: self._free.put(buf))
+
+    def write(self, data) -> int:
+        """Write whole pages from any bytes-like object; returns their data offset.
+
+        Returns only once the writer no longer needs `data`.
+        """
+        self._check_usable()
+        view = memoryview(data).cast("B")
+        if len(view) % PAGE_SIZE:
+            raise ValueError(f"write() takes whole pages, got {len(view)} bytes")
+        if not view:
+            return self._length
+        done = threading.Event()
+        offset = self._enqueue(view, done.set)
+        done.wait()
+        self._raise_pending_error()
+        return offset
+
+    def add_run(self, vaddr: int, npages: int, offset: int) -> None:
+        """Record that `npages` pages at `vaddr` are at data `offset` (checked at close)."""
+        self._check_usable()
+        self._runs.append((vaddr, npages, offset))
+
+    def close(self) -> None:
+        """Finish pages-PID.img (header) and write pagemap-PID.img."""
+        if self._closed:
+            return
+        self._stop_threads()
+        self._closed = True
+        try:
+            self._raise_pending_error()
+            self._check_runs()
+            with self._image._write_errors(self.path):
+                header = build_header(FileKind.PAGES, self._length, self._crc)
+                _pwrite_all(self._fd, header.ljust(PAGES_DATA_OFFSET, b"\0"), 0)
+                if self._image.durable:
+                    os.fsync(self._fd)
+            self._image._write_file(pagemap_name(self.pid), build_file_from_runs(self._runs))
+        finally:
+            self._release()
+            self._image._open_pages.pop(self.pid, None)
+        self._image._pages_done.add(self.pid)
+
+    def __enter__(self) -> PagesWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._discard()
+
+    # --- internals -------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError(f"pages writer of process {self.pid} is closed")
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        err = self._error
+        if err is None:
+            return
+        if isinstance(err, OSError):
+            raise ImageWriteError(self.path, err) from err
+        raise err
+
+    def _enqueue(self, view: memoryview, on_done) -> int:
+        offset = self._length
+        self._length += len(view)
+        job = _Job(view, offset, on_done)
+        self._crc_q.put(job)
+        self._write_q.put(job)
+        return offset
+
+    def _crc_loop(self) -> None:
+        crc = 0
+        while (job := self._crc_q.get()) is not None:
+            try:
+                if self._error is None:
+                    crc = zlib.crc32(job.view, crc)
+            except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
+                self._error = self._error or err
+            finally:
+                job.step_done()
+        self._crc = crc
+
+    def _write_loop(self) -> None:
+        fd = self._fd
+        while (job := self._write_q.get()) is not None:
+            try:
+                if self._error is None:
+                    _pwrite_all(fd, job.view, PAGES_DATA_OFFSET + job.offset)
+            except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
+                self._error = self._error or err
+            finally:
+                job.step_done()
+
+    def _stop_threads(self) -> None:
+        if not self._threads:
+            return
+        self._crc_q.put(None)
+        self._write_q.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+
+    def _check_runs(self) -> None:
+        for vaddr, npages, offset in self._runs:
+            if (vaddr % PAGE_SIZE or offset % PAGE_SIZE or npages <= 0 or vaddr < 0 or offset < 0
+                    or offset + npages * PAGE_SIZE > self._length):
+                raise ValueError(
+                    f"process {self.pid}: bad page run vaddr={vaddr:#x} npages={npages} "
+                    f"offset={offset} (data length {self._length})")
+
+    def _release(self) -> None:
+        for view in self._views:
+            view.release()
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:       # the caller still holds a slice; GC will unmap it
+                pass
+        self._views.clear()
+        self._maps.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _discard(self) -> None:
+        """Stop without finishing (the ImageWriter's abort() deletes the files)."""
+        if not self._closed:
+            self._stop_threads()
+            self._closed = True
+            self._release()
+        self._image._open_pages.pop(self.pid, None)
+
+
+def build_file_from_runs(runs) -> bytes:
+    """A whole PAGEMAP file from (vaddr, npages, offset) runs (fast path of build_file)."""
+    payload = encode_page_runs(runs)
+    return build_header(FileKind.PAGEMAP, len(payload), zlib.crc32(payload)) + payload
+
+
+# =============================================================================
+# reader
+# =============================================================================
+
+class ImageReader:
+    """Reads and validates an image directory; never writes to it.
+
+    ::
+
+        with ImageReader(path) as image:          # open(): validates everything
+            image.inventory
+            proc = image.process(pid)             # ProcessImage
+            for run in image.page_runs(pid):
+                data = image.read_pages(pid, run) # or pages_location() for bulk reads
+
+    open() raises NotAnImage (no directory / no inventory.img), BadMagic,
+    UnsupportedVersion or CorruptImage (truncated, checksum mismatch,
+    undecodable or missing entries, missing per-process files, bad page runs).
+    `verify_pages=False` skips the checksum pass over the page data (it reads
+    all of it); pages_crc_ok() can do it later.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True):
+        self.path = os.path.abspath(os.fspath(directory))
+        self.verify_pages = verify_pages
+        self.inventory: Inventory | None = None
+        self.version = 0                          # format version of inventory.img
+        self._processes: dict[int, ProcessImage] = {}
+        self._unknown: dict[int, tuple[RawEntry, ...]] = {}
+        self._runs: dict[int, list[PageRun]] = {}
+        self._pages: dict[int, tuple[int, FileHeader]] = {}     # pid -> (fd, header)
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def open(self) -> ImageReader:
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for fd, _header in self._pages.values():
+            os.close(fd)
+        self._pages.clear()
+
+    def __enter__(self) -> ImageReader:
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    # --- access ------------------------------------------------------------------
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return self.inventory.pids
+
+    def process(self, pid: int) -> ProcessImage:
+        return self._processes[pid]
+
+    def unknown_entries(self, pid: int) -> tuple[RawEntry, ...]:
+        """Entries of core-PID.img of kinds this version does not know."""
+        return self._unknown[pid]
+
+    def page_runs(self, pid: int) -> list[PageRun]:
+        return list(self._runs[pid])
+
+    def pages_length(self, pid: int) -> int:
+        """Bytes of page data in pages-PID.img."""
+        return self._pages[pid][1].payload_length
+
+    def pages_crc32(self, pid: int) -> int:
+        """The checksum pages-PID.img's header records for its data."""
+        return self._pages[pid][1].crc32
+
+    def pages_location(self, pid: int, run: PageRun) -> tuple[int, int]:
+        """(fd, file offset) of a run's data, for bulk reads (pread/preadv/mmap/splice).
+
+        The fd is the reader's own, read-only; it stays valid until close().
+        """
+        return self._pages[pid][0], PAGES_DATA_OFFSET + run.offset
+
+    def read_pages(self, pid: int, run: PageRun) -> bytes:
+        fd, offset = self.pages_location(pid, run)
+        size = run.npages * PAGE_SIZE
+        data = _pread_exact(fd, size, offset)
+        if len(data) != size:
+            raise CorruptImage(self._file(pages_name(pid)), f"truncated page data at offset {run.offset}")
+        return data
+
+    def pages_crc_ok(self, pid: int) -> bool:
+        fd, header = self._pages[pid]
+        return self._pages_crc(fd, header.payload_length) == header.crc32
+
+    # --- validation --------------------------------------------------------------
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _open(self) -> None:
+        if not os.path.isdir(self.path):
+            raise NotAnImage(self.path, "no such directory")
+        if not os.path.exists(self._file(INVENTORY_NAME)):
+            raise NotAnImage(self.path, f"no {INVENTORY_NAME}, not a ptckpt image")
+        header, entries = self._read_entries(INVENTORY_NAME, FileKind.INVENTORY)
+        self.version = header.version
+        inventories = [e for e in entries if isinstance(e, Inventory)]
+        if len(inventories) != 1:
+            raise CorruptImage(self._file(INVENTORY_NAME), f"{len(inventories)} INVENTORY entries, expected 1")
+        self.inventory = inventories[0]
+        if len(set(self.inventory.pids)) != len(self.inventory.pids):
+            raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
+        for pid in self.inventory.pids:
+            self._load_process(pid)
+
+    def _load_process(self, pid: int) -> None:
+        name = core_name(pid)
+        _header, entries = self._read_entries(name, FileKind.CORE)
+        self._processes[pid], self._unknown[pid] = self._assemble(name, pid, entries)
+
+        name = pagemap_name(pid)
+        _header, entries = self._read_entries(name, FileKind.PAGEMAP)
+        self._runs[pid] = [e for e in entries if isinstance(e, PageRun)]
+
+        name = pages_name(pid)
+        fd, header = self._open_file(name, FileKind.PAGES)
+        self._pages[pid] = (fd, header)
+        for run in self._runs[pid]:
+            if (run.npages <= 0 or run.vaddr % PAGE_SIZE or run.offset % PAGE_SIZE
+                    or run.offset + run.npages * PAGE_SIZE > header.payload_length):
+                raise CorruptImage(self._file(pagemap_name(pid)),
+                                   f"page run vaddr={run.vaddr:#x} npages={run.npages} offset={run.offset} "
+                                   f"does not fit {name} ({header.payload_length} data bytes)")
+        if self.verify_pages and self._pages_crc(fd, header.payload_length) != header.crc32:
+            raise CorruptImage(self._file(name), "checksum mismatch in page data")
+
+    def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
+        single: dict[type, object] = {}
+        lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: []}
+        unknown = []
+        for entry in entries:
+            if isinstance(entry, RawEntry):
+                unknown.append(entry)
+            elif type(entry) in lists:
+                lists[type(entry)].append(entry)
+            elif type(entry) in (Task, Creds, Mm):
+                if type(entry) in single:
+                    raise CorruptImage(self._file(name), f"more than one {type(entry).__name__.upper()} entry")
+                single[type(entry)] = entry
+        for cls in (Task, Creds, Mm):
+            if cls not in single:
+                raise CorruptImage(self._file(name), f"no {cls.__name__.upper()} entry")
+        task = single[Task]
+        if task.pid != pid:
+            raise CorruptImage(self._file(name), f"TASK entry is for pid {task.pid}")
+        proc = ProcessImage(
+            task=task, creds=single[Creds], mm=single[Mm],
+            rlimits=tuple(lists[Rlimit]), vmas=tuple(lists[Vma]), threads=tuple(lists[Thread]),
+            sigactions=tuple(lists[Sigaction]), pending=tuple(lists[PendingSignal]),
+            fds=tuple(lists[Fd]))
+        return proc, tuple(unknown)
+
+    def _read_entries(self, name: str, kind: FileKind) -> tuple[FileHeader, list]:
+        fd, header = self._open_file(name, kind)
+        path = self._file(name)
+        try:
+            try:
+                payload = _pread_exact(fd, header.payload_length, HEADER_SIZE)
+            except OSError as err:
+                raise CorruptImage(path, f"cannot read: {err.strerror}") from err
+        finally:
+            os.close(fd)
+        if len(payload) != header.payload_length:
+            raise CorruptImage(path, "truncated payload (file shrank while reading)")
+        crc = zlib.crc32(payload)
+        if crc != header.crc32:
+            raise CorruptImage(path, f"checksum mismatch (header {header.crc32:#010x}, data {crc:#010x})")
+        try:
+            entries = decode_entries(payload, version=header.version)
+        except EntryDecodeError as err:
+            raise CorruptImage(path, str(err)) from err
+        allowed = FILE_ENTRY_KINDS[kind]
+        for entry in entries:
+            if not isinstance(entry, RawEntry):
+                entry_kind = KIND_OF[type(entry)]
+                if entry_kind not in allowed:
+                    raise CorruptImage(path, f"{entry_kind.name} entry in a {kind.name} file")
+        return header, entries
+
+    def _open_file(self, name: str, kind: FileKind) -> tuple[int, FileHeader]:
+        """Open `name` read-only and validate magic, version, kind and length; returns (fd, header)."""
+        path = self._file(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CorruptImage(path, "missing") from None
+        except OSError as err:
+            raise CorruptImage(path, f"cannot open: {err.strerror}") from err
+        try:
+            header = self._check_header(fd, path, kind)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, header
+
+    def _check_header(self, fd: int, path: str, kind: FileKind) -> FileHeader:
+        try:
+            size = os.fstat(fd).st_size
+            head = _pread_exact(fd, PAGES_DATA_OFFSET if kind == FileKind.PAGES else HEADER_SIZE, 0)
+        except OSError as err:
+            raise CorruptImage(path, f"cannot read: {err.strerror}") from err
+        if len(head) >= len(MAGIC) and head[:len(MAGIC)] != MAGIC:
+            raise BadMagic(path, head[:len(MAGIC)])
+        if len(head) < HEADER_SIZE:
+            raise CorruptImage(path, f"truncated header ({len(head)} of {HEADER_SIZE} bytes)")
+        header = parse_header(head[:HEADER_SIZE])
+        if header.version > FORMAT_VERSION:
+            raise UnsupportedVersion(path, header.version, FORMAT_VERSION)
+        if header.version < 1:
+            raise CorruptImage(path, f"format version {header.version}")
+        if header.file_kind != kind:
+            found = header.file_kind.name if isinstance(header.file_kind, FileKind) else header.file_kind
+            raise CorruptImage(path, f"file kind {found}, expected {kind.name}")
+        data_offset = HEADER_SIZE
+        if kind == FileKind.PAGES:
+            data_offset = PAGES_DATA_OFFSET
+            if len(head) < PAGES_DATA_OFFSET:
+                raise CorruptImage(path, f"truncated header ({len(head)} of {PAGES_DATA_OFFSET} bytes)")
+            if head[HEADER_SIZE:].count(0) != PAGES_DATA_OFFSET - HEADER_SIZE:
+                raise CorruptImage(path, "non-zero header padding")
+        expected = data_offset + header.payload_length
+        if size < expected:
+            raise CorruptImage(path, f"truncated: {size} bytes, header says {expected}")
+        if size > expected:
+            raise CorruptImage(path, f"{size - expected} unexpected bytes after the payload")
+        return header
+
+    @staticmethod
+    def _pages_crc(fd: int, length: int) -> int:
+        buf = bytearray(min(_READ_BLOCK, max(length, 1)))
+        view = memoryview(buf)
+        crc = 0
+        offset = PAGES_DATA_OFFSET
+        remaining = length
+        while remaining > 0:
+            n = os.preadv(fd, [view[:min(remaining, len(buf))]], offset)
+            if n == 0:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            offset += n
+            remaining -= n
+        return crc
+

@@ -1,0 +1,605 @@
+"""Binary layout of the image records: one construct Struct per record.
+
+Grammar (every integer little-endian)::
+
+    file    := header entry*                     (PAGES files: header, zero padding, page data)
+    header  := magic    b"PTCK"
+               file_kind u16                     FileKind: INVENTORY=1 CORE=2 PAGEMAP=3 PAGES=4
+               version   u16                     FORMAT_VERSION of the writer
+               payload_length u64                bytes after the header (PAGES: after the padding)
+               crc32     u32                     zlib.crc32 of the payload
+               reserved  u32                     0
+                                                 = 24 bytes; a PAGES header is zero-padded to
+                                                 PAGES_DATA_OFFSET (4096) so page data is page-aligned
+    entry   := kind     u16                      EntryKind, unique across all file kinds
+               reserved u16                      0
+               length   u32
+               payload  [length]                 the record Struct of `kind`
+    string  := VarInt n, n bytes                 UTF-8; kernel-supplied text (paths, comm, argv ...)
+                                                 with surrogateescape, so any bytes round-trip
+    array   := VarInt count, count items
+
+Evolution rules:
+
+* A reader skips entries whose kind it does not know (:class:`RawEntry` keeps them).
+* A reader ignores payload bytes beyond the fields it knows.  New fields are only
+  ever appended to a record, declared with :func:`Since` (parsed only from images of
+  that version or newer, older images leave the dataclass default), and come with a
+  FORMAT_VERSION bump.  Fields are never removed, reordered or renumbered, and
+  neither are enum values.
+* Unknown enum values (VmaKind, FdKind, Restart ...) parse to plain ints and build
+  back unchanged.
+
+The records themselves are the frozen dataclasses of :mod:`ptckpt.formats.model`;
+each ``*Record`` below is an Adapter, so ``TaskRecord.parse(b) -> Task`` and
+``TaskRecord.build(task) -> bytes``.  :func:`encode_entry` / :func:`decode_entries`
+add and strip the entry framing.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from construct import (
+    Adapter,
+    Array,
+    Bytes,
+    Const,
+    ConstructError,
+    Default,
+    Flag,
+    GreedyBytes,
+    If,
+    Int8ul,
+    Int16ul,
+    Int32sl,
+    Int32ul,
+    Int64sl,
+    Int64ul,
+    PascalString,
+    Prefixed,
+    PrefixedArray,
+    Sequence as CSequence,
+    Struct,
+    Switch,
+    VarInt,
+    this,
+)
+
+from ptckpt.formats.model import (
+    GP_REG_NAMES,
+    PAGE_SIZE,
+    Creds,
+    Fd,
+    FdKind,
+    Inventory,
+    Mm,
+    PageRun,
+    PendingSignal,
+    Restart,
+    Rlimit,
+    Sigaction,
+    Task,
+    Thread,
+    Vma,
+    VmaKind,
+)
+
+MAGIC = b"PTCK"
+FORMAT_VERSION = 1
+HEADER_SIZE = 24
+PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
+ENTRY_HEADER_SIZE = 8
+SIGINFO_SIZE = 128                 # sizeof(siginfo_t) on every Linux arch
+
+
+class FileKind(enum.IntEnum):
+    INVENTORY = 1
+    CORE = 2
+    PAGEMAP = 3
+    PAGES = 4
+
+
+class EntryKind(enum.IntEnum):
+    """Entry kinds; the numbers are unique across all file kinds and never reused.
+
+    Gaps are deliberate: 2-9 for more image-wide records (e.g. PLUGIN=2),
+    19 and 21+ for more per-process ones.
+    """
+
+    INVENTORY = 1
+    TASK = 10
+    CREDS = 11
+    MM = 12
+    RLIMIT = 13
+    VMA = 14
+    THREAD = 15
+    SIGACTION = 16
+    PENDING_SIGNAL = 17
+    FD = 18
+    PAGE_RUN = 20
+
+
+class EntryDecodeError(ValueError):
+    """An entry could not be decoded; :mod:`~ptckpt.formats.image` turns it into CorruptImage."""
+
+    def __init__(self, offset: int, kind: int | None, reason: str):
+        what = _kind_name(kind) + " entry" if kind is not None else "entry"
+        super().__init__(f"{what} at payload offset {offset}: {reason}")
+        self.offset = offset
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    """An entry of a kind this version does not know, kept verbatim."""
+
+    kind: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    file_kind: FileKind | int
+    version: int
+    payload_length: int
+    crc32: int
+
+
+# --- building blocks ---------------------------------------------------------
+
+class IntEnumOf(Adapter):
+    """An integer field holding `enum_cls`; values the enum lacks stay plain ints."""
+
+    def __init__(self, subcon, enum_cls: type[enum.IntEnum]):
+        super().__init__(subcon)
+        self.enum_cls = enum_cls
+
+    def _decode(self, obj, context, path):
+        try:
+            return self.enum_cls(obj)
+        except ValueError:
+            return obj
+
+    def _encode(self, obj, context, path):
+        return int(obj)
+
+
+class KernelText(Adapter):
+    """str <-> UTF-8 bytes with surrogateescape, i.e. os.fsencode/os.fsdecode in UTF-8 mode.
+
+    Used for everything the kernel hands over as raw bytes (paths, comm, argv,
+    hostname ...), so a name that is not valid UTF-8 survives the round trip.
+    The codec is spelled out instead of calling os.fsencode so an image does not
+    depend on the locale of the machine that wrote or reads it.
+    """
+
+    def _decode(self, obj, context, path):
+        return obj.decode("utf-8", "surrogateescape")
+
+    def _encode(self, obj, context, path):
+        return obj.encode("utf-8", "surrogateescape")
+
+
+def _to_tuples(value):
+    if isinstance(value, list):          # construct's ListContainer is a list
+        return tuple(_to_tuples(v) for v in value)
+    return value
+
+
+class Record(Adapter):
+    """Maps a Struct whose field names match `cls`'s fields to the frozen dataclass and back.
+
+    Arrays become tuples; a field the image predates (a :func:`Since` field that
+    parsed to None) takes the dataclass default.
+    """
+
+    def __init__(self, cls: type, subcon):
+        super().__init__(subcon)
+        self.cls = cls
+        self.field_names = tuple(f.name for f in dataclasses.fields(cls))
+        struct_names = tuple(sc.name for sc in subcon.subcons if sc.name)
+        if set(struct_names) != set(self.field_names):
+            raise TypeError(f"{cls.__name__}: Struct fields {struct_names} != dataclass fields {self.field_names}")
+
+    def _decode(self, obj, context, path):
+        values = {}
+        for name in self.field_names:
+            value = obj[name]
+            if value is not None:
+                values[name] = _to_tuples(value)
+        return self.cls(**values)
+
+    def _encode(self, obj, context, path):
+        if not isinstance(obj, self.cls):
+            raise TypeError(f"expected {self.cls.__name__}, got {type(obj).__name__}")
+        return {name: getattr(obj, name) for name in self.field_names}
+
+
+def Since(version: int, subcon):
+    """A field appended in format `version`: parsed only from images of that version or newer.
+
+    Usage, when a field is appended::  ``"new_field" / Since(2, Int64ul)``
+    together with a default on the dataclass field and FORMAT_VERSION = 2.
+    Building always writes it (writers write FORMAT_VERSION).
+    """
+    return If(lambda ctx: ctx._params.get("version", FORMAT_VERSION) >= version, subcon)
+
+
+Utf8 = PascalString(VarInt, "utf8")                  # text ptckpt itself produces
+Text = KernelText(Prefixed(VarInt, GreedyBytes))     # text from the kernel: any bytes
+Blob = Prefixed(VarInt, GreedyBytes)
+
+
+# --- INVENTORY ---------------------------------------------------------------
+# uname(2) release/machine/nodename, sysconf(_SC_PAGESIZE), XCR0 via xgetbv /
+# CPUID leaf 0xd (arch/x86/include/asm/fpu/xstate.h), the NT_X86_XSTATE regset
+# size, clock_gettime(CLOCK_REALTIME/MONOTONIC/BOOTTIME) at freeze time.
+InventoryRecord = Record(Inventory, Struct(
+    "ptckpt_version" / Utf8,
+    "kernel_release" / Text,
+    "arch" / Utf8,
+    "page_size" / Int32ul,
+    "xfeatures" / Int64ul,
+    "xstate_size" / Int32ul,
+    "root_pid" / Int32ul,
+    "pids" / PrefixedArray(VarInt, Int32ul),
+    "realtime_ns" / Int64sl,          # struct timespec: signed
+    "monotonic_ns" / Int64sl,
+    "boottime_ns" / Int64sl,
+    "hostname" / Text,
+    "fd_kinds_unsupported" / PrefixedArray(VarInt, Text),
+))
+
+# --- TASK --------------------------------------------------------------------
+# man 5 proc: /proc/PID/stat (pid, comm, state, ppid, pgrp, session, nice (19),
+# rt_priority (40), policy (41), exit_signal (38)), /proc/PID/status (Umask,
+# Tgid, threads from /proc/PID/task), /proc/PID/{exe,cwd,root} links,
+# /proc/PID/cmdline, /proc/PID/personality, /proc/PID/oom_score_adj,
+# /proc/PID/timerslack_ns; dumpable from prctl(PR_GET_DUMPABLE).
+TaskRecord = Record(Task, Struct(
+    "pid" / Int32ul,
+    "ppid" / Int32ul,
+    "pgid" / Int32ul,
+    "sid" / Int32ul,
+    "comm" / Text,
+    "state" / Utf8,
+    "exe" / Text,
+    "cwd" / Text,
+    "root" / Text,
+    "umask" / Int32ul,
+    "personality" / Int32ul,
+    "nice" / Int32sl,
+    "sched_policy" / Int32ul,         # may carry SCHED_RESET_ON_FORK (0x40000000)
+    "rt_priority" / Int32ul,
+    "oom_score_adj" / Int32sl,
+    "timerslack_ns" / Int64ul,
+    "exit_signal" / Int32sl,
+    "tids" / PrefixedArray(VarInt, Int32ul),
+    "cmdline" / PrefixedArray(VarInt, Text),
+    "dumpable" / Int32ul,
+))
+
+# --- CREDS -------------------------------------------------------------------
+# man 5 proc: /proc/PID/status Uid:/Gid: (real, effective, saved, fs), Groups:,
+# CapInh/CapPrm/CapEff/CapBnd/CapAmb (include/linux/capability.h), NoNewPrivs,
+# Seccomp (SECCOMP_MODE_*).
+CredsRecord = Record(Creds, Struct(
+    "uids" / Array(4, Int32ul),
+    "gids" / Array(4, Int32ul),
+    "groups" / PrefixedArray(VarInt, Int32ul),
+    "cap_inh" / Int64ul,
+    "cap_prm" / Int64ul,
+    "cap_eff" / Int64ul,
+    "cap_bnd" / Int64ul,
+    "cap_amb" / Int64ul,
+    "no_new_privs" / Int32ul,
+    "seccomp" / Int32ul,
+))
+
+# --- MM ----------------------------------------------------------------------
+# struct mm_struct (include/linux/mm_types.h) as man 5 proc /proc/PID/stat
+# fields 26-28 (startcode, endcode, startstack) and 45-51 (start_data ..
+# env_end), start_brk/brk from prctl(PR_SET_MM_MAP) semantics, /proc/PID/auxv
+# (Elf64_auxv_t pairs, include/uapi/linux/auxvec.h), exe_file: /proc/PID/exe.
+MmRecord = Record(Mm, Struct(
+    "start_code" / Int64ul,
+    "end_code" / Int64ul,
+    "start_data" / Int64ul,
+    "end_data" / Int64ul,
+    "start_brk" / Int64ul,
+    "brk" / Int64ul,
+    "start_stack" / Int64ul,
+    "arg_start" / Int64ul,
+    "arg_end" / Int64ul,
+    "env_start" / Int64ul,
+    "env_end" / Int64ul,
+    "exe_file" / Text,
+    "auxv" / PrefixedArray(VarInt, CSequence(Int64ul, Int64ul)),
+))
+
+# --- RLIMIT ------------------------------------------------------------------
+# prlimit(2) struct rlimit64 (include/uapi/linux/resource.h); man 5 proc
+# /proc/PID/limits.  RLIM_INFINITY = 2**64-1.
+RlimitRecord = Record(Rlimit, Struct(
+    "resource" / Int32ul,
+    "cur" / Int64ul,
+    "max" / Int64ul,
+))
+
+# --- VMA ---------------------------------------------------------------------
+# man 5 proc: /proc/PID/maps (address, perms, offset, dev, inode, pathname) and
+# /proc/PID/smaps VmFlags; struct vm_area_struct (include/linux/mm_types.h);
+# file_size/file_mtime_ns from stat(2) of /proc/PID/map_files/START-END.
+VmaRecord = Record(Vma, Struct(
+    "start" / Int64ul,
+    "end" / Int64ul,
+    "prot" / Int32ul,
+    "shared" / Flag,
+    "kind" / IntEnumOf(Int16ul, VmaKind),
+    "pgoff" / Int64ul,
+    "dev_major" / Int32ul,
+    "dev_minor" / Int32ul,
+    "inode" / Int64ul,
+    "path" / Text,
+    "vmflags" / Utf8,
+    "file_size" / Int64ul,
+    "file_mtime_ns" / Int64sl,
+    "file_deleted" / Flag,
+))
+
+# --- THREAD ------------------------------------------------------------------
+# PTRACE_GETREGS: struct user_regs_struct (arch/x86/include/asm/user_64.h), 27
+# u64 in GP_REG_NAMES order; PTRACE_GETREGSET NT_X86_XSTATE (struct xregs_state,
+# arch/x86/include/asm/fpu/types.h; xfeatures = its header.xfeatures);
+# PTRACE_GETSIGMASK; PTRACE_GET_RSEQ_CONFIGURATION (struct
+# ptrace_rseq_configuration, include/uapi/linux/ptrace.h); get_robust_list(2);
+# clear_child_tid via PR_GET_TID_ADDRESS; sigaltstack(2) stack_t (ss_flags
+# stored as u32: SS_AUTODISARM is bit 31); man 5 proc /proc/PID/task/TID/syscall
+# and /proc/PID/task/TID/comm.
+ThreadRecord = Record(Thread, Struct(
+    "tid" / Int32ul,
+    "regs" / Array(len(GP_REG_NAMES), Int64ul),
+    "xstate" / Blob,
+    "xfeatures" / Int64ul,
+    "sigmask" / Int64ul,
+    "rseq_addr" / Int64ul,
+    "rseq_len" / Int32ul,
+    "rseq_sig" / Int32ul,
+    "rseq_flags" / Int32ul,
+    "robust_list" / Int64ul,
+    "robust_list_len" / Int64ul,
+    "clear_child_tid" / Int64ul,
+    "sas_sp" / Int64ul,
+    "sas_flags" / Int32ul,
+    "sas_size" / Int64ul,
+    "restart" / IntEnumOf(Int8ul, Restart),
+    "syscall_nr" / Int64sl,           # -1: not in a syscall
+    "comm" / Text,
+))
+
+# --- SIGACTION ---------------------------------------------------------------
+# rt_sigaction(2) struct kernel_sigaction (sa_handler, sa_flags, sa_restorer,
+# sa_mask; include/linux/signal_types.h, arch/x86/include/uapi/asm/signal.h).
+SigactionRecord = Record(Sigaction, Struct(
+    "signo" / Int32ul,
+    "handler" / Int64ul,
+    "flags" / Int64ul,
+    "restorer" / Int64ul,
+    "mask" / Int64ul,
+))
+
+# --- PENDING_SIGNAL ----------------------------------------------------------
+# PTRACE_PEEKSIGINFO (struct ptrace_peeksiginfo_args, PTRACE_PEEKSIGINFO_SHARED
+# for the process queue): raw siginfo_t (include/uapi/asm-generic/siginfo.h).
+PendingSignalRecord = Record(PendingSignal, Struct(
+    "tid" / Int32ul,
+    "siginfo" / Bytes(SIGINFO_SIZE),
+))
+
+# --- FD ----------------------------------------------------------------------
+# man 5 proc: /proc/PID/fd/N (readlink), /proc/PID/fdinfo/N (pos, flags,
+# mnt_id and per-kind extra lines, kept in `details`), fstat(2) via
+# /proc/PID/fd/N (st_dev, st_ino, st_mode, st_rdev, st_size, st_mtim).
+FdRecord = Record(Fd, Struct(
+    "fd" / Int32ul,
+    "kind" / IntEnumOf(Int16ul, FdKind),
+    "path" / Text,
+    "flags" / Int32ul,
+    "pos" / Int64sl,                  # loff_t
+    "cloexec" / Flag,
+    "mnt_id" / Int32ul,
+    "dev" / Int64ul,
+    "ino" / Int64ul,
+    "mode" / Int32ul,
+    "rdev" / Int64ul,
+    "size" / Int64sl,                 # off_t
+    "mtime_ns" / Int64sl,
+    "details" / PrefixedArray(VarInt, CSequence(Text, Text)),
+))
+
+# --- PAGE_RUN ----------------------------------------------------------------
+# A run of consecutive present pages (man 5 proc /proc/PID/pagemap bits 63/62,
+# or mincore-style detection) stored contiguously in pages-PID.img at `offset`
+# bytes into the page data.  Hot path: encode_page_runs/decode_entries use the
+# equivalent struct format _PAGE_RUN below; tests check they agree.
+PageRunRecord = Record(PageRun, Struct(
+    "vaddr" / Int64ul,
+    "npages" / Int64ul,
+    "offset" / Int64ul,
+))
+
+
+# --- the record table and entry framing --------------------------------------
+
+RECORDS: dict[EntryKind, Record] = {
+    EntryKind.INVENTORY: InventoryRecord,
+    EntryKind.TASK: TaskRecord,
+    EntryKind.CREDS: CredsRecord,
+    EntryKind.MM: MmRecord,
+    EntryKind.RLIMIT: RlimitRecord,
+    EntryKind.VMA: VmaRecord,
+    EntryKind.THREAD: ThreadRecord,
+    EntryKind.SIGACTION: SigactionRecord,
+    EntryKind.PENDING_SIGNAL: PendingSignalRecord,
+    EntryKind.FD: FdRecord,
+    EntryKind.PAGE_RUN: PageRunRecord,
+}
+KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
+
+# Which entry kinds each file kind holds.
+FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
+    FileKind.INVENTORY: frozenset({EntryKind.INVENTORY}),
+    FileKind.CORE: frozenset({
+        EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
+        EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
+        EntryKind.PENDING_SIGNAL, EntryKind.FD,
+    }),
+    FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
+    FileKind.PAGES: frozenset(),
+}
+
+# The entry grammar as one construct (encode_entry/decode_entries are the fast
+# equivalents used on real images; tests keep them in step).
+Entry = Struct(
+    "kind" / IntEnumOf(Int16ul, EntryKind),
+    "reserved" / Default(Int16ul, 0),
+    "payload" / Prefixed(Int32ul, Switch(this.kind, RECORDS, default=GreedyBytes)),
+)
+
+Header = Struct(
+    "magic" / Const(MAGIC),
+    "file_kind" / IntEnumOf(Int16ul, FileKind),
+    "version" / Int16ul,
+    "payload_length" / Int64ul,
+    "crc32" / Int32ul,
+    "reserved" / Default(Int32ul, 0),
+)
+
+_ENTRY_HEADER = struct.Struct("<HHI")
+_PAGE_RUN = struct.Struct("<QQQ")
+_PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
+
+AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
+                  PendingSignal, Fd, PageRun, RawEntry]
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return EntryKind(kind).name
+    except ValueError:
+        return f"kind {kind}"
+
+
+def build_record(record: AnyRecord) -> bytes:
+    """The payload bytes of one record (no entry framing)."""
+    if isinstance(record, RawEntry):
+        return bytes(record.payload)
+    try:
+        rec = RECORDS[KIND_OF[type(record)]]
+    except KeyError:
+        raise TypeError(f"not an image record: {type(record).__name__}") from None
+    try:
+        return rec.build(record)
+    except (ConstructError, UnicodeError, TypeError, ValueError, struct.error) as err:
+        raise ValueError(f"cannot encode {record!r}: {err}") from err
+
+
+def parse_record(kind: int, payload: bytes, *, version: int = FORMAT_VERSION) -> AnyRecord:
+    """Decode one payload of `kind`; unknown kinds come back as RawEntry.
+
+    Raises EntryDecodeError (offset 0) if the payload does not decode.
+    """
+    return _decode_payload(kind, payload, version, 0)
+
+
+def encode_entry(record: AnyRecord) -> bytes:
+    """kind + reserved + length + payload of one record (RawEntry re-encodes verbatim)."""
+    kind = record.kind if isinstance(record, RawEntry) else KIND_OF.get(type(record))
+    payload = build_record(record)
+    return _ENTRY_HEADER.pack(kind, 0, len(payload)) + payload
+
+
+def encode_entries(records: Iterable[AnyRecord]) -> bytes:
+    return b"".join(encode_entry(r) for r in records)
+
+
+def encode_page_runs(runs: Iterable[PageRun | tuple[int, int, int]]) -> bytes:
+    """PAGE_RUN entries for many runs at once; same bytes as encode_entry on each."""
+    pack = _PAGE_RUN_ENTRY.pack
+    kind, size = EntryKind.PAGE_RUN, _PAGE_RUN.size
+    out = []
+    for run in runs:
+        vaddr, npages, offset = (run.vaddr, run.npages, run.offset) if isinstance(run, PageRun) else run
+        out.append(pack(kind, 0, size, vaddr, npages, offset))
+    return b"".join(out)
+
+
+def _decode_payload(kind: int, payload, version: int, offset: int) -> AnyRecord:
+    if kind == EntryKind.PAGE_RUN:
+        if len(payload) < _PAGE_RUN.size:
+            raise EntryDecodeError(offset, kind, f"payload of {len(payload)} bytes, need {_PAGE_RUN.size}")
+        return PageRun(*_PAGE_RUN.unpack_from(payload))
+    rec = RECORDS.get(kind)
+    if rec is None:
+        return RawEntry(kind, bytes(payload))
+    try:
+        return rec.parse(bytes(payload), version=version)
+    except (ConstructError, UnicodeError, TypeError, ValueError) as err:
+        raise EntryDecodeError(offset, kind, str(err).strip() or type(err).__name__) from err
+
+
+def decode_entries(data, *, version: int = FORMAT_VERSION) -> list[AnyRecord]:
+    """Every entry of a file payload, in order; unknown kinds as RawEntry.
+
+    `version` is the file header's version (gates :func:`Since` fields).
+    Raises EntryDecodeError on a truncated entry or an undecodable payload.
+    """
+    view = memoryview(data).cast("B")
+    end = len(view)
+    pos = 0
+    out: list[AnyRecord] = []
+    unpack_header = _ENTRY_HEADER.unpack_from
+    while pos < end:
+        if end - pos < ENTRY_HEADER_SIZE:
+            raise EntryDecodeError(pos, None, f"truncated entry header ({end - pos} bytes left)")
+        kind, _reserved, length = unpack_header(view, pos)
+        start = pos + ENTRY_HEADER_SIZE
+        if start + length > end:
+            raise EntryDecodeError(pos, kind, f"length {length} overruns the payload ({end - start} bytes left)")
+        out.append(_decode_payload(kind, view[start:start + length], version, pos))
+        pos = start + length
+    return out
+
+
+# --- file header ---------------------------------------------------------------
+
+def build_header(file_kind: FileKind, payload_length: int, crc32: int,
+                 *, version: int = FORMAT_VERSION) -> bytes:
+    """The 24-byte file header (PAGES files: pad it to PAGES_DATA_OFFSET yourself)."""
+    return Header.build(dict(file_kind=file_kind, version=version,
+                             payload_length=payload_length, crc32=crc32))
+
+
+def parse_header(data: bytes) -> FileHeader:
+    """Decode a header; the caller checks len(data) >= HEADER_SIZE and the magic first."""
+    h = Header.parse(data)
+    return FileHeader(h.file_kind, h.version, h.payload_length, h.crc32)
+
+
+def build_file(file_kind: FileKind, records: Sequence[AnyRecord]) -> bytes:
+    """A whole INVENTORY/CORE/PAGEMAP file: header + entries."""
+    payload = encode_entries(records)
+    return build_header(file_kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def record_as_dict(record: Any) -> dict[str, Any]:
+    """Shallow field-name -> value mapping of a record (for show / debugging)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}

@@ -1,0 +1,261 @@
+"""``ptckpt check``: which kernel, CPU and privilege features this machine offers.
+
+Each probe really tries the feature (in a short-lived child where it could
+disturb ptckpt itself) rather than guessing from version numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import struct
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+NR_CLONE3 = 435
+NR_PIDFD_OPEN = 434
+NR_PIDFD_GETFD = 438
+NR_USERFAULTFD = 323
+NR_KCMP = 312
+CLONE_NEWPID = 0x20000000
+PR_SET_MM = 35
+PR_SET_MM_MAP = 14
+PR_SET_MM_MAP_SIZE = 15
+CAP_SYS_ADMIN = 21
+CAP_SYS_RESOURCE = 24
+CAP_CHECKPOINT_RESTORE = 40
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    present: bool
+    detail: str
+    cost: str           # what its absence costs
+    required: bool      # dump or restore cannot work without it
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _syscall(nr: int, *args: int) -> int:
+    res = _libc.syscall(ctypes.c_long(nr), *[ctypes.c_ulong(a) for a in args])
+    return -ctypes.get_errno() if res == -1 else res
+
+
+def _prctl(option: int, *args: int) -> int:
+    args = (list(args) + [0, 0, 0, 0])[:4]
+    return _libc.prctl(ctypes.c_int(option), *[ctypes.c_ulong(a) for a in args])
+
+
+def _in_child(fn: Callable[[], bool]) -> bool:
+    """Run fn in a forked child; True when it returned True (exit 0)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if fn() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _cap(bit: int) -> bool:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def _ptrace_seize() -> tuple[bool, str]:
+    from . import tracee
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        task = tracee.Task(pid, pid)
+        task.seize()
+        task.interrupt()
+        task.wait_frozen()
+        try:
+            task.get_rseq()
+            rseq = True
+        except Exception:
+            rseq = False
+        task.get_xstate()
+        task.detach()
+        return True, rseq
+    except Exception as err:
+        return False, str(err)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def _clone3_set_tid() -> bool:
+    def probe() -> bool:
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            want = int(f.read()) + 500
+        while os.path.exists(f"/proc/{want}"):
+            want += 1
+        tid = ctypes.c_int32(want)
+        # struct clone_args: flags, pidfd, child_tid, parent_tid, exit_signal, stack,
+        # stack_size, tls, set_tid, set_tid_size, cgroup (include/uapi/linux/sched.h)
+        args = struct.pack("<11Q", 0, 0, 0, 0, signal.SIGCHLD, 0, 0, 0,
+                           ctypes.addressof(tid), 1, 0)
+        buf = ctypes.create_string_buffer(args, len(args))
+        res = _syscall(NR_CLONE3, ctypes.addressof(buf), len(args))
+        if res == 0:
+            os._exit(0)
+        if res < 0:
+            return False
+        os.waitpid(res, 0)
+        return res == want
+    return _in_child(probe)
+
+
+def _pidns() -> bool:
+    def probe() -> bool:
+        if _libc.unshare(CLONE_NEWPID) != 0:
+            return False
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if os.getpid() == 1 else 1)
+        _, status = os.waitpid(pid, 0)
+        return os.WEXITSTATUS(status) == 0
+    return _in_child(probe)
+
+
+def _pidfd_getfd() -> bool:
+    pidfd = _syscall(NR_PIDFD_OPEN, os.getpid(), 0)
+    if pidfd < 0:
+        return False
+    try:
+        fd = _syscall(NR_PIDFD_GETFD, pidfd, 0, 0)
+        if fd < 0:
+            return False
+        os.close(fd)
+        return True
+    finally:
+        os.close(pidfd)
+
+
+def _prctl_mm_map() -> bool:
+    def probe() -> bool:
+        size = ctypes.c_uint()
+        if _prctl(PR_SET_MM, PR_SET_MM_MAP_SIZE, ctypes.addressof(size)) != 0:
+            return False
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # man 5 proc: fields 26 start_code, 27 end_code, 28 start_stack, 45-51 data/brk/arg/env;
+        # fields[0] here is field 3.
+        f = lambda n: int(fields[n - 3])  # noqa: E731
+        brk = _syscall(12, 0)
+        with open("/proc/self/auxv", "rb") as af:
+            auxv = af.read()
+        auxv_buf = ctypes.create_string_buffer(auxv, len(auxv))
+        # struct prctl_mm_map (include/uapi/linux/prctl.h)
+        mm = struct.pack("<11QQIi", f(26), f(27), f(45), f(46), f(47), brk, f(28),
+                         f(48), f(49), f(50), f(51), ctypes.addressof(auxv_buf),
+                         len(auxv), -1)
+        buf = ctypes.create_string_buffer(mm, len(mm))
+        return _prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(buf), len(mm)) == 0
+    return _in_child(probe)
+
+
+def _userfaultfd() -> bool:
+    fd = _syscall(NR_USERFAULTFD, os.O_CLOEXEC | 1)  # UFFD_USER_MODE_ONLY
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def _soft_dirty() -> bool:
+    """A page just written has pagemap bit 55 set only when soft-dirty tracking exists."""
+    buf = ctypes.create_string_buffer(3 * 4096)
+    page = (ctypes.addressof(buf) + 4095) & ~4095
+    ctypes.memset(page, 1, 4096)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(page // 4096 * 8)
+        entry = struct.unpack("<Q", f.read(8))[0]
+    return bool(entry >> 55 & 1)
+
+
+def _pagemap_scan() -> bool:
+    try:
+        from .procfs import scan_pages
+        buf = ctypes.create_string_buffer(4096 * 4)
+        addr = ctypes.addressof(buf) & ~4095
+        scan_pages(os.getpid(), addr, addr + 4096)
+        from . import procfs
+        return bool(getattr(procfs, "HAS_PAGEMAP_SCAN", True))
+    except Exception:
+        return False
+
+
+def _process_vm_readv() -> bool:
+    from .tracee import AddressSpace
+    src = ctypes.create_string_buffer(b"ptckpt", 6)
+    dst = bytearray(6)
+    with AddressSpace(os.getpid()) as mem:
+        mem.read_into(memoryview(dst), [(ctypes.addressof(src), 6)])
+    return bytes(dst) == b"ptckpt"
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _vdso() -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith("[vdso]") for line in f)
+
+
+def run_checks() -> list[Check]:
+    out: list[Check] = []
+    seize, rseq = _ptrace_seize()
+    out.append(Check("ptrace seize/interrupt", seize, "PTRACE_SEIZE + PTRACE_INTERRUPT + GETREGSET(xstate)" if seize else str(rseq),
+                     "no dump and no restore at all", True))
+    out.append(Check("PTRACE_GET_RSEQ_CONFIGURATION", bool(seize and rseq is True), "Linux 5.13+",
+                     "rseq registrations cannot be saved; glibc threads lose rseq on restore", False))
+    out.append(Check("process_vm_readv/writev", _process_vm_readv(), "bulk memory transfer",
+                     "memory would go through /proc/PID/mem only (slower)", True))
+    flags = _cpu_flags()
+    xs = [f for f in ("xsave", "xsaveopt", "xsavec", "avx", "avx2", "avx512f") if f in flags]
+    out.append(Check("xsave", "xsave" in flags, "CPU features: " + " ".join(xs),
+                     "extended register state (AVX ...) cannot be captured", True))
+    out.append(Check("vdso", _vdso(), "[vdso] mapped in processes",
+                     "no syscall instruction to inject at without patching text", False))
+    out.append(Check("PAGEMAP_SCAN", _pagemap_scan(), "Linux 6.7+ page-table scan ioctl",
+                     "pagemap is parsed page by page instead (slower dumps)", False))
+    out.append(Check("clone3 set_tid", _clone3_set_tid(), "restore with the original pids",
+                     "restore only into a fresh pid namespace (--pidns)", True))
+    out.append(Check("pid namespaces", _pidns(), "unshare(CLONE_NEWPID)",
+                     "no --pidns restores; a busy pid blocks a restore", False))
+    out.append(Check("pidfd_getfd", _pidfd_getfd(), "copy fds between processes",
+                     "sockets, pipes and memfds cannot be handed to a restored process", True))
+    out.append(Check("PR_SET_MM_MAP", _prctl_mm_map(), "set brk, arg/env areas, auxv, exe",
+                     "restored processes keep the stub's mm fields (wrong brk, /proc/PID/cmdline)", True))
+    out.append(Check("userfaultfd", _userfaultfd(), "lazy restore (page faults served on demand)",
+                     "no lazy restore", False))
+    out.append(Check("soft-dirty", _soft_dirty(), "CONFIG_MEM_SOFT_DIRTY",
+                     "incremental dumps must compare page contents instead", False))
+    out.append(Check("CAP_SYS_ADMIN", _cap(CAP_SYS_ADMIN), "capability",
+                     "no clone3 set_tid outside a new user namespace, no namespaces", False))
+    out.append(Check("CAP_SYS_RESOURCE", _cap(CAP_SYS_RESOURCE), "capability",
+                     "rlimits cannot be raised above their hard limit; single-field PR_SET_MM refused", False))
+    out.append(Check("CAP_CHECKPOINT_RESTORE", _cap(CAP_CHECKPOINT_RESTORE), "capability",
+                     "set_tid and PR_SET_MM_MAP need CAP_SYS_ADMIN instead", False))
+    return out

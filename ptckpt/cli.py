@@ -1,0 +1,135 @@
+"""The ``ptckpt`` command: a thin typer layer over the library API.
+
+Each command parses its options, calls one library function and renders the
+result.  Library errors (:class:`ptckpt.errors.PtckptError`) become one line
+on stderr and the error's exit code; an unexpected exception is reported as a
+bug in one line too (``PTCKPT_DEBUG=1`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .errors import ExitCode, PtckptError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Transparent checkpoint/restore of running Linux processes, from outside (ptrace, /proc, syscall injection).",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ptckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr.")] = False,
+) -> None:
+    """ptckpt: checkpoint a running process into an image directory, inspect it, check this machine.
+
+    Example: ptckpt dump 1234 -D /tmp/ckpt
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="ptckpt: %(message)s", stream=sys.stderr)
+
+
+def _fail(err: PtckptError) -> typer.Exit:
+    typer.echo(f"ptckpt: error: {err}", err=True)
+    return typer.Exit(code=err.exit_code)
+
+
+@app.command()
+def dump(
+    pid: Annotated[int, typer.Argument(help="Process to checkpoint (with all its threads).")],
+    directory: Annotated[Optional[str], typer.Option("-D", "--directory",
+                                                     help="Image directory (default ./ckpt-PID); must not exist or be empty.")] = None,
+    leave_running: Annotated[bool, typer.Option("--leave-running/--kill",
+                                                help="Resume the target after the dump (default), or kill it once the image is on disk.")] = True,
+) -> None:
+    """Checkpoint process PID into an image directory.
+
+    Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill
+    """
+    from .dump import DumpMode, dump as _dump
+    try:
+        result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL)
+    except PtckptError as err:
+        raise _fail(err) from None
+    typer.echo(result.directory)
+    typer.echo(result.summary())
+
+
+@app.command()
+def show(
+    directory: Annotated[str, typer.Argument(help="Image directory written by `ptckpt dump`.")],
+    summary: Annotated[bool, typer.Option("--summary", help="Human-readable tables instead of JSON.")] = False,
+) -> None:
+    """Decode an image to JSON (page bytes left out), or print tables with --summary.
+
+    Example: ptckpt show /tmp/ckpt-1234 --summary
+    """
+    from .show import image_summary, image_to_json
+    try:
+        if summary:
+            typer.echo(image_summary(directory))
+        else:
+            typer.echo(json.dumps(image_to_json(directory), indent=2))
+    except PtckptError as err:
+        raise _fail(err) from None
+
+
+@app.command()
+def check(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List the kernel, CPU and privilege features ptckpt uses, present or absent.
+
+    Exits 0 when dump and restore can work on this machine.
+
+    Example: ptckpt check
+    """
+    from .check import run_checks
+    results = run_checks()
+    if as_json:
+        typer.echo(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        width = max(len(r.name) for r in results)
+        for r in results:
+            mark = "present" if r.present else "ABSENT "
+            line = f"{r.name:<{width}}  {mark}  {r.detail}"
+            if not r.present:
+                line += f"  -- {r.cost}"
+            typer.echo(line)
+    if any(r.required and not r.present for r in results):
+        typer.echo("ptckpt: dump/restore cannot work on this machine (see ABSENT required features)", err=True)
+        raise typer.Exit(code=ExitCode.MISSING_FEATURE)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except PtckptError as err:      # pragma: no cover - commands catch their own
+        typer.echo(f"ptckpt: error: {err}", err=True)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("ptckpt: interrupted", err=True)
+        sys.exit(130)
+    except Exception as err:  # a bug: one line unless asked for the traceback
+        if os.environ.get("PTCKPT_DEBUG"):
+            raise
+        typer.echo(f"ptckpt: internal error: {type(err).__name__}: {err} (PTCKPT_DEBUG=1 for a traceback)", err=True)
+        sys.exit(ExitCode.INTERNAL)

@@ -1,0 +1,204 @@
+"""Dump: the library API behind ``ptckpt dump`` (layer 5, orchestration).
+
+``dump(pid, directory)`` runs these phases, each logged:
+
+1. check    -- the pid exists, is a user process, nobody else traces it, the
+               destination is free (all before the target is touched);
+2. freeze   -- PTRACE_SEIZE + PTRACE_INTERRUPT every thread, re-scanning
+               /proc/PID/task until no new thread appears;
+3. capture  -- VMAs, threads, signals, mm, task, creds, rlimits, fds (with
+               syscall injection where only the inside can tell), then pages;
+4. write    -- records into a temporary image directory, renamed into place
+               only when complete;
+5. release  -- resume every thread where it was (``LEAVE_RUNNING``) or kill
+               the target, only after the image is on disk (``KILL``).
+
+Any failure in 2-4 removes the temporary directory and resumes the target
+as it was: a dump never harms what it dumps.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from . import __version__, procfs
+from .errors import AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, TargetVanished
+from .formats.image import ImageWriter
+from .formats.model import Inventory, PendingSignal, ProcessImage
+from .resources import files, memory, process, signals, threads
+from .tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls, xstate_header
+
+log = logging.getLogger("ptckpt.dump")
+
+PF_KTHREAD = 0x00200000
+
+
+class DumpMode(enum.Enum):
+    LEAVE_RUNNING = "leave-running"
+    KILL = "kill"
+
+
+@dataclass
+class DumpResult:
+    directory: str
+    pids: list[int]
+    threads: int = 0
+    vmas: int = 0
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    frozen_seconds: float = 0.0
+    unsupported: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = (f"dumped {self.pids[0]} to {self.directory}: {self.threads} threads, "
+                f"{self.vmas} VMAs, {self.pages} pages, {self.bytes} bytes, "
+                f"{self.seconds:.3f} s (frozen {self.frozen_seconds:.3f} s)")
+        if self.unsupported:
+            text += "; not restorable yet: " + ", ".join(self.unsupported)
+        return text
+
+
+def check_target(pid: int) -> None:
+    """Refuse, by name, a pid that cannot be dumped -- before touching it."""
+    if pid <= 0:
+        raise NoSuchProcess(pid)
+    status = procfs.read_status(pid)
+    stat = procfs.read_stat(pid)
+    if status.kthread or stat.flags & PF_KTHREAD:
+        raise KernelThread(pid, status.name)
+    if status.tgid != pid:
+        raise NoSuchProcess(pid, "process (that is a thread id; give its process id "
+                                 f"{status.tgid})")
+    if status.state.startswith("Z"):
+        raise NoSuchProcess(pid, "live process (it is a zombie)")
+    if pid == os.getpid():
+        raise AccessDenied(pid, "checkpoint ptckpt itself as")
+    _refuse_if_traced(pid)
+
+
+def _refuse_if_traced(pid: int) -> None:
+    for tid in procfs.list_tids(pid):
+        try:
+            tracer = procfs.read_status(pid, tid=tid).tracer_pid
+        except NoSuchProcess:
+            continue
+        if tracer and tracer != os.getpid():
+            name = "?"
+            try:
+                name = procfs.read_comm(tracer)
+            except Exception:
+                pass
+            raise AlreadyTraced(pid, tracer, name)
+
+
+def dump(pid: int, directory: str | None = None, *,
+         mode: DumpMode = DumpMode.LEAVE_RUNNING) -> DumpResult:
+    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID)."""
+    started = time.monotonic()
+    directory = directory or f"ckpt-{pid}"
+    log.info("check %d", pid)
+    check_target(pid)
+    writer = ImageWriter(directory)
+    writer.create()
+    session = Session()
+    result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
+    frozen_at = None
+    try:
+        log.info("freeze %d", pid)
+        try:
+            session.freeze_process(pid)
+        except AccessDenied:
+            _refuse_if_traced(pid)
+            raise
+        frozen_at = time.monotonic()
+        realtime, monotonic, boottime = process.current_clocks()
+        log.info("capture %d", pid)
+        image, runs, stats, xcr0, xsize = _capture_process_frozen(session, pid, writer)
+        result.threads = len(image.threads)
+        result.vmas = len(image.vmas)
+        result.pages = stats.pages
+        result.bytes = stats.bytes
+        result.unsupported = [f"pid {pid} " + u for u in files.unsupported_fds(list(image.fds))]
+        log.info("write %s", directory)
+        writer.write_process(image)
+        writer.write_inventory(Inventory(
+            ptckpt_version=__version__,
+            kernel_release=os.uname().release,
+            arch=os.uname().machine,
+            page_size=os.sysconf("SC_PAGE_SIZE"),
+            xfeatures=xcr0,
+            xstate_size=xsize,
+            root_pid=pid,
+            pids=(pid,),
+            realtime_ns=realtime,
+            monotonic_ns=monotonic,
+            boottime_ns=boottime,
+            hostname=socket.gethostname(),
+            fd_kinds_unsupported=tuple(result.unsupported),
+        ))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        session.resume_all()
+        raise
+    log.info("release %d (%s)", pid, mode.value)
+    if mode is DumpMode.KILL:
+        session.kill_process(pid)
+    else:
+        session.resume_all()
+    ended = time.monotonic()
+    result.frozen_seconds = ended - frozen_at
+    result.seconds = ended - started
+    return result
+
+
+def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
+    tasks = session.threads_of(pid)
+    leader = next(t for t in tasks if t.tid == pid)
+    vmas = memory.dump_vmas(pid)
+    with AddressSpace(pid) as mem:
+        gadget = find_syscall_insn(mem, vmas)
+        thread_records = []
+        task_record = mm = sigactions = None
+        for task in [leader] + [t for t in tasks if t is not leader]:
+            comm = _thread_comm(pid, task.tid)
+            with remote_syscalls(task, mem, gadget) as remote:
+                thread_records.append(threads.dump_thread_frozen(task, remote, comm))
+                if task is leader:
+                    sigactions = signals.dump_sigactions_frozen(remote)
+                    mm = process.dump_mm_frozen(pid, remote)
+                    task_record = process.dump_task(pid, [t.tid for t in tasks], remote)
+        pending = signals.dump_pending_frozen(tasks)
+        for task in tasks:   # signals we held back while freezing are still pending
+            pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
+        image = ProcessImage(
+            task=task_record,
+            creds=process.dump_creds(pid),
+            mm=mm,
+            rlimits=tuple(process.dump_rlimits(pid)),
+            vmas=tuple(vmas),
+            threads=tuple(thread_records),
+            sigactions=tuple(sigactions),
+            pending=tuple(pending),
+            fds=tuple(files.dump_fds(pid)),
+        )
+        pages = writer.pages_writer(pid)
+        runs, stats = memory.dump_pages_frozen(mem, vmas, pages)
+        for run in runs:
+            pages.add_run(run.vaddr, run.npages, run.offset)
+        pages.close()
+    _bv, xcr0 = xstate_header(thread_records[0].xstate)
+    return image, runs, stats, xcr0, len(thread_records[0].xstate)
+
+
+def _thread_comm(pid: int, tid: int) -> str:
+    try:
+        return procfs.read_comm(pid, tid=tid)
+    except (NoSuchProcess, TargetVanished):
+        return ""

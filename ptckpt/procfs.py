@@ -1,0 +1,1339 @@
+"""Plain /proc parsers returning typed records (layer 2: no ptrace here).
+
+Every reader takes the pid (and a tid where the file exists per thread) and
+a keyword ``procfs`` naming the procfs root, so tests can point it at a
+fixture tree.  Results are the NamedTuples and frozen dataclasses declared
+at the top of this module.
+
+Errors are translated at one choke point, :func:`_wrap_exceptions`, which
+sits on every public reader:
+
+* PermissionError            -> :class:`ptckpt.errors.AccessDenied`
+* ProcessLookupError (ESRCH) -> :class:`ptckpt.errors.NoSuchProcess`, but see below
+* FileNotFoundError          -> NoSuchProcess if ``<procfs>/<pid>`` is gone,
+  NoSuchProcess(tid, "thread") if only the thread is gone,
+  :class:`ZombieProcess` for a zombie, :class:`ptckpt.errors.KernelThread`
+  for a kernel thread (exe, cwd ... do not resolve), otherwise
+  :class:`ProcEntryMissing` (the process is alive but the file is not there:
+  kernel built without it, fd closed meanwhile ...)
+* ProcessLookupError (ESRCH) on an existing pid: the task has no mm, same
+  classification (zombie, kernel thread)
+* any other OSError          -> :class:`ProcfsError`
+
+so no bare OSError leaves this module.
+
+Field numbers in comments are those of ``man 5 proc`` (1-based).  Kernel
+sources cited are fs/proc/array.c (stat, status), fs/proc/task_mmu.c (maps,
+smaps, pagemap, PAGEMAP_SCAN), fs/proc/base.c (the rest).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno as _errno
+import fcntl
+import functools
+import inspect
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ptckpt.errors import AccessDenied, KernelThread, NoSuchProcess, ProcessError, PtckptError
+
+PAGE_SIZE = mmap.PAGESIZE
+PAGE_SHIFT = PAGE_SIZE.bit_length() - 1
+_U64_MAX = 2**64 - 1
+
+# PROT_* bits as in <sys/mman.h> (asm-generic/mman-common.h).
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+PROT_EXEC = 0x4
+
+# include/linux/sched.h
+PF_KTHREAD = 0x00200000
+
+
+# --- errors of this layer ---------------------------------------------------
+
+class ProcfsError(ProcessError):
+    """Reading a /proc file of a live process failed in an unexpected way."""
+
+    def __init__(self, pid: int, path: str, reason: str, err: int | None = None):
+        super().__init__(pid, f"process {pid}: cannot read {path}: {reason}")
+        self.path = path
+        self.reason = reason
+        self.errno = err
+
+
+class ProcEntryMissing(ProcfsError):
+    """The process exists but this /proc entry does not (fd closed meanwhile,
+    mapping gone, kernel built without the file ...)."""
+
+    def __init__(self, pid: int, path: str):
+        super().__init__(pid, path, "no such file", _errno.ENOENT)
+
+
+class ZombieProcess(NoSuchProcess):
+    """The process has exited but was not reaped: its /proc files are mostly empty."""
+
+    def __init__(self, pid: int):
+        ProcessError.__init__(self, pid, f"process {pid} is a zombie (exited, not yet reaped)")
+
+
+# --- records ----------------------------------------------------------------
+
+class MapEntry(NamedTuple):
+    """One line of /proc/PID/maps (man 5 proc, "/proc/pid/maps")."""
+
+    start: int
+    end: int
+    perms: str          # "rwxp" / "r--s" as printed
+    prot: int           # PROT_READ | PROT_WRITE | PROT_EXEC
+    shared: bool        # 's' in the fourth perms column (MAP_SHARED)
+    offset: int         # file offset in bytes (pgoff << PAGE_SHIFT)
+    dev_major: int
+    dev_minor: int
+    inode: int
+    path: str           # "" when anonymous; "[heap]", "[stack]", "[vdso]", "[anon:NAME]" ...
+    deleted: bool       # the kernel appended " (deleted)" (stripped from path)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_pseudo(self) -> bool:
+        """A kernel-named area such as [heap], [stack], [vdso], [vvar], [anon:x]."""
+        return self.path.startswith("[")
+
+
+class SmapsEntry(NamedTuple):
+    """One VMA of /proc/PID/smaps: the maps line, its counters and VmFlags."""
+
+    start: int
+    end: int
+    perms: str
+    prot: int
+    shared: bool
+    offset: int
+    dev_major: int
+    dev_minor: int
+    inode: int
+    path: str
+    deleted: bool
+    # "Rss", "Pss", "Private_Dirty", "Swap", "AnonHugePages" ... in kB; the
+    # few unit-less lines ("THPeligible", "ProtectionKey") are plain numbers.
+    counters: dict[str, int]
+    vmflags: str        # the VmFlags line as printed, e.g. "rd wr mr mw me ac sd"
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def vmflag_set(self) -> frozenset[str]:
+        return frozenset(self.vmflags.split())
+
+    def map_entry(self) -> MapEntry:
+        return MapEntry(*self[:11])
+
+
+class PageCategory(enum.IntFlag):
+    """PAGE_IS_* of include/uapi/linux/fs.h (Linux 6.7+), reported by PAGEMAP_SCAN."""
+
+    WPALLOWED = 1 << 0    # uffd async write-protect is enabled for the page
+    WRITTEN = 1 << 1      # written since write-protected (not uffd-wp)
+    FILE = 1 << 2         # not an anonymous page: page cache or shmem / shared anon
+    PRESENT = 1 << 3      # mapped in the page table
+    SWAPPED = 1 << 4      # swap entry in the page table
+    PFNZERO = 1 << 5      # the (huge) zero page: read but never written
+    HUGE = 1 << 6         # THP or hugetlb mapped
+    SOFT_DIRTY = 1 << 7   # soft-dirty bit (CONFIG_MEM_SOFT_DIRTY; off on our machines)
+
+
+PAGE_IS_WPALLOWED = int(PageCategory.WPALLOWED)
+PAGE_IS_WRITTEN = int(PageCategory.WRITTEN)
+PAGE_IS_FILE = int(PageCategory.FILE)
+PAGE_IS_PRESENT = int(PageCategory.PRESENT)
+PAGE_IS_SWAPPED = int(PageCategory.SWAPPED)
+PAGE_IS_PFNZERO = int(PageCategory.PFNZERO)
+PAGE_IS_HUGE = int(PageCategory.HUGE)
+PAGE_IS_SOFT_DIRTY = int(PageCategory.SOFT_DIRTY)
+_PM_SCAN_CATEGORIES = 0xFF
+
+# What scan_pages reports by default: enough to tell anonymous data from
+# clean page cache; HUGE and SOFT_DIRTY would only fragment the runs.
+DEFAULT_RETURN_MASK = PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE
+
+
+class PageRun(NamedTuple):
+    """Pages [start, end) sharing the same PAGE_IS_* categories (masked)."""
+
+    start: int
+    end: int
+    categories: int
+
+    @property
+    def npages(self) -> int:
+        return (self.end - self.start) >> PAGE_SHIFT
+
+    @property
+    def is_file(self) -> bool:
+        return bool(self.categories & PAGE_IS_FILE)
+
+    @property
+    def is_present(self) -> bool:
+        return bool(self.categories & PAGE_IS_PRESENT)
+
+    @property
+    def is_swapped(self) -> bool:
+        return bool(self.categories & PAGE_IS_SWAPPED)
+
+    @property
+    def is_zero(self) -> bool:
+        return bool(self.categories & PAGE_IS_PFNZERO)
+
+    @property
+    def is_huge(self) -> bool:
+        return bool(self.categories & PAGE_IS_HUGE)
+
+
+class ScanMethod(enum.Enum):
+    """How scan_pages walks the page tables."""
+
+    AUTO = "auto"          # PAGEMAP_SCAN when the kernel has it, else PAGEMAP
+    IOCTL = "ioctl"        # PAGEMAP_SCAN only (Linux 6.7+)
+    PAGEMAP = "pagemap"    # read 8 bytes per page from /proc/PID/pagemap
+
+
+class PagemapEntry(NamedTuple):
+    """One decoded u64 of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst)."""
+
+    present: bool          # bit 63
+    swapped: bool          # bit 62
+    file_or_shared: bool   # bit 61: file page or shared anon
+    exclusive: bool        # bit 56: page exclusively mapped (since 4.2)
+    uffd_wp: bool          # bit 57: pte is uffd-wp write-protected (since 5.17)
+    soft_dirty: bool       # bit 55
+    pfn: int               # bits 0-54 when present (0 unless CAP_SYS_ADMIN, since 4.0)
+    swap_type: int         # bits 0-4 when swapped
+    swap_offset: int       # bits 5-54 when swapped
+
+
+class Stat(NamedTuple):
+    """/proc/PID/stat or /proc/PID/task/TID/stat, every field of man 5 proc by name.
+
+    Notes on what the kernel (fs/proc/array.c, do_task_stat) really shows:
+    * the mm fields (26-28 and 45-51) are 0 unless the reader may ptrace-read
+      the task, and always 0 for kernel threads and zombies;
+    * kstkesp/kstkeip (29, 30) are 0 except while the task dumps core;
+    * wchan (35) is only 0 or 1 nowadays: read /proc/PID/wchan for the name;
+    * signal/blocked/sigignore/sigcatch (31-34) are truncated, obsolete:
+      use read_status();
+    * brk is NOT here: field 47 is start_brk only.  The current program break
+      is the end of the [heap] VMA (when there is one) or must be read by
+      injecting brk(0) into the tracee; that is left to the callers.
+    Older kernels print fewer fields; the missing trailing ones read as 0.
+    """
+
+    pid: int                    # (1)
+    comm: str                   # (2) up to 15 bytes, may contain spaces and parens
+    state: str                  # (3)
+    ppid: int                   # (4)
+    pgrp: int                   # (5)
+    session: int                # (6)
+    tty_nr: int                 # (7)
+    tpgid: int                  # (8)
+    flags: int                  # (9) PF_* (include/linux/sched.h)
+    minflt: int                 # (10)
+    cminflt: int                # (11)
+    majflt: int                 # (12)
+    cmajflt: int                # (13)
+    utime: int                  # (14) clock ticks
+    stime: int                  # (15)
+    cutime: int                 # (16)
+    cstime: int                 # (17)
+    priority: int               # (18)
+    nice: int                   # (19)
+    num_threads: int            # (20)
+    itrealvalue: int            # (21) always 0 since 2.6.17
+    start_time: int             # (22) clock ticks after boot
+    vsize: int                  # (23) bytes
+    rss: int                    # (24) pages
+    rsslim: int                 # (25)
+    start_code: int             # (26)
+    end_code: int               # (27)
+    start_stack: int            # (28)
+    kstkesp: int                # (29)
+    kstkeip: int                # (30)
+    signal: int                 # (31)
+    blocked: int                # (32)
+    sigignore: int              # (33)
+    sigcatch: int               # (34)
+    wchan: int                  # (35)
+    nswap: int                  # (36)
+    cnswap: int                 # (37)
+    exit_signal: int            # (38)
+    processor: int              # (39)
+    rt_priority: int            # (40)
+    policy: int                 # (41) SCHED_*
+    delayacct_blkio_ticks: int  # (42)
+    guest_time: int             # (43)
+    cguest_time: int            # (44)
+    start_data: int             # (45)
+    end_data: int               # (46)
+    start_brk: int              # (47)
+    arg_start: int              # (48)
+    arg_end: int                # (49)
+    env_start: int              # (50)
+    env_end: int                # (51)
+    exit_code: int              # (52)
+
+    @property
+    def is_kthread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """/proc/PID/status (fs/proc/array.c, proc_pid_status).
+
+    Signal and capability masks are ints (the file prints them in hex);
+    ``vm`` holds the "Vm*", "Rss*" and "HugetlbPages" lines in kB (absent for
+    kernel threads); ``raw`` holds every line's text, for what is not typed.
+    """
+
+    name: str
+    umask: int | None               # "Umask:" (4.7+), octal
+    state: str                      # the letter of "State:", e.g. "S"
+    tgid: int
+    ngid: int
+    pid: int
+    ppid: int
+    tracer_pid: int
+    uids: tuple[int, int, int, int]  # real, effective, saved set, filesystem
+    gids: tuple[int, int, int, int]
+    fd_size: int
+    groups: tuple[int, ...]
+    nstgid: tuple[int, ...]         # outermost namespace first
+    nspid: tuple[int, ...]
+    nspgid: tuple[int, ...]
+    nssid: tuple[int, ...]
+    kthread: bool                   # "Kthread:" (6.x) or PF_KTHREAD from stat
+    threads: int
+    sig_q: tuple[int, int]          # queued, RLIMIT_SIGPENDING
+    sig_pnd: int
+    shd_pnd: int
+    sig_blk: int
+    sig_ign: int
+    sig_cgt: int
+    cap_inh: int
+    cap_prm: int
+    cap_eff: int
+    cap_bnd: int
+    cap_amb: int
+    no_new_privs: bool
+    seccomp: int                    # 0 disabled, 1 strict, 2 filter
+    seccomp_filters: int
+    core_dumping: bool
+    cpus_allowed_list: str
+    mems_allowed_list: str
+    voluntary_ctxt_switches: int
+    nonvoluntary_ctxt_switches: int
+    vm: dict[str, int] = field(default_factory=dict)
+    raw: dict[str, str] = field(default_factory=dict)
+
+
+class AuxEntry(NamedTuple):
+    """One (a_type, a_val) pair of /proc/PID/auxv (AT_* of include/uapi/linux/auxvec.h)."""
+
+    type: int
+    value: int
+
+
+class Rlimit(NamedTuple):
+    """One line of /proc/PID/limits; RLIM_INFINITY ("unlimited") is 2**64-1."""
+
+    resource: int       # RLIMIT_CPU = 0 .. RLIMIT_RTTIME = 15
+    cur: int
+    max: int
+
+
+class FdInfo(NamedTuple):
+    """/proc/PID/fdinfo/FD (fs/proc/fd.c seq_show plus the file's show_fdinfo).
+
+    ``extra`` maps each further line's key to the raw text after it, in
+    order, one list item per line with that key, e.g.::
+
+        eventfd:  {"eventfd-count": ["0"], "eventfd-id": ["1"]}
+        timerfd:  {"clockid": ["1"], "ticks": ["0"], "settime flags": ["01"],
+                   "it_value": ["(0, 0)"], "it_interval": ["(0, 0)"]}
+        epoll:    {"tfd": ["5 events: 19 data: ...", ...]}
+        inotify:  {"inotify": ["wd:1 ino:... sdev:... mask:...", ...]}
+    """
+
+    pos: int
+    flags: int          # O_* flags, printed in octal (O_CLOEXEC included)
+    mnt_id: int
+    ino: int | None     # "ino:" since 5.14
+    extra: dict[str, list[str]]
+
+
+class SyscallInfo(NamedTuple):
+    """/proc/PID/task/TID/syscall (fs/proc/base.c, proc_pid_syscall)."""
+
+    running: bool               # the file said "running": no register snapshot
+    nr: int | None              # syscall number; -1 when blocked outside a syscall
+    args: tuple[int, ...]       # the six argument registers (empty when nr == -1)
+    sp: int | None
+    pc: int | None
+
+    @property
+    def in_syscall(self) -> bool:
+        return self.nr is not None and self.nr >= 0
+
+
+# --- the choke point --------------------------------------------------------
+
+def _process_gone(pid: int, procfs: str) -> bool:
+    return not os.path.exists(f"{procfs}/{pid}")
+
+
+def _stat_or_none(pid: int, procfs: str) -> Stat | None:
+    try:
+        with open(f"{procfs}/{pid}/stat", "rb") as f:
+            return _parse_stat(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _why_no_mm(pid: int, procfs: str) -> PtckptError | None:
+    """Why a process that has a /proc directory lacks a file or an mm."""
+    if _process_gone(pid, procfs):
+        return NoSuchProcess(pid)
+    st = _stat_or_none(pid, procfs)
+    if st is None:
+        return NoSuchProcess(pid)        # went away just now
+    if st.state in ("Z", "X"):
+        return ZombieProcess(pid)
+    if st.is_kthread:
+        return KernelThread(pid, st.comm)
+    return None
+
+
+def _translate(err: OSError, pid: int, tid: int | None, procfs: str) -> PtckptError:
+    path = err.filename if isinstance(err.filename, str) else os.fsdecode(err.filename or "")
+    if isinstance(err, PermissionError):
+        return AccessDenied(pid, "read /proc of")
+    if isinstance(err, ProcessLookupError):
+        # ESRCH from a file of an existing directory: the task has no mm
+        # (exited, zombie) or never had one (kernel thread: auxv, environ ...)
+        return _why_no_mm(pid, procfs) or NoSuchProcess(pid)
+    if isinstance(err, FileNotFoundError):
+        if _process_gone(pid, procfs):
+            return NoSuchProcess(pid)
+        if tid is not None and not os.path.exists(f"{procfs}/{pid}/task/{tid}"):
+            return NoSuchProcess(tid, "thread")
+        # readlink of exe/cwd/root gives ENOENT for zombies and kernel threads
+        return _why_no_mm(pid, procfs) or ProcEntryMissing(pid, path)
+    return ProcfsError(pid, path, err.strerror or str(err), err.errno)
+
+
+def _wrap_exceptions(fn):
+    """Translate OSError raised by a reader into ptckpt errors (see module doc).
+
+    The arguments are bound only on the error path, so the happy path costs
+    one try block.
+    """
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as err:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            raise _translate(err, a["pid"], a.get("tid"), a["procfs"]) from err
+
+    return wrapper
+
+
+def _path(procfs: str, pid: int, tid: int | None, name: str) -> str:
+    if tid is None:
+        return f"{procfs}/{pid}/{name}"
+    return f"{procfs}/{pid}/task/{tid}/{name}"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_text(path: str) -> str:
+    return os.fsdecode(_read(path))
+
+
+# --- maps and smaps ---------------------------------------------------------
+
+_PROT_OF = {
+    b"---": 0,
+    b"r--": PROT_READ,
+    b"-w-": PROT_WRITE,
+    b"--x": PROT_EXEC,
+    b"rw-": PROT_READ | PROT_WRITE,
+    b"r-x": PROT_READ | PROT_EXEC,
+    b"-wx": PROT_WRITE | PROT_EXEC,
+    b"rwx": PROT_READ | PROT_WRITE | PROT_EXEC,
+}
+_DELETED = b" (deleted)"
+
+
+def _parse_map_line(line: bytes) -> tuple:
+    """The 11 MapEntry fields of one maps/smaps header line.
+
+    Layout (fs/proc/task_mmu.c, show_vma_header_prefix + show_map_vma):
+    "start-end perms offset major:minor inode", then, if the VMA has a name,
+    padding to column 73 and the name.  The name is a d_path (starts with
+    '/'), a pseudo name ("[heap]", "[anon:x]") or "/memfd:x (deleted)"; it
+    can hold spaces and any byte but '\\n', which seq_path() escapes as
+    "\\012".  A name that really ends in " (deleted)" is indistinguishable
+    from a deleted file: the kernel gives no other hint.
+    """
+    parts = line.split(None, 5)
+    addr, perms, offset, dev, inode = parts[:5]
+    start, _, end = addr.partition(b"-")
+    major, _, minor = dev.partition(b":")
+    deleted = False
+    if len(parts) == 6:
+        name = parts[5]
+        if name.endswith(_DELETED):
+            name = name[: -len(_DELETED)]
+            deleted = True
+        if b"\\012" in name:
+            name = name.replace(b"\\012", b"\n")
+        path = os.fsdecode(name)
+    else:
+        path = ""
+    return (
+        int(start, 16), int(end, 16), perms.decode("ascii"), _PROT_OF[perms[:3]],
+        perms[3:4] == b"s", int(offset, 16), int(major, 16), int(minor, 16),
+        int(inode), path, deleted,
+    )
+
+
+@_wrap_exceptions
+def read_maps(pid: int, *, procfs: str = "/proc") -> list[MapEntry]:
+    """The VMAs of /proc/PID/maps, in address order."""
+    data = _read(f"{procfs}/{pid}/maps")
+    return [MapEntry._make(_parse_map_line(line)) for line in data.splitlines() if line]
+
+
+_HEX_START = frozenset(b"0123456789abcdef")
+_KEY_CACHE: dict[bytes, str] = {}
+
+
+@_wrap_exceptions
+def read_smaps(pid: int, *, procfs: str = "/proc") -> list[SmapsEntry]:
+    """Every VMA of /proc/PID/smaps with its counters and VmFlags.
+
+    One pass over the lines: a VMA header starts with a lowercase hex digit,
+    every other line with an upper-case key ("Rss:", ..., "VmFlags:").
+    Takes a few tens of ms for thousands of VMAs; the kernel's own walk of
+    the page tables usually costs more.
+    """
+    data = _read(f"{procfs}/{pid}/smaps")
+    out: list[SmapsEntry] = []
+    head: tuple | None = None
+    counters: dict[str, int] = {}
+    vmflags = ""
+    key_cache = _KEY_CACHE
+    make = SmapsEntry._make
+    for line in data.split(b"\n"):
+        if not line:
+            continue
+        if line[0] in _HEX_START:
+            if head is not None:
+                out.append(make(head + (counters, vmflags)))
+            head = _parse_map_line(line)
+            counters = {}
+            vmflags = ""
+            continue
+        key, _, rest = line.partition(b":")
+        if key == b"VmFlags":
+            vmflags = rest.strip().decode("ascii")
+            continue
+        name = key_cache.get(key)
+        if name is None:
+            name = key_cache.setdefault(key, key.decode("ascii"))
+        words = rest.split()
+        if words:
+            try:
+                counters[name] = int(words[0])
+            except ValueError:      # not a number: not a counter we know
+                pass
+    if head is not None:
+        out.append(make(head + (counters, vmflags)))
+    return out
+
+
+@_wrap_exceptions
+def stat_map_file(pid: int, start: int, end: int, *,
+                  procfs: str = "/proc") -> os.stat_result | None:
+    """os.stat() of /proc/PID/map_files/START-END (the file behind a VMA).
+
+    The name is lowercase hex without 0x (fs/proc/base.c, map_files).  None
+    when there is no such entry (anonymous VMA, or bounds not of one VMA).
+    Needs CAP_SYS_ADMIN in the initial user namespace (else AccessDenied).
+    """
+    path = f"{procfs}/{pid}/map_files/{start:x}-{end:x}"
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        if _process_gone(pid, procfs):
+            raise
+        return None
+
+
+# --- pagemap and PAGEMAP_SCAN -----------------------------------------------
+
+# /proc/PID/pagemap: one u64 per virtual page (Documentation/admin-guide/mm/pagemap.rst)
+PM_PFN_MASK = (1 << 55) - 1
+PM_SOFT_DIRTY = 1 << 55
+PM_EXCLUSIVE = 1 << 56
+PM_UFFD_WP = 1 << 57
+PM_FILE = 1 << 61
+PM_SWAP = 1 << 62
+PM_PRESENT = 1 << 63
+
+
+def decode_pagemap_entry(value: int) -> PagemapEntry:
+    present = bool(value & PM_PRESENT)
+    swapped = bool(value & PM_SWAP)
+    low = value & PM_PFN_MASK
+    return PagemapEntry(
+        present=present,
+        swapped=swapped,
+        file_or_shared=bool(value & PM_FILE),
+        exclusive=bool(value & PM_EXCLUSIVE),
+        uffd_wp=bool(value & PM_UFFD_WP),
+        soft_dirty=bool(value & PM_SOFT_DIRTY),
+        pfn=low if present else 0,
+        swap_type=low & 0x1F if swapped else 0,
+        swap_offset=low >> 5 if swapped else 0,
+    )
+
+
+def pagemap_values(raw: bytes) -> memoryview:
+    """The u64 entries of a read_pagemap() result, without copying."""
+    return memoryview(raw).cast("Q")
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    chunks = []
+    while size > 0:
+        b = os.pread(fd, size, offset)
+        if not b:
+            break
+        chunks.append(b)
+        size -= len(b)
+        offset += len(b)
+    return b"".join(chunks)
+
+
+def _check_range(start: int, end: int) -> tuple[int, int]:
+    if start < 0 or end < start:
+        raise ValueError(f"bad address range {start:#x}-{end:#x}")
+    mask = PAGE_SIZE - 1
+    return start & ~mask, (end + mask) & ~mask
+
+
+def _check_short_pagemap(pid: int, procfs: str) -> None:
+    """Raise if a short pagemap read means the process is gone.
+
+    pagemap_read() returns 0 bytes once the mm is gone (exit, zombie), and
+    stops at the end of the user address space (mm->task_size: [vsyscall]
+    lies beyond it); only the latter is a normal short read.
+    """
+    err = _why_no_mm(pid, procfs)
+    if err is not None:
+        raise err
+
+
+@_wrap_exceptions
+def read_pagemap(pid: int, start: int, end: int, *, procfs: str = "/proc") -> bytes:
+    """Raw /proc/PID/pagemap entries for [start, end): 8 bytes per page.
+
+    Use pagemap_values() / decode_pagemap_entry() on the result.  PFNs read
+    as 0 without CAP_SYS_ADMIN (since 4.0).  Pages past the end of the user
+    address space (the kernel stops reading there) come back as zeros.
+    """
+    start, end = _check_range(start, end)
+    path = f"{procfs}/{pid}/pagemap"
+    want = ((end - start) >> PAGE_SHIFT) * 8
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = _pread_all(fd, want, (start >> PAGE_SHIFT) * 8)
+    finally:
+        os.close(fd)
+    if len(data) != want:
+        _check_short_pagemap(pid, procfs)
+        data += bytes(want - len(data))     # past the user address space: absent
+    return data
+
+
+def _IOWR(typ: str, nr: int, size: int) -> int:
+    # include/uapi/asm-generic/ioctl.h: dir(2) size(14) type(8) nr(8)
+    return (3 << 30) | (size << 16) | (ord(typ) << 8) | nr
+
+
+class _PmScanArg(ctypes.Structure):
+    """struct pm_scan_arg, include/uapi/linux/fs.h (Linux 6.7)."""
+
+    _fields_ = [
+        ("size", ctypes.c_uint64),               # sizeof(struct pm_scan_arg)
+        ("flags", ctypes.c_uint64),              # PM_SCAN_WP_MATCHING, PM_SCAN_CHECK_WPASYNC
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+        ("walk_end", ctypes.c_uint64),           # out: where the walk stopped
+        ("vec", ctypes.c_uint64),                # struct page_region * (in OUR memory)
+        ("vec_len", ctypes.c_uint64),
+        ("max_pages", ctypes.c_uint64),          # 0 = no limit
+        ("category_inverted", ctypes.c_uint64),  # categories that match when 0
+        ("category_mask", ctypes.c_uint64),      # all of these must match
+        ("category_anyof_mask", ctypes.c_uint64),  # at least one must match
+        ("return_mask", ctypes.c_uint64),        # categories reported in page_region
+    ]
+
+
+# struct page_region { __u64 start, end, categories; }
+_PAGE_REGION_SIZE = 24
+PAGEMAP_SCAN = _IOWR("f", 16, ctypes.sizeof(_PmScanArg))   # 0xc0606610 on x86_64
+assert ctypes.sizeof(_PmScanArg) == 96
+
+
+def _probe_pagemap_scan() -> bool:
+    """Whether this kernel answers PAGEMAP_SCAN (an empty scan of ourselves)."""
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        arg = _PmScanArg(size=ctypes.sizeof(_PmScanArg))
+        fcntl.ioctl(fd, PAGEMAP_SCAN, arg)
+        return True
+    except OSError:     # ENOTTY before 6.7
+        return False
+    finally:
+        os.close(fd)
+
+
+HAS_PAGEMAP_SCAN = _probe_pagemap_scan()
+
+
+@functools.cache
+def zero_page_pfn() -> int | None:
+    """PFN of the kernel's shared zero page, or None when PFNs are hidden.
+
+    Found the way a process meets it: read (never write) a fresh private
+    anonymous page and look at our own pagemap.  That PFN is static
+    (empty_zero_page); the *huge* zero page is refcounted and may move, so
+    the pagemap fallback does not try to recognise it.
+    """
+    m = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = (ctypes.c_char * PAGE_SIZE).from_buffer(m)
+        try:
+            _ = buf[0]          # read fault: maps the zero page
+            addr = ctypes.addressof(buf)
+        finally:
+            del buf
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.pread(fd, 8, (addr >> PAGE_SHIFT) * 8)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        m.close()
+    if len(raw) != 8:
+        return None
+    (value,) = struct.unpack("=Q", raw)
+    pfn = value & PM_PFN_MASK
+    if not value & PM_PRESENT or pfn == 0:
+        return None
+    return pfn
+
+
+def _scan_masks(skip_zero: bool, skip_file: bool, return_mask: int) -> tuple[int, int, int, int]:
+    """(category_inverted, category_mask, category_anyof_mask, return_mask)."""
+    inverted = mask = 0
+    if skip_zero:
+        inverted |= PAGE_IS_PFNZERO
+        mask |= PAGE_IS_PFNZERO
+    if skip_file:
+        inverted |= PAGE_IS_FILE
+        mask |= PAGE_IS_FILE
+    anyof = PAGE_IS_PRESENT | PAGE_IS_SWAPPED
+    if return_mask & ~_PM_SCAN_CATEGORIES:
+        raise ValueError(f"return_mask {return_mask:#x} has unknown PAGE_IS_* bits")
+    return inverted, mask, anyof, return_mask
+
+
+def _append_runs(runs: list[PageRun], new) -> None:
+    """Extend runs with new ones, merging the first new run into the last old
+    one when it continues it (a run cut at a chunk or buffer boundary)."""
+    it = iter(new)
+    first = next(it, None)
+    if first is None:
+        return
+    if runs:
+        last = runs[-1]
+        if last.end == first.start and last.categories == first.categories:
+            runs[-1] = PageRun(last.start, first.end, first.categories)
+            runs.extend(it)
+            return
+    runs.append(first)
+    runs.extend(it)
+
+
+def _scan_ioctl(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
+                max_regions: int, pid: int, path: str) -> list[PageRun]:
+    """Walk [start, end) with PAGEMAP_SCAN, looping while the buffer fills up.
+
+    The kernel merges adjacent pages of equal (masked) categories into one
+    page_region and stops, setting walk_end, when vec is full; runs cut at
+    such a boundary are merged again here.  vec lives in our memory: the
+    ioctl copies to the caller, it only walks the target's page tables.
+    """
+    inverted, mask, anyof, ret = masks
+    vec = (ctypes.c_uint64 * (3 * max_regions))()
+    view = memoryview(vec).cast("B").cast("Q")
+    arg = _PmScanArg(
+        size=ctypes.sizeof(_PmScanArg), vec=ctypes.addressof(vec), vec_len=max_regions,
+        category_inverted=inverted, category_mask=mask,
+        category_anyof_mask=anyof, return_mask=ret,
+    )
+    runs: list[PageRun] = []
+    pos = start
+    while pos < end:
+        arg.start = pos
+        arg.end = end
+        arg.walk_end = 0
+        try:
+            n = fcntl.ioctl(fd, PAGEMAP_SCAN, arg)
+        except OSError as err:     # name the file in the error
+            raise OSError(err.errno, err.strerror, path) from err
+        vals = view[: 3 * n].tolist()
+        _append_runs(runs, map(PageRun._make, zip(vals[0::3], vals[1::3], vals[2::3])))
+        # Kernel quirk (seen on 6.18): when vec fills up exactly with the
+        # last pages of the range, walk_end points back at the start of the
+        # kernel's last internal batch (<= 512 regions), although the regions
+        # up to the end were all reported; resuming there would report them
+        # twice.  The regions come in address order, so resume after the last.
+        next_pos = max(arg.walk_end, vals[-2] if n else 0)
+        if next_pos <= pos:
+            raise ProcfsError(pid, path, f"PAGEMAP_SCAN made no progress at {pos:#x}")
+        pos = next_pos
+    return runs
+
+
+# Fallback: categories from the top byte (bits 56-63) of each pagemap entry.
+def _top_byte_category(b: int) -> int:
+    present, swapped = b & 0x80, b & 0x40          # bits 63, 62
+    c = 0 if b & 0x02 else PAGE_IS_WRITTEN          # bit 57 uffd-wp
+    if present:
+        c |= PAGE_IS_PRESENT
+    elif swapped:
+        c |= PAGE_IS_SWAPPED
+    if (present or swapped) and b & 0x20:           # bit 61 file / shared anon
+        c |= PAGE_IS_FILE
+    return c
+
+
+_TOP_TABLE = bytes(_top_byte_category(b) for b in range(256))
+# bit 55 (soft-dirty) is bit 7 of byte 6 of the little-endian entry
+_SD_TABLE = bytes(PAGE_IS_SOFT_DIRTY if b & 0x80 else 0 for b in range(256))
+# Run finder over the per-page output bytes; 0 = not reported.
+_RUN_RE = re.compile(rb"([^\x00])\1*", re.DOTALL)
+_FALLBACK_CHUNK_PAGES = 1 << 16     # 512 KiB of pagemap per pread
+
+
+def _filter_table(masks: tuple[int, int, int, int]) -> bytes:
+    """Per-category byte -> output byte: 0 when the page is skipped, else its
+    returned categories | 1 (the fallback never produces WPALLOWED (bit 0)
+    or HUGE, so bit 0 is free to mark "reported")."""
+    inverted, mask, anyof, ret = masks
+    out = bytearray(256)
+    for c in range(256):
+        t = c ^ inverted
+        if (t & mask) != mask or (anyof and not t & anyof):
+            continue
+        out[c] = (c & ret & ~PAGE_IS_WPALLOWED) | 1
+    return bytes(out)
+
+
+def _scan_pagemap_fd(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
+                     zero_pfn: int | None, pid: int, procfs: str, path: str) -> list[PageRun]:
+    """The PAGEMAP_SCAN semantics computed from classic pagemap entries.
+
+    Works in bulk: bytes slicing picks the flag byte of every entry,
+    bytes.translate maps it to PAGE_IS_* bits, a regex finds the zero-page
+    PFNs and another one the runs.  What it cannot know: WPALLOWED, HUGE
+    (needs /proc/kpageflags), and the huge zero page (reported as data); a
+    zero page is only recognised when PFNs are visible (root).
+    """
+    table = _filter_table(masks)
+    want_sd = bool((masks[0] | masks[1] | masks[2] | masks[3]) & PAGE_IS_SOFT_DIRTY)
+    zero_re = None
+    if zero_pfn is not None:
+        low = zero_pfn.to_bytes(8, "little")
+        b6 = low[6] & 0x7F
+        zero_re = re.compile(
+            b"(?=" + re.escape(low[:6]) + b"[" + re.escape(bytes([b6])) + re.escape(bytes([b6 | 0x80]))
+            + b"][\x80-\xff])", re.DOTALL)
+    runs: list[PageRun] = []
+    page = start >> PAGE_SHIFT
+    last_page = end >> PAGE_SHIFT
+    while page < last_page:
+        count = min(_FALLBACK_CHUNK_PAGES, last_page - page)
+        raw = _pread_all(fd, count * 8, page * 8)
+        if len(raw) != count * 8:
+            _check_short_pagemap(pid, procfs)
+            count = len(raw) // 8       # past the user address space: nothing there
+            if not count:
+                break
+        cats = raw[7::8].translate(_TOP_TABLE)
+        if want_sd:
+            sd = raw[6::8].translate(_SD_TABLE)
+            cats = (int.from_bytes(cats, "little") | int.from_bytes(sd, "little")).to_bytes(count, "little")
+        if zero_re is not None:
+            buf = bytearray(cats)
+            for m in zero_re.finditer(raw):
+                i = m.start()
+                if not i & 7:
+                    buf[i >> 3] |= PAGE_IS_PFNZERO
+            cats = bytes(buf)
+        out = cats.translate(table)
+        base = page << PAGE_SHIFT
+        _append_runs(runs, (
+            PageRun(base + (m.start() << PAGE_SHIFT), base + (m.end() << PAGE_SHIFT),
+                    out[m.start()] & ~1)
+            for m in _RUN_RE.finditer(out)))
+        page += count
+    return runs
+
+
+@_wrap_exceptions
+def scan_pages(pid: int, start: int, end: int, *,
+               skip_zero: bool = True,
+               skip_file: bool = False,
+               return_mask: int = DEFAULT_RETURN_MASK,
+               method: ScanMethod = ScanMethod.AUTO,
+               max_regions: int = 16384,
+               procfs: str = "/proc") -> list[PageRun]:
+    """Runs of pages in [start, end) that hold data: present or swapped and,
+    with ``skip_zero``, not the (huge) zero page.
+
+    Each run carries its PAGE_IS_* categories masked by ``return_mask``
+    (default PRESENT | SWAPPED | FILE), and adjacent pages share a run only
+    when those agree.  FILE means "not an anonymous page": clean page cache
+    of a file mapping, or shmem / MAP_SHARED|MAP_ANONYMOUS memory.  For a
+    *private* file mapping only the non-FILE pages are the process's own
+    (written, copied on write): pass ``skip_file=True`` or drop the FILE
+    runs.  Careful with shared mappings: their pages are FILE, and pages
+    never faulted in by this process (or swapped shmem pages, which leave
+    no swap entry in the page table) are not reported at all.
+
+    ``method``: PAGEMAP_SCAN ioctl (Linux 6.7+) with a buffer of
+    ``max_regions`` page_regions, or parsing /proc/PID/pagemap (see
+    _scan_pagemap_fd for what that cannot see).  AUTO uses the ioctl and
+    falls back when the kernel (or the file: a fixture tree) refuses it.
+    """
+    start, end = _check_range(start, end)
+    masks = _scan_masks(skip_zero, skip_file, return_mask)
+    if not skip_zero:
+        masks = masks[:3] + (masks[3] | PAGE_IS_PFNZERO,)
+    path = f"{procfs}/{pid}/pagemap"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if start == end:
+            return []
+        if method is ScanMethod.IOCTL or (method is ScanMethod.AUTO and HAS_PAGEMAP_SCAN):
+            try:
+                return _scan_ioctl(fd, start, end, masks, max_regions, pid, path)
+            except OSError as err:
+                # ENOTTY: no PAGEMAP_SCAN (before 6.7, or not a procfs file);
+                # EFAULT: the range goes past the user address space, e.g.
+                # [vsyscall], which access_ok() refuses; the pagemap reader
+                # reports such pages as absent.
+                if err.errno == _errno.EFAULT or (
+                        method is ScanMethod.AUTO and err.errno in (_errno.ENOTTY, _errno.EINVAL)):
+                    pass
+                else:
+                    raise
+        zero_pfn = zero_page_pfn() if skip_zero or masks[3] & PAGE_IS_PFNZERO else None
+        return _scan_pagemap_fd(fd, start, end, masks, zero_pfn, pid, procfs, path)
+    finally:
+        os.close(fd)
+
+
+# --- stat and status --------------------------------------------------------
+
+def _parse_stat(data: bytes) -> Stat:
+    # "pid (comm) state ppid ...": comm is up to 15 bytes of anything, so
+    # split at the FIRST '(' and the LAST ')' (fs/proc/array.c, do_task_stat).
+    lpar = data.index(b"(")
+    rpar = data.rindex(b")")
+    pid = int(data[:lpar])
+    comm = os.fsdecode(data[lpar + 1:rpar])
+    rest = data[rpar + 1:].split()
+    state = rest[0].decode("ascii")
+    nums = [int(x) for x in rest[1:]]
+    nfields = len(Stat._fields) - 3
+    if len(nums) < nfields:
+        nums += [0] * (nfields - len(nums))
+    return Stat(pid, comm, state, *nums[:nfields])
+
+
+@_wrap_exceptions
+def read_stat(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> Stat:
+    """/proc/PID/stat, or /proc/PID/task/TID/stat when tid is given."""
+    return _parse_stat(_read(_path(procfs, pid, tid, "stat")))
+
+
+def _ints(text: str, base: int = 10) -> tuple[int, ...]:
+    return tuple(int(x, base) for x in text.split())
+
+
+def _unescape_name(text: str) -> str:
+    # proc_task_name(..., escape=true) escapes only '\n' and '\\'
+    # (seq_escape_str with ESCAPE_SPACE | ESCAPE_SPECIAL, "\n\\").
+    if "\\" not in text:
+        return text
+    return re.sub(r"\\(n|\\)", lambda m: "\n" if m.group(1) == "n" else "\\", text)
+
+
+_VM_KEYS = ("Vm", "Rss", "HugetlbPages")
+
+
+@_wrap_exceptions
+def read_status(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> Status:
+    """/proc/PID/status (or the thread's, with tid)."""
+    raw: dict[str, str] = {}
+    for line in _read_text(_path(procfs, pid, tid, "status")).splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            raw[key] = value.strip()
+
+    def num(key: str, default: int = 0) -> int:
+        v = raw.get(key)
+        return int(v) if v else default
+
+    def hexnum(key: str) -> int:
+        v = raw.get(key)
+        return int(v, 16) if v else 0
+
+    def four(key: str) -> tuple[int, int, int, int]:
+        v = _ints(raw.get(key, ""))
+        return tuple(v) if len(v) == 4 else (v + (0, 0, 0, 0))[:4]   # type: ignore[return-value]
+
+    if "Kthread" in raw:
+        kthread = raw["Kthread"] == "1"
+    else:
+        # before 6.x (Kthread: line) only PF_KTHREAD in stat field 9 tells
+        kthread = read_stat(pid, tid, procfs=procfs).is_kthread
+    sig_q = _ints(raw.get("SigQ", "0/0").replace("/", " "))
+    vm = {}
+    for key, value in raw.items():
+        if key.startswith(_VM_KEYS) and value.endswith("kB"):
+            vm[key] = int(value.split()[0])
+    umask = raw.get("Umask")
+    return Status(
+        name=_unescape_name(raw.get("Name", "")),
+        umask=int(umask, 8) if umask else None,
+        state=raw.get("State", "?")[:1],
+        tgid=num("Tgid"),
+        ngid=num("Ngid"),
+        pid=num("Pid"),
+        ppid=num("PPid"),
+        tracer_pid=num("TracerPid"),
+        uids=four("Uid"),
+        gids=four("Gid"),
+        fd_size=num("FDSize"),
+        groups=_ints(raw.get("Groups", "")),
+        nstgid=_ints(raw.get("NStgid", "")),
+        nspid=_ints(raw.get("NSpid", "")),
+        nspgid=_ints(raw.get("NSpgid", "")),
+        nssid=_ints(raw.get("NSsid", "")),
+        kthread=kthread,
+        threads=num("Threads"),
+        sig_q=(sig_q[0], sig_q[1]) if len(sig_q) == 2 else (0, 0),
+        sig_pnd=hexnum("SigPnd"),
+        shd_pnd=hexnum("ShdPnd"),
+        sig_blk=hexnum("SigBlk"),
+        sig_ign=hexnum("SigIgn"),
+        sig_cgt=hexnum("SigCgt"),
+        cap_inh=hexnum("CapInh"),
+        cap_prm=hexnum("CapPrm"),
+        cap_eff=hexnum("CapEff"),
+        cap_bnd=hexnum("CapBnd"),
+        cap_amb=hexnum("CapAmb"),
+        no_new_privs=raw.get("NoNewPrivs") == "1",
+        seccomp=num("Seccomp"),
+        seccomp_filters=num("Seccomp_filters"),
+        core_dumping=raw.get("CoreDumping") == "1",
+        cpus_allowed_list=raw.get("Cpus_allowed_list", ""),
+        mems_allowed_list=raw.get("Mems_allowed_list", ""),
+        voluntary_ctxt_switches=num("voluntary_ctxt_switches"),
+        nonvoluntary_ctxt_switches=num("nonvoluntary_ctxt_switches"),
+        vm=vm,
+        raw=raw,
+    )
+
+
+# --- tasks and children -----------------------------------------------------
+
+@_wrap_exceptions
+def list_tids(pid: int, *, procfs: str = "/proc") -> list[int]:
+    """Thread ids of the thread group of pid: pid (the leader) first, then sorted."""
+    tids = sorted(int(name) for name in os.listdir(f"{procfs}/{pid}/task") if name.isdigit())
+    if pid in tids:
+        tids.remove(pid)
+        tids.insert(0, pid)
+    return tids
+
+
+@_wrap_exceptions
+def read_children(pid: int, *, procfs: str = "/proc") -> list[int]:
+    """Children of every thread of pid, sorted (union of task/*/children).
+
+    The children file (CONFIG_PROC_CHILDREN, 3.5+) is per thread: a child
+    belongs to the thread that forked it.  A thread that exits while we read
+    is skipped; a tree without the file raises ProcEntryMissing.
+    """
+    children: set[int] = set()
+    for name in os.listdir(f"{procfs}/{pid}/task"):
+        try:
+            data = _read(f"{procfs}/{pid}/task/{name}/children")
+        except (FileNotFoundError, ProcessLookupError):
+            if os.path.isdir(f"{procfs}/{pid}/task/{name}"):
+                raise
+            continue
+        children.update(int(x) for x in data.split())
+    if not os.path.isdir(f"{procfs}/{pid}"):
+        raise NoSuchProcess(pid)
+    return sorted(children)
+
+
+# --- small files ------------------------------------------------------------
+
+_AUXV_PAIR = struct.Struct("=QQ")   # x86_64: two unsigned longs
+
+
+@_wrap_exceptions
+def read_auxv(pid: int, *, procfs: str = "/proc") -> list[AuxEntry]:
+    """The ELF auxiliary vector the process was started with, without AT_NULL.
+
+    64-bit layout only (a 32-bit tracee has 4-byte pairs).  Empty for kernel
+    threads and for zombies.
+    """
+    data = _read(f"{procfs}/{pid}/auxv")
+    out = []
+    for a_type, a_val in _AUXV_PAIR.iter_unpack(data[: len(data) - len(data) % 16]):
+        if a_type == 0:     # AT_NULL ends the vector
+            break
+        out.append(AuxEntry(a_type, a_val))
+    return out
+
+
+# fs/proc/base.c, lnames[]: the text of each line, indexed by RLIMIT_*.
+RLIMIT_NAMES = (
+    "Max cpu time",           # RLIMIT_CPU 0
+    "Max file size",          # RLIMIT_FSIZE 1
+    "Max data size",          # RLIMIT_DATA 2
+    "Max stack size",         # RLIMIT_STACK 3
+    "Max core file size",     # RLIMIT_CORE 4
+    "Max resident set",       # RLIMIT_RSS 5
+    "Max processes",          # RLIMIT_NPROC 6
+    "Max open files",         # RLIMIT_NOFILE 7
+    "Max locked memory",      # RLIMIT_MEMLOCK 8
+    "Max address space",      # RLIMIT_AS 9
+    "Max file locks",         # RLIMIT_LOCKS 10
+    "Max pending signals",    # RLIMIT_SIGPENDING 11
+    "Max msgqueue size",      # RLIMIT_MSGQUEUE 12
+    "Max nice priority",      # RLIMIT_NICE 13
+    "Max realtime priority",  # RLIMIT_RTPRIO 14
+    "Max realtime timeout",   # RLIMIT_RTTIME 15
+)
+RLIM_INFINITY = _U64_MAX
+
+
+def _rlim(text: str) -> int:
+    return RLIM_INFINITY if text == "unlimited" else int(text)
+
+
+@_wrap_exceptions
+def read_limits(pid: int, *, procfs: str = "/proc") -> list[Rlimit]:
+    """Resource limits from /proc/PID/limits, in RLIMIT_* order.
+
+    Lines are "%-25s %-20s %-20s %-10s" (name, soft, hard, units); the names
+    have spaces, so lines are matched against the known names.  Values are
+    in the rlimit's own unit (seconds for CPU, microseconds for RTTIME).
+    """
+    out = []
+    for line in _read_text(f"{procfs}/{pid}/limits").splitlines()[1:]:
+        for resource, name in enumerate(RLIMIT_NAMES):
+            if line.startswith(name + " "):
+                soft, hard = line[len(name):].split()[:2]
+                out.append(Rlimit(resource, _rlim(soft), _rlim(hard)))
+                break
+    out.sort()
+    return out
+
+
+# "key:\tvalue" where the key may contain spaces ("settime flags") but is
+# followed by whitespace; lines like "inotify wd:1 ino:..." have no such
+# colon and are keyed by their first word.
+_FDINFO_KEY = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_ -]*?):\s+(.*)")
+
+
+@_wrap_exceptions
+def read_fdinfo(pid: int, fd: int, *, procfs: str = "/proc") -> FdInfo:
+    """/proc/PID/fdinfo/FD: pos, flags (octal), mnt_id, ino, and the rest raw."""
+    pos = flags = mnt_id = 0
+    ino = None
+    extra: dict[str, list[str]] = {}
+    for line in _read_text(f"{procfs}/{pid}/fdinfo/{fd}").splitlines():
+        if not line.strip():
+            continue
+        m = _FDINFO_KEY.match(line)
+        if m:
+            key, value = m.group(1), m.group(2).strip()
+        else:
+            key, _, value = line.strip().partition(" ")
+            value = value.strip()
+        if key == "pos":
+            pos = int(value)
+        elif key == "flags":
+            flags = int(value, 8)
+        elif key == "mnt_id":
+            mnt_id = int(value)
+        elif key == "ino":
+            ino = int(value)
+        else:
+            extra.setdefault(key, []).append(value)
+    return FdInfo(pos, flags, mnt_id, ino, extra)
+
+
+@_wrap_exceptions
+def list_fds(pid: int, *, procfs: str = "/proc") -> list[int]:
+    """Open file descriptors of pid, sorted."""
+    return sorted(int(name) for name in os.listdir(f"{procfs}/{pid}/fd") if name.isdigit())
+
+
+@_wrap_exceptions
+def readlink_fd(pid: int, fd: int, *, procfs: str = "/proc") -> str:
+    """The target of /proc/PID/fd/FD: a path, or "pipe:[ino]", "socket:[ino]",
+    "anon_inode:[eventfd]" ...; a deleted file ends in " (deleted)"."""
+    return os.readlink(f"{procfs}/{pid}/fd/{fd}")
+
+
+def _split_nul(data: bytes) -> list[str]:
+    if data.endswith(b"\0"):
+        data = data[:-1]
+    if not data:
+        return []
+    return [os.fsdecode(x) for x in data.split(b"\0")]
+
+
+@_wrap_exceptions
+def read_cmdline(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """argv as the process now shows it (NUL separated); [] for kernel threads."""
+    return _split_nul(_read(f"{procfs}/{pid}/cmdline"))
+
+
+@_wrap_exceptions
+def read_environ(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The initial environment block, as "KEY=VALUE" strings in order.
+
+    A list, not a dict: entries need not contain '=' and keys may repeat.
+    """
+    return _split_nul(_read(f"{procfs}/{pid}/environ"))
+
+
+@_wrap_exceptions
+def read_comm(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> str:
+    """The task's comm (up to 15 bytes), from /proc/PID[/task/TID]/comm."""
+    data = _read(_path(procfs, pid, tid, "comm"))
+    return os.fsdecode(data[:-1] if data.endswith(b"\n") else data)
+
+
+@_wrap_exceptions
+def read_exe(pid: int, *, procfs: str = "/proc") -> str:
+    """The executable's path (" (deleted)" appended by the kernel if unlinked)."""
+    return os.readlink(f"{procfs}/{pid}/exe")
+
+
+@_wrap_exceptions
+def read_cwd(pid: int, *, procfs: str = "/proc") -> str:
+    return os.readlink(f"{procfs}/{pid}/cwd")
+
+
+@_wrap_exceptions
+def read_root(pid: int, *, procfs: str = "/proc") -> str:
+    return os.readlink(f"{procfs}/{pid}/root")
+
+
+@_wrap_exceptions
+def read_oom_score_adj(pid: int, *, procfs: str = "/proc") -> int:
+    return int(_read(f"{procfs}/{pid}/oom_score_adj"))
+
+
+@_wrap_exceptions
+def read_timerslack_ns(pid: int, *, procfs: str = "/proc") -> int:
+    """The task's timer slack; per thread in the kernel, but the file exists
+    only at /proc/PID (pass a tid as pid for another thread).  Reading needs
+    PTRACE_MODE_ATTACH (4.6+)."""
+    return int(_read(f"{procfs}/{pid}/timerslack_ns"))
+
+
+@_wrap_exceptions
+def read_personality(pid: int, *, procfs: str = "/proc") -> int:
+    """personality(2) flags; the file holds them as 8 hex digits."""
+    return int(_read(f"{procfs}/{pid}/personality"), 16)
+
+
+@_wrap_exceptions
+def read_syscall(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> SyscallInfo:
+    """The syscall a (stopped or blocked) thread is in.
+
+    Formats (fs/proc/base.c, proc_pid_syscall): "running"; "-1 SP PC" when
+    blocked outside a syscall; "NR A1 A2 A3 A4 A5 A6 SP PC" (NR decimal,
+    the rest 0x-hex).  Needs PTRACE_MODE_ATTACH.
+    """
+    text = _read_text(_path(procfs, pid, tid, "syscall")).strip()
+    if text == "running":
+        return SyscallInfo(True, None, (), None, None)
+    words = text.split()
+    nr = int(words[0])
+    vals = tuple(int(w, 16) for w in words[1:])
+    return SyscallInfo(False, nr, vals[:-2], vals[-2], vals[-1])
+
+
+@_wrap_exceptions
+def read_wchan(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> str:
+    """Symbol name the task sleeps in, or "0" (also when hidden by kptr_restrict)."""
+    return _read_text(_path(procfs, pid, tid, "wchan")).strip()
+
+
+@_wrap_exceptions
+def read_sessionid(pid: int, *, procfs: str = "/proc") -> int:
+    """The audit session id; 4294967295 (AUDIT_SID_UNSET) when none."""
+    return int(_read(f"{procfs}/{pid}/sessionid"))

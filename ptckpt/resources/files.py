@@ -1,0 +1,171 @@
+"""File descriptors: what each fd of a process is, with enough detail to reopen it.
+
+Dump half: :func:`dump_fds`.  Kinds are decided by :func:`classify_fd` from
+the /proc/PID/fd link text and the stat of the open file; the table
+``RESTORABLE_KINDS`` says which kinds the restore side can recreate, and
+:func:`unsupported_fds` names the others (they are recorded, never dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat as _stat
+
+from .. import procfs
+from ..errors import PtckptError
+from ..formats.model import Fd, FdKind
+from ..tracee import pidfd_getfd
+
+O_PATH = 0o10000000
+O_CLOEXEC = 0o2000000
+
+_ANON_KINDS = {
+    "[eventfd]": FdKind.EVENTFD,
+    "[eventpoll]": FdKind.EPOLL,
+    "[timerfd]": FdKind.TIMERFD,
+    "[signalfd]": FdKind.SIGNALFD,
+    "inotify": FdKind.INOTIFY,
+    "[fanotify]": FdKind.FANOTIFY,
+    "[io_uring]": FdKind.IO_URING,
+    "[userfaultfd]": FdKind.USERFAULTFD,
+    "[pidfd]": FdKind.PIDFD,
+    "[perf_event]": FdKind.PERF_EVENT,
+}
+_NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "time:")
+
+# Kinds the restore side recreates (regular files and directories by path,
+# the stdio terminal/pipe of a shell job, character devices like /dev/null).
+RESTORABLE_KINDS = frozenset({
+    FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
+    FdKind.PTY_SLAVE, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
+})
+
+
+def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = "") -> FdKind:
+    """The kind of an fd from its /proc/PID/fd link, its stat and its open flags."""
+    if link.startswith("pipe:["):
+        return FdKind.PIPE
+    if link.startswith("socket:["):
+        return FdKind.SOCKET
+    if link.startswith("anon_inode:"):
+        name = link[len("anon_inode:"):]
+        if name.startswith("bpf"):
+            return FdKind.BPF
+        return _ANON_KINDS.get(name, FdKind.ANON_INODE)
+    if link.startswith("pidfd:"):
+        return FdKind.PIDFD
+    if link.startswith(_NS_PREFIXES):
+        return FdKind.NSFS
+    if link.startswith("/memfd:"):
+        return FdKind.MEMFD
+    if flags & O_PATH:
+        return FdKind.PATH
+    if fstype == "mqueue":
+        return FdKind.MQUEUE
+    if st is None:
+        return FdKind.UNKNOWN
+    mode = st.st_mode
+    if _stat.S_ISREG(mode):
+        return FdKind.REGULAR
+    if _stat.S_ISDIR(mode):
+        return FdKind.DIRECTORY
+    if _stat.S_ISFIFO(mode):
+        return FdKind.FIFO
+    if _stat.S_ISSOCK(mode):
+        return FdKind.SOCKET
+    if _stat.S_ISBLK(mode):
+        return FdKind.BLOCKDEV
+    if _stat.S_ISCHR(mode):
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if major == 5 and minor == 2 or link.endswith("/ptmx"):
+            return FdKind.PTY_MASTER
+        if 136 <= major <= 143:
+            return FdKind.PTY_SLAVE
+        if major == 4 or (major == 5 and minor in (0, 1)):
+            return FdKind.TTY
+        return FdKind.CHARDEV
+    return FdKind.UNKNOWN
+
+
+def _socket_details(pid: int, fd: int) -> list[tuple[str, str]]:
+    """Family, type, protocol and addresses of a socket fd, from a copy of it (pidfd_getfd)."""
+    out: list[tuple[str, str]] = []
+    try:
+        copy = pidfd_getfd(pid, fd)
+    except PtckptError:
+        return out
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return out
+    try:
+        out.append(("family", sock.family.name if hasattr(sock.family, "name") else str(sock.family)))
+        out.append(("type", sock.type.name if hasattr(sock.type, "name") else str(sock.type)))
+        out.append(("protocol", str(sock.proto)))
+        for key, getter in (("local", sock.getsockname), ("peer", sock.getpeername)):
+            with contextlib.suppress(OSError):
+                addr = getter()
+                out.append((key, addr if isinstance(addr, str) else repr(addr)))
+        with contextlib.suppress(OSError):
+            out.append(("listening", str(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))))
+    finally:
+        sock.detach()
+        os.close(copy)
+    return out
+
+
+def _mount_fstypes(pid: int) -> dict[int, str]:
+    """mnt_id -> filesystem type from /proc/PID/mountinfo (man 5 proc: field 1 and after ' - ')."""
+    out: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            for line in f:
+                left, _, right = line.partition(b" - ")
+                out[int(left.split(b" ", 1)[0])] = os.fsdecode(right.split(b" ", 1)[0])
+    return out
+
+
+def dump_fds(pid: int) -> list[Fd]:
+    """Every open fd of `pid` (works on a running or a frozen process)."""
+    fstypes = _mount_fstypes(pid)
+    out: list[Fd] = []
+    for fd in procfs.list_fds(pid):
+        try:
+            link = procfs.readlink_fd(pid, fd)
+            info = procfs.read_fdinfo(pid, fd)
+        except procfs.FdGone:
+            continue
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            st = None
+        kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
+        details = [(k, v) for k, v in info.extra.items()]
+        if kind is FdKind.SOCKET:
+            details.extend(_socket_details(pid, fd))
+        out.append(Fd(
+            fd=fd,
+            kind=kind,
+            path=link,
+            flags=info.flags,
+            pos=info.pos,
+            cloexec=bool(info.flags & O_CLOEXEC),
+            mnt_id=info.mnt_id,
+            dev=st.st_dev if st else 0,
+            ino=st.st_ino if st else info.ino,
+            mode=st.st_mode if st else 0,
+            rdev=st.st_rdev if st else 0,
+            size=st.st_size if st else 0,
+            mtime_ns=st.st_mtime_ns if st else 0,
+            details=tuple(details),
+        ))
+    return out
+
+
+def unsupported_fds(fds: list[Fd]) -> list[str]:
+    """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd the restore cannot recreate yet."""
+    return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
+            for f in fds if f.kind not in RESTORABLE_KINDS]

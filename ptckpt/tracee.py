@@ -1,0 +1,759 @@
+"""Tracee control: the one module that touches python-ptrace.
+
+Layer 1 of the design (DESIGN.md).  It exposes snake_case objects:
+
+* :class:`Task` -- one kernel thread: seize/interrupt/wait/detach, registers
+  (NT_PRSTATUS and NT_X86_XSTATE regsets), sigmask, queued siginfo, rseq
+  configuration, robust list.
+* :class:`AddressSpace` -- the memory of one thread group: bulk reads with
+  process_vm_readv, /proc/PID/mem for the rest.
+* :class:`Session` -- tid -> Task for everything we seized, freeze and
+  resume of whole processes.
+* :func:`remote_syscalls` -- the injection scope (rr's AutoRemoteSyscalls):
+  saves the thread's registers, runs syscalls at a ``syscall`` instruction
+  inside the tracee and puts everything back on exit, even while an exception
+  unwinds.
+
+python-ptrace gives the ptrace() binding, ``user_regs_struct`` and the syscall
+table; the requests it lacks (SEIZE, INTERRUPT, LISTEN, GETREGSET for xstate,
+PEEKSIGINFO, GET/SETSIGMASK, GET_RSEQ_CONFIGURATION) are added here and
+nowhere else.  Every PtraceError / OSError is translated into the typed errors
+of :mod:`ptckpt.errors` by :func:`_ptrace` and :func:`_translate_os_error`; no
+bare OSError or PtraceError leaves this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import errno
+import os
+import signal
+import struct
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ptrace.binding import func as _pt
+from ptrace.binding.linux_struct import user_regs_struct as _user_regs_struct
+from ptrace.error import PtraceError
+from ptrace.syscall.linux.x86_64 import SYSCALL_NAMES as _SYSCALL_NAMES
+
+from .errors import (
+    AccessDenied,
+    NoSuchProcess,
+    RemoteSyscallError,
+    TargetVanished,
+    TraceeError,
+)
+from .formats.model import GP_REG_NAMES, PAGE_SIZE
+
+# --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
+PTRACE_GETREGS = 12
+PTRACE_SETREGS = 13
+PTRACE_GETREGSET = 0x4204
+PTRACE_SETREGSET = 0x4205
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_LISTEN = 0x4208
+PTRACE_PEEKSIGINFO = 0x4209
+PTRACE_GETSIGMASK = 0x420A
+PTRACE_SETSIGMASK = 0x420B
+PTRACE_GET_SYSCALL_INFO = 0x420E
+PTRACE_GET_RSEQ_CONFIGURATION = 0x420F
+PTRACE_PEEKSIGINFO_SHARED = 1
+PTRACE_EVENT_STOP = 128
+PTRACE_O_TRACESYSGOOD = 0x1
+NT_PRSTATUS = 1
+NT_X86_XSTATE = 0x202
+WALL = 0x40000000                     # __WALL: wait for clone children (threads) too
+
+# Kernel-internal restart codes a thread frozen in a syscall shows in rax
+# (include/linux/errno.h).
+ERESTARTSYS = 512
+ERESTARTNOINTR = 513
+ERESTARTNOHAND = 514
+ERESTART_RESTARTBLOCK = 516
+NR_RESTART_SYSCALL = 219
+
+# Lowest number wins: the table also lists the x32 entries (512+) under the same names.
+SYSCALL_NUMBERS = {name: nr for nr, name in sorted(_SYSCALL_NAMES.items(), reverse=True)}
+SYSCALL_NUMBERS.update({"clone3": 435, "pidfd_open": 434, "pidfd_getfd": 438,
+                        "rseq": 334})
+
+XSTATE_BUFFER_SIZE = 64 * 1024        # far above any XSAVE area a CPU has today
+
+
+class RemotePtr(int):
+    """An address in a tracee's address space (never one of ours)."""
+
+    def __repr__(self) -> str:
+        return f"RemotePtr({self:#x})"
+
+    def __add__(self, other: int) -> "RemotePtr":
+        return RemotePtr(int(self) + other)
+
+    def __sub__(self, other: int) -> "RemotePtr":
+        return RemotePtr(int(self) - other)
+
+
+class StopKind(enum.Enum):
+    """Why a tracee is stopped, decoded from a wait status."""
+
+    INTERRUPT = "interrupt"           # PTRACE_EVENT_STOP after PTRACE_INTERRUPT
+    GROUP_STOP = "group-stop"         # PTRACE_EVENT_STOP for SIGSTOP & co
+    SYSCALL = "syscall"               # syscall-enter/exit stop (TRACESYSGOOD)
+    SIGNAL = "signal"                 # signal-delivery-stop
+    EVENT = "event"                   # another PTRACE_EVENT_*
+    EXITED = "exited"                 # gone: exited or killed
+
+
+@dataclass(frozen=True)
+class WaitStatus:
+    kind: StopKind
+    signo: int = 0                    # stop signal, or the killing signal
+    exit_code: int = 0
+    event: int = 0
+
+    @classmethod
+    def decode(cls, status: int) -> "WaitStatus":
+        if os.WIFEXITED(status):
+            return cls(StopKind.EXITED, exit_code=os.WEXITSTATUS(status))
+        if os.WIFSIGNALED(status):
+            return cls(StopKind.EXITED, signo=os.WTERMSIG(status))
+        sig = os.WSTOPSIG(status)
+        event = (status >> 16) & 0xFF
+        if event == PTRACE_EVENT_STOP:
+            if sig in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+                return cls(StopKind.GROUP_STOP, signo=sig, event=event)
+            return cls(StopKind.INTERRUPT, signo=sig, event=event)
+        if event:
+            return cls(StopKind.EVENT, signo=sig, event=event)
+        if sig == (signal.SIGTRAP | 0x80):
+            return cls(StopKind.SYSCALL, signo=signal.SIGTRAP)
+        return cls(StopKind.SIGNAL, signo=sig)
+
+
+# --- the one choke point for ptrace errors --------------------------------
+
+def _ptrace(request: int, tid: int, addr: int = 0, data: int = 0, *, what: str = "") -> int:
+    try:
+        return _pt.ptrace(request, tid, addr, data)
+    except PtraceError as err:
+        raise _translate_errno(err.errno or 0, tid, what or f"ptrace request {request:#x}") from None
+
+
+def _translate_errno(err: int, pid: int, what: str) -> Exception:
+    if err == errno.ESRCH:
+        if not os.path.exists(f"/proc/{pid}"):
+            return TargetVanished(pid, what)
+        return TraceeError(pid, f"{what} on {pid}: thread is not stopped for us (ESRCH)")
+    if err == errno.EPERM:
+        return AccessDenied(pid)
+    return TraceeError(pid, f"{what} on {pid} failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})")
+
+
+def _translate_os_error(exc: OSError, pid: int, what: str) -> Exception:
+    if isinstance(exc, (ProcessLookupError, FileNotFoundError)) or exc.errno == errno.ESRCH:
+        return TargetVanished(pid, what)
+    if isinstance(exc, PermissionError):
+        return AccessDenied(pid, what)
+    return TraceeError(pid, f"{what} on {pid} failed: {exc.strerror or exc}")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _host_syscall(nr: int, *args: int) -> int:
+    """A syscall made by ptckpt itself; returns the result or -errno."""
+    res = _libc.syscall(ctypes.c_long(nr), *[ctypes.c_ulong(a & (2**64 - 1)) for a in args])
+    return -ctypes.get_errno() if res == -1 else res
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _RseqConfiguration(ctypes.Structure):
+    # struct ptrace_rseq_configuration (include/uapi/linux/ptrace.h)
+    _fields_ = [("rseq_abi_pointer", ctypes.c_uint64), ("rseq_abi_size", ctypes.c_uint32),
+                ("signature", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32)]
+
+
+class _PeekSiginfoArgs(ctypes.Structure):
+    # struct ptrace_peeksiginfo_args
+    _fields_ = [("off", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("nr", ctypes.c_int32)]
+
+
+@dataclass(frozen=True)
+class Rseq:
+    addr: int
+    size: int
+    signature: int
+    flags: int
+
+
+class Regs:
+    """General registers of one thread (struct user_regs_struct), by name."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: _user_regs_struct):
+        self._raw = raw
+
+    @classmethod
+    def from_values(cls, values: Sequence[int]) -> "Regs":
+        raw = _user_regs_struct()
+        for name, value in zip(GP_REG_NAMES, values):
+            setattr(raw, name, value & (2**64 - 1))
+        return cls(raw)
+
+    def values(self) -> tuple[int, ...]:
+        return tuple(getattr(self._raw, name) for name in GP_REG_NAMES)
+
+    def copy(self) -> "Regs":
+        return Regs.from_values(self.values())
+
+    def __getattr__(self, name: str) -> int:
+        return getattr(self._raw, name)
+
+    def __setattr__(self, name: str, value: int) -> None:
+        if name == "_raw":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._raw, name, value & (2**64 - 1))
+
+    def signed(self, name: str) -> int:
+        v = getattr(self._raw, name)
+        return v - 2**64 if v >= 2**63 else v
+
+
+def syscall_restart(regs: Regs) -> tuple[int, int]:
+    """Classify a thread frozen inside a syscall: (restart kind, syscall nr or -1).
+
+    kind is 0 (none), 1 (re-execute: -ERESTARTSYS/-NOINTR/-NOHAND) or 2
+    (-ERESTART_RESTARTBLOCK: restart_syscall with the kernel's restart block),
+    as in arch_do_signal_or_restart (arch/x86/kernel/signal.c).
+    """
+    nr = regs.signed("orig_rax")
+    if nr < 0:
+        return 0, -1
+    ret = regs.signed("rax")
+    if ret in (-ERESTARTSYS, -ERESTARTNOINTR, -ERESTARTNOHAND):
+        return 1, nr
+    if ret == -ERESTART_RESTARTBLOCK:
+        return 2, nr
+    return 0, nr
+
+
+def restarted_regs(regs: Regs) -> Regs:
+    """The registers the kernel would resume a frozen thread with (the restart fix-up).
+
+    Needed whenever we resume a thread from a syscall stop after injection: the
+    kernel's own restart handling only runs on the signal path, so registers
+    put back verbatim would hand -ERESTARTSYS (-512) to the program.
+    """
+    kind, nr = syscall_restart(regs)
+    out = regs.copy()
+    if kind == 1:
+        out.rax = nr
+        out.rip = regs.rip - 2
+        out.orig_rax = 2**64 - 1
+    elif kind == 2:
+        out.rax = NR_RESTART_SYSCALL
+        out.rip = regs.rip - 2
+        out.orig_rax = 2**64 - 1
+    return out
+
+
+class Task:
+    """One kernel thread we have seized."""
+
+    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "_regs_dirty")
+
+    def __init__(self, tid: int, tgid: int):
+        self.tid = tid
+        self.tgid = tgid
+        self.stop: WaitStatus | None = None     # last stop, None while running
+        self.seized = False
+        self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
+        self._regs_dirty = False
+
+    def __repr__(self) -> str:
+        return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"
+
+    # -- control -----------------------------------------------------------
+    def seize(self) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid, 0, PTRACE_O_TRACESYSGOOD, what="PTRACE_SEIZE")
+        self.seized = True
+
+    def interrupt(self) -> None:
+        _ptrace(PTRACE_INTERRUPT, self.tid, what="PTRACE_INTERRUPT")
+
+    def wait(self) -> WaitStatus:
+        """Wait for the next stop (or the end) of this thread."""
+        while True:
+            try:
+                _, status = os.waitpid(self.tid, WALL)
+            except ChildProcessError:
+                self.stop = WaitStatus(StopKind.EXITED)
+                self.seized = False
+                raise TargetVanished(self.tgid, "waiting for a stop") from None
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                continue
+            st = WaitStatus.decode(status)
+            self.stop = None if st.kind is StopKind.EXITED else st
+            if st.kind is StopKind.EXITED:
+                self.seized = False
+                raise TargetVanished(self.tgid, "waiting for a stop")
+            return st
+
+    def wait_frozen(self) -> WaitStatus:
+        """After interrupt(): wait until the thread sits in an interrupt or group stop.
+
+        A signal whose delivery-stop comes first is not delivered now (its
+        handler would run in the middle of the dump): it is kept, with its
+        siginfo, in ``deferred_signals``; the image records it as pending and
+        the final resume sends it again.
+        """
+        while True:
+            st = self.wait()
+            if st.kind in (StopKind.INTERRUPT, StopKind.GROUP_STOP):
+                return st
+            if st.kind is StopKind.SIGNAL:
+                self.deferred_signals.append((st.signo, self.get_siginfo()))
+            # signal, syscall or other event stops: go on to the pending interrupt
+            self.resume(0)
+
+    def get_siginfo(self) -> bytes:
+        buf = ctypes.create_string_buffer(128)
+        _ptrace(_pt.PTRACE_GETSIGINFO, self.tid, 0, ctypes.addressof(buf), what="PTRACE_GETSIGINFO")
+        return buf.raw
+
+    def resume(self, sig: int = 0) -> None:
+        self.stop = None
+        _ptrace(_pt.PTRACE_CONT, self.tid, 0, sig, what="PTRACE_CONT")
+
+    def syscall_step(self) -> None:
+        self.stop = None
+        _ptrace(_pt.PTRACE_SYSCALL, self.tid, 0, 0, what="PTRACE_SYSCALL")
+
+    def detach(self, sig: int = 0) -> None:
+        if not self.seized:
+            return
+        try:
+            _ptrace(_pt.PTRACE_DETACH, self.tid, 0, sig, what="PTRACE_DETACH")
+        except TargetVanished:
+            pass
+        self.seized = False
+        self.stop = None
+
+    # -- registers ---------------------------------------------------------
+    def get_regs(self) -> Regs:
+        raw = _user_regs_struct()
+        _ptrace(PTRACE_GETREGS, self.tid, 0, ctypes.addressof(raw), what="PTRACE_GETREGS")
+        return Regs(raw)
+
+    def set_regs(self, regs: Regs) -> None:
+        _ptrace(PTRACE_SETREGS, self.tid, 0, ctypes.addressof(regs._raw), what="PTRACE_SETREGS")
+
+    def get_xstate(self) -> bytes:
+        """The NT_X86_XSTATE regset (XSAVE layout, fx_sw_bytes at offset 464)."""
+        buf = ctypes.create_string_buffer(XSTATE_BUFFER_SIZE)
+        iov = _IoVec(ctypes.cast(buf, ctypes.c_void_p), XSTATE_BUFFER_SIZE)
+        _ptrace(PTRACE_GETREGSET, self.tid, NT_X86_XSTATE, ctypes.addressof(iov),
+                what="PTRACE_GETREGSET(NT_X86_XSTATE)")
+        return buf.raw[: iov.iov_len]
+
+    def set_xstate(self, data: bytes) -> None:
+        buf = ctypes.create_string_buffer(data, len(data))
+        iov = _IoVec(ctypes.cast(buf, ctypes.c_void_p), len(data))
+        _ptrace(PTRACE_SETREGSET, self.tid, NT_X86_XSTATE, ctypes.addressof(iov),
+                what="PTRACE_SETREGSET(NT_X86_XSTATE)")
+
+    def get_sigmask(self) -> int:
+        mask = ctypes.c_uint64()
+        _ptrace(PTRACE_GETSIGMASK, self.tid, 8, ctypes.addressof(mask), what="PTRACE_GETSIGMASK")
+        return mask.value
+
+    def set_sigmask(self, mask: int) -> None:
+        m = ctypes.c_uint64(mask)
+        _ptrace(PTRACE_SETSIGMASK, self.tid, 8, ctypes.addressof(m), what="PTRACE_SETSIGMASK")
+
+    def peek_siginfo(self, shared: bool) -> list[bytes]:
+        """Queued siginfo_t records (128 bytes each), without dequeuing them."""
+        out: list[bytes] = []
+        batch = 32
+        buf = ctypes.create_string_buffer(128 * batch)
+        while True:
+            args = _PeekSiginfoArgs(len(out), PTRACE_PEEKSIGINFO_SHARED if shared else 0, batch)
+            n = _ptrace(PTRACE_PEEKSIGINFO, self.tid, ctypes.addressof(args),
+                        ctypes.addressof(buf), what="PTRACE_PEEKSIGINFO")
+            n = ctypes.c_long(n).value
+            out.extend(buf.raw[i * 128:(i + 1) * 128] for i in range(n))
+            if n < batch:
+                return out
+
+    def get_rseq(self) -> Rseq:
+        conf = _RseqConfiguration()
+        _ptrace(PTRACE_GET_RSEQ_CONFIGURATION, self.tid, ctypes.sizeof(conf),
+                ctypes.addressof(conf), what="PTRACE_GET_RSEQ_CONFIGURATION")
+        return Rseq(conf.rseq_abi_pointer, conf.rseq_abi_size, conf.signature, conf.flags)
+
+    def get_robust_list(self) -> tuple[int, int]:
+        head = ctypes.c_uint64()
+        length = ctypes.c_size_t()
+        res = _host_syscall(SYSCALL_NUMBERS["get_robust_list"], self.tid,
+                            ctypes.addressof(head), ctypes.addressof(length))
+        if res < 0:
+            raise _translate_errno(-res, self.tid, "get_robust_list")
+        return head.value, length.value
+
+
+class AddressSpace:
+    """Memory of one thread group, read and written from outside."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _translate_os_error(exc, pid, "opening /proc/PID/mem") from None
+
+    def close(self) -> None:
+        if self._mem >= 0:
+            os.close(self._mem)
+            self._mem = -1
+
+    def __enter__(self) -> "AddressSpace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read(self, addr: int, size: int) -> bytes:
+        try:
+            data = os.pread(self._mem, size, addr)
+        except OSError as exc:
+            raise _translate_os_error(exc, self.pid, f"reading {size} bytes at {addr:#x}") from None
+        if len(data) != size:
+            raise TraceeError(self.pid, f"short read of {size} bytes at {addr:#x}")
+        return data
+
+    def write(self, addr: int, data: bytes) -> None:
+        try:
+            n = os.pwrite(self._mem, data, addr)
+        except OSError as exc:
+            raise _translate_os_error(exc, self.pid, f"writing {len(data)} bytes at {addr:#x}") from None
+        if n != len(data):
+            raise TraceeError(self.pid, f"short write of {len(data)} bytes at {addr:#x}")
+
+    def read_into(self, buffer: memoryview, ranges: Sequence[tuple[int, int]]) -> None:
+        """Fill `buffer` with the bytes of (addr, length) ranges, in order.
+
+        process_vm_readv with up to IOV_MAX remote iovecs per call; ranges it
+        cannot read (unreadable protections) fall back to /proc/PID/mem.
+        """
+        local = (ctypes.c_char * len(buffer)).from_buffer(buffer)
+        base = ctypes.addressof(local)
+        done = 0
+        i = 0
+        while i < len(ranges):
+            chunk = ranges[i:i + 1024]
+            total = sum(length for _, length in chunk)
+            remote = (_IoVec * len(chunk))(*[_IoVec(a, n) for a, n in chunk])
+            liov = _IoVec(base + done, total)
+            got = _libc.process_vm_readv(self.pid, ctypes.byref(liov), 1, remote, len(chunk), 0)
+            if got == total:
+                done += total
+                i += len(chunk)
+                continue
+            err = ctypes.get_errno() if got < 0 else 0
+            if got < 0 and err in (errno.ESRCH,):
+                raise TargetVanished(self.pid, "reading memory")
+            got = max(got, 0)
+            # Skip the ranges read completely, then take the faulting one by /proc/PID/mem.
+            while chunk and got >= chunk[0][1]:
+                got -= chunk[0][1]
+                done += chunk[0][1]
+                chunk = chunk[1:]
+                i += 1
+            addr, length = ranges[i]
+            data = self.read(addr, length)
+            buffer[done:done + length] = data
+            done += length
+            i += 1
+
+    def write_from(self, buffer: memoryview, ranges: Sequence[tuple[int, int]]) -> None:
+        """Write consecutive bytes of `buffer` to (addr, length) ranges (process_vm_writev)."""
+        local = (ctypes.c_char * len(buffer)).from_buffer(buffer)
+        base = ctypes.addressof(local)
+        done = 0
+        i = 0
+        while i < len(ranges):
+            chunk = ranges[i:i + 1024]
+            total = sum(length for _, length in chunk)
+            remote = (_IoVec * len(chunk))(*[_IoVec(a, n) for a, n in chunk])
+            liov = _IoVec(base + done, total)
+            got = _libc.process_vm_writev(self.pid, ctypes.byref(liov), 1, remote, len(chunk), 0)
+            if got == total:
+                done += total
+                i += len(chunk)
+                continue
+            got = max(got, 0)
+            while chunk and got >= chunk[0][1]:
+                got -= chunk[0][1]
+                done += chunk[0][1]
+                chunk = chunk[1:]
+                i += 1
+            addr, length = ranges[i]
+            self.write(addr, bytes(buffer[done:done + length]))
+            done += length
+            i += 1
+
+
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+_libc.process_vm_writev.argtypes = _libc.process_vm_readv.argtypes
+
+
+# --- the injection scope ----------------------------------------------------
+
+def find_syscall_insn(mem: AddressSpace, maps: Sequence) -> RemotePtr | None:
+    """Address of a `syscall` instruction (0f 05) in the tracee's [vdso], if any.
+
+    The vdso of this kernel has real syscall instructions in its fallback
+    paths (DESIGN.md).  Only those two bytes are ever executed: the thread is
+    stopped at syscall exit, so what follows them does not matter.
+    """
+    for m in maps:
+        if m.path == "[vdso]":
+            code = mem.read(m.start, m.end - m.start)
+            at = code.find(b"\x0f\x05")
+            if at >= 0:
+                return RemotePtr(m.start + at)
+    return None
+
+
+class RemoteSyscalls:
+    """Runs syscalls inside a stopped tracee thread.  Use through :func:`remote_syscalls`."""
+
+    def __init__(self, task: Task, mem: AddressSpace, gadget: RemotePtr | None, maps: Sequence = ()):
+        self.task = task
+        self.mem = mem
+        self._gadget = gadget
+        self._maps = maps
+        self._patched: tuple[int, bytes] | None = None
+        self.saved_regs: Regs | None = None
+        self._sp: int = 0
+        self.used = False
+
+    # enter/exit are driven by remote_syscalls()
+    def _enter(self) -> None:
+        if self.task.stop is None:
+            raise TraceeError(self.task.tid, "remote syscalls need a stopped thread")
+        self.saved_regs = self.task.get_regs()
+        # Scratch memory grows down from below the red zone of the current stack.
+        self._sp = (self.saved_regs.rsp - 128) & ~0xF
+        if self._gadget is None:
+            # No vdso: patch a syscall instruction over the bytes at rip, put back on exit.
+            rip = self.saved_regs.rip
+            self._patched = (rip, self.mem.read(rip, 2))
+            self.mem.write(rip, b"\x0f\x05")
+            self._gadget = RemotePtr(rip)
+
+    def _exit(self) -> None:
+        if self._patched is not None:
+            addr, old = self._patched
+            with contextlib.suppress(Exception):
+                self.mem.write(addr, old)
+        if self.used and self.saved_regs is not None and self.task.seized:
+            # Put the registers back verbatim, then let the thread reach an
+            # interrupt stop again: it is then back inside get_signal(), where
+            # the kernel's own syscall-restart logic runs when it resumes
+            # (set at a syscall-exit stop, -ERESTARTSYS would reach the program).
+            with contextlib.suppress(TargetVanished):
+                self.task.set_regs(self.saved_regs)
+                self.task.interrupt()
+                self.task.resume(0)
+                self.task.wait_frozen()
+
+    def syscall(self, nr: int | str, *args: int) -> int:
+        """Run one syscall in the tracee; returns the raw result (-errno on failure)."""
+        if isinstance(nr, str):
+            nr = SYSCALL_NUMBERS[nr]
+        assert self.saved_regs is not None
+        regs = self.saved_regs.copy()
+        regs.rip = int(self._gadget)
+        regs.rax = nr
+        regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
+        regs.rsp = self._sp - 256      # well below the scratch area
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
+            setattr(regs, name, value)
+        self.task.set_regs(regs)
+        self.used = True
+        for expected in ("entry", "exit"):
+            while True:
+                self.task.syscall_step()
+                st = self.task.wait()
+                if st.kind is StopKind.SYSCALL:
+                    break
+                if st.kind is StopKind.SIGNAL:
+                    # A signal arrived meanwhile: keep it for the final resume.
+                    self.task.deferred_signals.append((st.signo, self.task.get_siginfo()))
+                    continue
+                # an interrupt or group stop while injecting: just go on
+        result = self.task.get_regs().signed("rax")
+        return result
+
+    def checked(self, nr: int | str, *args: int, step: str | None = None) -> int:
+        """Like :meth:`syscall`, but a failure raises RemoteSyscallError naming everything."""
+        name = nr if isinstance(nr, str) else _SYSCALL_NAMES.get(nr, str(nr))
+        res = self.syscall(nr, *args)
+        if -4096 < res < 0:
+            raise RemoteSyscallError(self.task.tgid, name, tuple(args), -res, step=step)
+        return res
+
+    @contextlib.contextmanager
+    def scratch(self, data: bytes | int) -> Iterator[RemotePtr]:
+        """A nested scope: `data` (or that many zero bytes) placed on the tracee's stack.
+
+        The bytes it overwrote are written back on exit, whatever happens.
+        """
+        payload = bytes(data) if isinstance(data, int) else data
+        size = (len(payload) + 15) & ~15
+        addr = self._sp - size
+        old = self.mem.read(addr, size)
+        self.mem.write(addr, payload)
+        prev_sp = self._sp
+        self._sp = addr
+        try:
+            yield RemotePtr(addr)
+        finally:
+            self._sp = prev_sp
+            with contextlib.suppress(Exception):
+                self.mem.write(addr, old)
+
+
+@contextlib.contextmanager
+def remote_syscalls(task: Task, mem: AddressSpace, gadget: RemotePtr | None) -> Iterator[RemoteSyscalls]:
+    """``with remote_syscalls(task, mem, gadget) as remote:`` -- the injection scope.
+
+    On exit the thread's registers are what they were (with the kernel's
+    restart fix-up when it was frozen in a syscall) and patched bytes are
+    back, even when an exception unwinds.
+    """
+    remote = RemoteSyscalls(task, mem, gadget)
+    remote._enter()
+    try:
+        yield remote
+    finally:
+        remote._exit()
+
+
+# --- a session: everything we seized -----------------------------------------
+
+class Session:
+    """The registry of seized threads (tid -> Task), with freeze and resume of processes."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, Task] = {}
+
+    def threads_of(self, pid: int) -> list[Task]:
+        return [t for t in self.tasks.values() if t.tgid == pid]
+
+    def freeze_process(self, pid: int) -> list[Task]:
+        """Seize and interrupt every thread of `pid`, re-scanning until no new one appears."""
+        while True:
+            try:
+                tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+            except FileNotFoundError:
+                raise TargetVanished(pid, "freeze") from None
+            new = [tid for tid in tids if tid not in self.tasks]
+            if not new:
+                break
+            for tid in new:
+                task = Task(tid, pid)
+                try:
+                    task.seize()
+                except TargetVanished:
+                    if tid == pid:
+                        raise
+                    continue          # a thread that just exited
+                self.tasks[tid] = task
+                task.interrupt()
+            for tid in new:
+                task = self.tasks.get(tid)
+                if task is not None and task.stop is None:
+                    try:
+                        task.wait_frozen()
+                    except TargetVanished:
+                        if tid == pid:
+                            raise
+                        del self.tasks[tid]
+        # drop threads that exited while we scanned
+        return self.threads_of(pid)
+
+    def resume_process(self, pid: int) -> None:
+        """Detach every thread of `pid`; it runs on exactly where it was."""
+        for task in self.threads_of(pid):
+            task.detach(0)
+            for signo, _info in task.deferred_signals:
+                _host_syscall(SYSCALL_NUMBERS["tgkill"], task.tgid, task.tid, signo)
+            task.deferred_signals.clear()
+            del self.tasks[task.tid]
+
+    def resume_all(self) -> None:
+        for pid in sorted({t.tgid for t in self.tasks.values()}):
+            self.resume_process(pid)
+
+    def kill_process(self, pid: int) -> None:
+        """SIGKILL `pid` and collect the end of each of its threads."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for task in self.threads_of(pid):
+            while task.seized:
+                try:
+                    task.wait()
+                except TargetVanished:
+                    break
+                with contextlib.suppress(Exception):
+                    task.resume(0)
+            del self.tasks[task.tid]
+
+
+def xstate_header(xstate: bytes) -> tuple[int, int]:
+    """(XSTATE_BV of the xsave header, XCR0) of an NT_X86_XSTATE blob.
+
+    For ptrace the kernel stores the enabled feature mask (XCR0) in the
+    FXSAVE area's software-reserved bytes at offset 464 (gdb's
+    I386_LINUX_XSAVE_XCR0_OFFSET); the XSAVE header with XSTATE_BV starts at 512.
+    """
+    if len(xstate) < 520:
+        return 0, 0
+    xstate_bv = struct.unpack_from("<Q", xstate, 512)[0]
+    xcr0 = struct.unpack_from("<Q", xstate, 464)[0]
+    return xstate_bv, xcr0
+
+
+def page_align(n: int) -> int:
+    return (n + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A copy, in ptckpt, of the target's fd `fd` (pidfd_open + pidfd_getfd); the caller closes it."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        raise _translate_os_error(exc, pid, "pidfd_open") from None
+    try:
+        res = _host_syscall(SYSCALL_NUMBERS["pidfd_getfd"], pidfd, fd, 0)
+    finally:
+        os.close(pidfd)
+    if res < 0:
+        raise _translate_errno(-res, pid, f"pidfd_getfd of fd {fd}")
+    return res
