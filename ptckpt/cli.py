@@ -21,6 +21,7 @@ from .errors import ExitCode, PtckptError
 
 app = typer.Typer(
     add_completion=False,
+    pretty_exceptions_enable=False,
     no_args_is_help=True,
     help="Transparent checkpoint/restore of running Linux processes, from outside (ptrace, /proc, syscall injection).",
 )
@@ -70,6 +71,46 @@ def dump(
         raise _fail(err) from None
     typer.echo(result.directory)
     typer.echo(result.summary())
+
+
+@app.command()
+def restore(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
+    pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
+    pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
+) -> None:
+    """Recreate the checkpointed process so that it continues where it was frozen.
+
+    Without --detach, ptckpt stays and exits with the restored process's exit status.
+
+    Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
+    """
+    from .restore import restore as _restore, wait_restored
+    if pidfile and not detach:
+        typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
+    _become_subreaper()
+    try:
+        result = _restore(directory, pidns=pidns)
+    except PtckptError as err:
+        raise _fail(err) from None
+    for warning in result.warnings:
+        typer.echo(f"ptckpt: warning: {warning}", err=True)
+    if detach:
+        if pidfile:
+            with open(pidfile, "w") as f:
+                f.write(f"{result.pid}\n")
+        typer.echo(result.pid)
+        return
+    typer.echo(result.summary(), err=True)
+    raise typer.Exit(code=wait_restored(result))
+
+
+def _become_subreaper() -> None:
+    """Orphans of what we restore come back to us (and --pidns inits are ours to wait for)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(36, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 @app.command()

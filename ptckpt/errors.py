@@ -202,6 +202,24 @@ class UnsupportedResource(PtckptError):
         self.what = what
 
 
+class PidBusy(PtckptError):
+    """A pid the image needs is held by another process (restore)."""
+
+    exit_code = ExitCode.PID_BUSY
+
+    def __init__(self, pid: int, holder: str):
+        super().__init__(f"pid {pid} is taken by {holder}; stop it, or restore with --pidns "
+                         "into a fresh pid namespace")
+        self.pid = pid
+        self.holder = holder
+
+
+class RestoreFailed(PtckptError):
+    """A restore step failed after the process was created (it has been killed)."""
+
+    exit_code = ExitCode.REMOTE_SYSCALL
+
+
 class Incompatible(PtckptError):
     """This machine (CPU, kernel) cannot run what the image holds."""
 

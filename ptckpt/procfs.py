@@ -15,12 +15,19 @@ sits on every public reader:
   :class:`ZombieProcess` for a zombie, :class:`ptckpt.errors.KernelThread`
   for a kernel thread (exe, cwd ... do not resolve), otherwise
   :class:`ProcEntryMissing` (the process is alive but the file is not there:
-  kernel built without it, fd closed meanwhile ...)
+  kernel built without it ...; :class:`FdGone` for an fd closed meanwhile)
 * ProcessLookupError (ESRCH) on an existing pid: the task has no mm, same
   classification (zombie, kernel thread)
 * any other OSError          -> :class:`ProcfsError`
 
 so no bare OSError leaves this module.
+
+PAGEMAP_SCAN, as verified on Linux 6.18 (x86_64, root): ioctl number
+0xc0606610, struct pm_scan_arg 96 bytes, PAGE_IS_* values as in
+include/uapi/linux/fs.h; a read-only anonymous page reports
+PRESENT|PFNZERO, the huge zero page PRESENT|PFNZERO|HUGE, a written THP
+PRESENT|HUGE, clean page cache and shmem PRESENT|FILE; WRITTEN is set on
+every page not uffd-wp protected, so it means nothing without uffd-wp.
 
 Field numbers in comments are those of ``man 5 proc`` (1-based).  Kernel
 sources cited are fs/proc/array.c (stat, status), fs/proc/task_mmu.c (maps,
@@ -75,6 +82,14 @@ class ProcEntryMissing(ProcfsError):
 
     def __init__(self, pid: int, path: str):
         super().__init__(pid, path, "no such file", _errno.ENOENT)
+
+
+class FdGone(ProcEntryMissing):
+    """The fd was closed between list_fds() and a read of its entries."""
+
+    def __init__(self, pid: int, fd: int, path: str):
+        super().__init__(pid, path)
+        self.fd = fd
 
 
 class ZombieProcess(NoSuchProcess):
@@ -711,8 +726,7 @@ class _PmScanArg(ctypes.Structure):
     ]
 
 
-# struct page_region { __u64 start, end, categories; }
-_PAGE_REGION_SIZE = 24
+# struct page_region { __u64 start, end, categories; } is read as 3 u64s.
 PAGEMAP_SCAN = _IOWR("f", 16, ctypes.sizeof(_PmScanArg))   # 0xc0606610 on x86_64
 assert ctypes.sizeof(_PmScanArg) == 96
 
@@ -813,6 +827,8 @@ def _scan_ioctl(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
     ioctl copies to the caller, it only walks the target's page tables.
     """
     inverted, mask, anyof, ret = masks
+    # a region is at least one page: no need for more slots than pages
+    max_regions = max(1, min(max_regions, (end - start) >> PAGE_SHIFT))
     vec = (ctypes.c_uint64 * (3 * max_regions))()
     view = memoryview(vec).cast("B").cast("Q")
     arg = _PmScanArg(
@@ -860,11 +876,14 @@ def _top_byte_category(b: int) -> int:
 _TOP_TABLE = bytes(_top_byte_category(b) for b in range(256))
 # bit 55 (soft-dirty) is bit 7 of byte 6 of the little-endian entry
 _SD_TABLE = bytes(PAGE_IS_SOFT_DIRTY if b & 0x80 else 0 for b in range(256))
+# 0xff ("this page maps the zero page") -> PAGE_IS_PFNZERO
+_ZERO_FLAG_TABLE = bytes(PAGE_IS_PFNZERO if b else 0 for b in range(256))
 # Run finder over the per-page output bytes; 0 = not reported.
 _RUN_RE = re.compile(rb"([^\x00])\1*", re.DOTALL)
 _FALLBACK_CHUNK_PAGES = 1 << 16     # 512 KiB of pagemap per pread
 
 
+@functools.cache
 def _filter_table(masks: tuple[int, int, int, int]) -> bytes:
     """Per-category byte -> output byte: 0 when the page is skipped, else its
     returned categories | 1 (the fallback never produces WPALLOWED (bit 0)
@@ -879,25 +898,42 @@ def _filter_table(masks: tuple[int, int, int, int]) -> bytes:
     return bytes(out)
 
 
+@functools.cache
+def _zero_pfn_tables(zero_pfn: int) -> tuple[bytes, ...]:
+    """For byte k (0-7) of a pagemap entry: a translate table giving 0xff
+    where that byte agrees with "present, PFN == zero_pfn", else 0."""
+    low = zero_pfn.to_bytes(8, "little")
+    tables = []
+    for k in range(8):
+        if k < 6:
+            ok = [b == low[k] for b in range(256)]
+        elif k == 6:    # bits 48-54 of the PFN; bit 55 is soft-dirty
+            ok = [(b & 0x7F) == low[6] for b in range(256)]
+        else:           # bits 56-63: present (63); the PFN ends at bit 54
+            ok = [bool(b & 0x80) for b in range(256)]
+        tables.append(bytes(0xFF if x else 0 for x in ok))
+    return tuple(tables)
+
+
+def _or_bytes(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "little") | int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
 def _scan_pagemap_fd(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
                      zero_pfn: int | None, pid: int, procfs: str, path: str) -> list[PageRun]:
     """The PAGEMAP_SCAN semantics computed from classic pagemap entries.
 
-    Works in bulk: bytes slicing picks the flag byte of every entry,
-    bytes.translate maps it to PAGE_IS_* bits, a regex finds the zero-page
-    PFNs and another one the runs.  What it cannot know: WPALLOWED, HUGE
-    (needs /proc/kpageflags), and the huge zero page (reported as data); a
-    zero page is only recognised when PFNs are visible (root).
+    Works in bulk, without a Python loop per page: slicing raw[k::8] picks
+    byte k of every entry, bytes.translate maps it (the top byte to PAGE_IS_*
+    bits; every byte, for the zero page, to "agrees with the zero page's
+    PFN"), big-int AND/OR combine the columns, and a regex finds the runs.
+    What it cannot know: WPALLOWED, HUGE (needs /proc/kpageflags), and the
+    huge zero page (reported as data); a zero page is only recognised when
+    PFNs are visible (root).
     """
     table = _filter_table(masks)
     want_sd = bool((masks[0] | masks[1] | masks[2] | masks[3]) & PAGE_IS_SOFT_DIRTY)
-    zero_re = None
-    if zero_pfn is not None:
-        low = zero_pfn.to_bytes(8, "little")
-        b6 = low[6] & 0x7F
-        zero_re = re.compile(
-            b"(?=" + re.escape(low[:6]) + b"[" + re.escape(bytes([b6])) + re.escape(bytes([b6 | 0x80]))
-            + b"][\x80-\xff])", re.DOTALL)
+    zero_tables = _zero_pfn_tables(zero_pfn) if zero_pfn is not None else None
     runs: list[PageRun] = []
     page = start >> PAGE_SHIFT
     last_page = end >> PAGE_SHIFT
@@ -911,21 +947,21 @@ def _scan_pagemap_fd(fd: int, start: int, end: int, masks: tuple[int, int, int, 
                 break
         cats = raw[7::8].translate(_TOP_TABLE)
         if want_sd:
-            sd = raw[6::8].translate(_SD_TABLE)
-            cats = (int.from_bytes(cats, "little") | int.from_bytes(sd, "little")).to_bytes(count, "little")
-        if zero_re is not None:
-            buf = bytearray(cats)
-            for m in zero_re.finditer(raw):
-                i = m.start()
-                if not i & 7:
-                    buf[i >> 3] |= PAGE_IS_PFNZERO
-            cats = bytes(buf)
+            cats = _or_bytes(cats, raw[6::8].translate(_SD_TABLE))
+        if zero_tables is not None:
+            same = int.from_bytes(raw[7::8].translate(zero_tables[7]), "little")
+            for k in range(7):
+                if not same:
+                    break
+                same &= int.from_bytes(raw[k::8].translate(zero_tables[k]), "little")
+            if same:
+                cats = _or_bytes(cats, same.to_bytes(count, "little").translate(_ZERO_FLAG_TABLE))
         out = cats.translate(table)
         base = page << PAGE_SHIFT
-        _append_runs(runs, (
+        _append_runs(runs, [
             PageRun(base + (m.start() << PAGE_SHIFT), base + (m.end() << PAGE_SHIFT),
                     out[m.start()] & ~1)
-            for m in _RUN_RE.finditer(out)))
+            for m in _RUN_RE.finditer(out)])
         page += count
     return runs
 
@@ -1204,13 +1240,27 @@ def read_limits(pid: int, *, procfs: str = "/proc") -> list[Rlimit]:
 _FDINFO_KEY = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_ -]*?):\s+(.*)")
 
 
+def _fd_gone(err: FileNotFoundError, pid: int, fd: int, procfs: str) -> Exception:
+    """FdGone if only the fd vanished, else what the choke point makes of err."""
+    if _process_gone(pid, procfs) or _why_no_mm(pid, procfs) is not None:
+        return err
+    return FdGone(pid, fd, err.filename or f"{procfs}/{pid}/fd/{fd}")
+
+
 @_wrap_exceptions
 def read_fdinfo(pid: int, fd: int, *, procfs: str = "/proc") -> FdInfo:
-    """/proc/PID/fdinfo/FD: pos, flags (octal), mnt_id, ino, and the rest raw."""
+    """/proc/PID/fdinfo/FD: pos, flags (octal), mnt_id, ino, and the rest raw.
+
+    Raises FdGone if the fd was closed meanwhile.
+    """
     pos = flags = mnt_id = 0
     ino = None
     extra: dict[str, list[str]] = {}
-    for line in _read_text(f"{procfs}/{pid}/fdinfo/{fd}").splitlines():
+    try:
+        text = _read_text(f"{procfs}/{pid}/fdinfo/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
+    for line in text.splitlines():
         if not line.strip():
             continue
         m = _FDINFO_KEY.match(line)
@@ -1241,8 +1291,12 @@ def list_fds(pid: int, *, procfs: str = "/proc") -> list[int]:
 @_wrap_exceptions
 def readlink_fd(pid: int, fd: int, *, procfs: str = "/proc") -> str:
     """The target of /proc/PID/fd/FD: a path, or "pipe:[ino]", "socket:[ino]",
-    "anon_inode:[eventfd]" ...; a deleted file ends in " (deleted)"."""
-    return os.readlink(f"{procfs}/{pid}/fd/{fd}")
+    "anon_inode:[eventfd]" ...; a deleted file ends in " (deleted)".
+    Raises FdGone if the fd was closed meanwhile."""
+    try:
+        return os.readlink(f"{procfs}/{pid}/fd/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
 
 
 def _split_nul(data: bytes) -> list[str]:

@@ -63,6 +63,7 @@ PTRACE_GET_SYSCALL_INFO = 0x420E
 PTRACE_GET_RSEQ_CONFIGURATION = 0x420F
 PTRACE_PEEKSIGINFO_SHARED = 1
 PTRACE_EVENT_STOP = 128
+PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK, PTRACE_EVENT_CLONE = 1, 2, 3
 PTRACE_O_TRACESYSGOOD = 0x1
 NT_PRSTATUS = 1
 NT_X86_XSTATE = 0x202
@@ -285,8 +286,8 @@ class Task:
         return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"
 
     # -- control -----------------------------------------------------------
-    def seize(self) -> None:
-        _ptrace(PTRACE_SEIZE, self.tid, 0, PTRACE_O_TRACESYSGOOD, what="PTRACE_SEIZE")
+    def seize(self, options: int = PTRACE_O_TRACESYSGOOD) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid, 0, options, what="PTRACE_SEIZE")
         self.seized = True
 
     def interrupt(self) -> None:
@@ -326,6 +327,11 @@ class Task:
                 self.deferred_signals.append((st.signo, self.get_siginfo()))
             # signal, syscall or other event stops: go on to the pending interrupt
             self.resume(0)
+
+    def get_event_msg(self) -> int:
+        msg = ctypes.c_ulong()
+        _ptrace(_pt.PTRACE_GETEVENTMSG, self.tid, 0, ctypes.addressof(msg), what="PTRACE_GETEVENTMSG")
+        return msg.value
 
     def get_siginfo(self) -> bytes:
         buf = ctypes.create_string_buffer(128)
@@ -542,23 +548,38 @@ def find_syscall_insn(mem: AddressSpace, maps: Sequence) -> RemotePtr | None:
 class RemoteSyscalls:
     """Runs syscalls inside a stopped tracee thread.  Use through :func:`remote_syscalls`."""
 
-    def __init__(self, task: Task, mem: AddressSpace, gadget: RemotePtr | None, maps: Sequence = ()):
+    def __init__(self, task: Task, mem: AddressSpace, gadget: RemotePtr | None,
+                 scratch_top: int | None = None, keep_regs: bool = True):
         self.task = task
         self.mem = mem
         self._gadget = gadget
-        self._maps = maps
+        self._scratch_top = scratch_top
+        self._keep_regs = keep_regs
         self._patched: tuple[int, bytes] | None = None
         self.saved_regs: Regs | None = None
         self._sp: int = 0
         self.used = False
+        self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
+
+    @property
+    def gadget(self) -> RemotePtr | None:
+        return self._gadget
+
+    def move_gadget(self, gadget: RemotePtr, scratch_top: int) -> None:
+        """Run further syscalls at `gadget`, with scratch memory below `scratch_top`."""
+        self._gadget = gadget
+        self._sp = scratch_top
 
     # enter/exit are driven by remote_syscalls()
     def _enter(self) -> None:
         if self.task.stop is None:
             raise TraceeError(self.task.tid, "remote syscalls need a stopped thread")
         self.saved_regs = self.task.get_regs()
-        # Scratch memory grows down from below the red zone of the current stack.
-        self._sp = (self.saved_regs.rsp - 128) & ~0xF
+        if self._scratch_top is not None:
+            self._sp = self._scratch_top
+        else:
+            # Scratch memory grows down from below the red zone of the current stack.
+            self._sp = (self.saved_regs.rsp - 128) & ~0xF
         if self._gadget is None:
             # No vdso: patch a syscall instruction over the bytes at rip, put back on exit.
             rip = self.saved_regs.rip
@@ -571,7 +592,7 @@ class RemoteSyscalls:
             addr, old = self._patched
             with contextlib.suppress(Exception):
                 self.mem.write(addr, old)
-        if self.used and self.saved_regs is not None and self.task.seized:
+        if self._keep_regs and self.used and self.saved_regs is not None and self.task.seized:
             # Put the registers back verbatim, then let the thread reach an
             # interrupt stop again: it is then back inside get_signal(), where
             # the kernel's own syscall-restart logic runs when it resumes
@@ -591,7 +612,7 @@ class RemoteSyscalls:
         regs.rip = int(self._gadget)
         regs.rax = nr
         regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
-        regs.rsp = self._sp - 256      # well below the scratch area
+        regs.rsp = self._sp - 64       # below the scratch data in use
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
             setattr(regs, name, value)
         self.task.set_regs(regs)
@@ -606,6 +627,9 @@ class RemoteSyscalls:
                     # A signal arrived meanwhile: keep it for the final resume.
                     self.task.deferred_signals.append((st.signo, self.task.get_siginfo()))
                     continue
+                if st.kind is StopKind.EVENT and st.event in (PTRACE_EVENT_CLONE, PTRACE_EVENT_FORK,
+                                                               PTRACE_EVENT_VFORK):
+                    self.last_clone = self.task.get_event_msg()
                 # an interrupt or group stop while injecting: just go on
         result = self.task.get_regs().signed("rax")
         return result
@@ -640,14 +664,15 @@ class RemoteSyscalls:
 
 
 @contextlib.contextmanager
-def remote_syscalls(task: Task, mem: AddressSpace, gadget: RemotePtr | None) -> Iterator[RemoteSyscalls]:
+def remote_syscalls(task: Task, mem: AddressSpace, gadget: RemotePtr | None, *,
+                    scratch_top: int | None = None, keep_regs: bool = True) -> Iterator[RemoteSyscalls]:
     """``with remote_syscalls(task, mem, gadget) as remote:`` -- the injection scope.
 
     On exit the thread's registers are what they were (with the kernel's
     restart fix-up when it was frozen in a syscall) and patched bytes are
     back, even when an exception unwinds.
     """
-    remote = RemoteSyscalls(task, mem, gadget)
+    remote = RemoteSyscalls(task, mem, gadget, scratch_top, keep_regs)
     remote._enter()
     try:
         yield remote

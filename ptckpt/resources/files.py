@@ -169,3 +169,65 @@ def unsupported_fds(fds: list[Fd]) -> list[str]:
     """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd the restore cannot recreate yet."""
     return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
             for f in fds if f.kind not in RESTORABLE_KINDS]
+
+
+# --- restore half ------------------------------------------------------------
+
+O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY = 0o100, 0o200, 0o1000, 0o400
+F_GETFD = 1
+AT_FDCWD = -100 & (2**64 - 1)
+STDIO_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE,
+                         FdKind.FIFO, FdKind.SOCKET})
+BY_PATH_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.PATH})
+
+
+def restore_plan_problems(fds: list[Fd]) -> list[str]:
+    """Fds this version cannot recreate, as 'fd N -> target (kind)' (checked before anything starts).
+
+    fds 0-2 that were a terminal, pipe or socket are shell-job stdio: they get
+    ptckpt restore's own.  Everything else must be reopened by path.
+    """
+    out = []
+    for f in fds:
+        if f.fd <= 2 and f.kind in STDIO_KINDS:
+            continue
+        if f.kind in BY_PATH_KINDS or (f.kind is FdKind.TTY and f.path.startswith("/dev/")):
+            continue
+        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
+    return out
+
+
+def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int]) -> None:
+    """Install every fd at its number: files by path at their offset, stdio from ptckpt restore.
+
+    `inherited` are the fds the stub has (ptckpt restore's stdio); those the
+    image does not have are closed.
+    """
+    wanted = {f.fd for f in fds}
+    for fd in inherited:
+        if fd not in wanted:
+            remote.checked("close", fd, step=f"close inherited fd {fd}")
+    for f in sorted(fds, key=lambda f: f.fd):
+        if f.fd <= 2 and f.kind in STDIO_KINDS:
+            if f.fd not in inherited:
+                raise_missing_stdio(remote, f)
+            if not f.cloexec:
+                continue
+            remote.checked("fcntl", f.fd, 2, 1, step=f"set FD_CLOEXEC on fd {f.fd}")   # F_SETFD
+            continue
+        flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC) | O_NOCTTY
+        step = f"reopen fd {f.fd} ({f.path})"
+        with remote.scratch(os.fsencode(f.path) + b"\0") as p:
+            got = remote.checked("openat", AT_FDCWD, int(p), flags | (O_CLOEXEC if f.cloexec else 0), 0,
+                                 step=step)
+        if got != f.fd:
+            remote.checked("dup3", got, f.fd, O_CLOEXEC if f.cloexec else 0, step=step)
+            remote.checked("close", got, step=step)
+        if f.kind is FdKind.REGULAR and f.pos:
+            remote.checked("lseek", f.fd, f.pos, 0, step=step)
+
+
+def raise_missing_stdio(remote, f: Fd) -> None:
+    from ..errors import RestoreFailed
+    raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt restore "
+                        f"has no fd {f.fd} of its own to give it")

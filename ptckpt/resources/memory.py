@@ -16,8 +16,6 @@ from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace
 
-BATCH_BYTES = 64 * 1024 * 1024     # one process_vm_readv batch / one write to the image
-
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
     "[stack]": VmaKind.STACK,
@@ -82,13 +80,10 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     if vma.kind in _NO_PAGES or not vma.prot & 1 and vma.kind is VmaKind.OTHER:
         return []
     want_file_pages = vma.kind in (VmaKind.ANON_SHARED, VmaKind.SHMEM)
-    runs = procfs.scan_pages(pid, vma.start, vma.end)
+    runs = procfs.scan_pages(pid, vma.start, vma.end, skip_zero=True,
+                             skip_file=not want_file_pages)
     out: list[tuple[int, int]] = []
     for run in runs:
-        if run.pfn_zero:
-            continue
-        if run.file and not want_file_pages:
-            continue
         if out and out[-1][1] == run.start:
             out[-1] = (out[-1][0], run.end)
         else:
@@ -131,10 +126,10 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages) -> tuple[li
         ranges.extend(ranges_to_save(mem.pid, vma))
     stats = PageStats()
     index: list[PageRun] = []
-    for batch in _batches(ranges, BATCH_BYTES):
+    for batch in _batches(ranges, pages.buffer_size):
         nbytes = sum(e - s for s, e in batch)
-        buf = pages.get_buffer(nbytes)
-        mem.read_into(buf, [(s, e - s) for s, e in batch])
+        buf = pages.get_buffer()
+        mem.read_into(buf[:nbytes], [(s, e - s) for s, e in batch])
         offset = pages.submit(buf, nbytes)
         for s, e in batch:
             index.append(PageRun(vaddr=s, npages=(e - s) // PAGE_SIZE, offset=offset))
@@ -153,4 +148,188 @@ def _merge_runs(index: list[PageRun]) -> list[PageRun]:
             last = out.pop()
             r = PageRun(last.vaddr, last.npages + r.npages, last.offset)
         out.append(r)
+    return out
+
+
+# --- restore half ------------------------------------------------------------
+
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+MAP_GROWSDOWN, MAP_NORESERVE = 0x0100, 0x4000
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+O_RDONLY, O_RDWR, O_CLOEXEC = 0, 2, 0o2000000
+AT_FDCWD = -100 & (2**64 - 1)
+TASK_SIZE = 0x7FFFFFFFF000
+KERNEL_MAPPED = (VmaKind.VDSO, VmaKind.VVAR, VmaKind.VVAR_VCLOCK)
+GADGET_PAGES = 2      # one page of code (syscall; int3), one of scratch memory
+
+
+def special_layout(vmas: Sequence) -> dict[str, tuple[int, int]]:
+    """{'[vdso]': (start, end), ...} of the kernel-provided mappings in `vmas`."""
+    return {v.path: (v.start, v.end) for v in vmas
+            if v.path in ("[vdso]", "[vvar]", "[vvar_vclock]")}
+
+
+def vdso_mismatch(image_vmas: Sequence[Vma], own_maps: Sequence) -> str | None:
+    """Why this kernel's vdso cannot stand in for the image's, or None when it can."""
+    want = special_layout(image_vmas)
+    have = special_layout(own_maps)
+    for name, (start, end) in want.items():
+        if name not in have:
+            return f"this kernel maps no {name}, the image has one of {end - start} bytes"
+        hs, he = have[name]
+        if he - hs != end - start:
+            return (f"{name} is {he - hs} bytes on this kernel but {end - start} bytes in the image "
+                    "(a different kernel made it)")
+    if want and "[vdso]" in want and "[vvar]" in want and "[vdso]" in have and "[vvar]" in have:
+        if want["[vdso]"][0] - want["[vvar]"][0] != have["[vdso]"][0] - have["[vvar]"][0]:
+            return "[vdso] and [vvar] are laid out differently on this kernel"
+    return None
+
+
+def find_hole(taken: Iterable[tuple[int, int]], size: int, start: int = 0x100000000) -> int:
+    """A page-aligned address where `size` bytes overlap none of the `taken` ranges."""
+    ranges = sorted(taken)
+    addr = start
+    for s, e in ranges:
+        if e <= addr:
+            continue
+        if s >= addr + size:
+            break
+        addr = (e + 0xFFFFF) & ~0xFFFFF
+    if addr + size > TASK_SIZE:
+        raise ValueError("no hole in the address space")
+    return addr
+
+
+class _FileCache:
+    """Files opened inside the tracee for mapping, by (path, flags); closed at the end."""
+
+    def __init__(self, remote):
+        self.remote = remote
+        self.fds: dict[tuple[str, int], int] = {}
+
+    def open(self, path: str, flags: int, step: str) -> int:
+        key = (path, flags)
+        if key not in self.fds:
+            with self.remote.scratch(os.fsencode(path) + b"\0") as p:
+                try:
+                    self.fds[key] = self.remote.checked("openat", AT_FDCWD, int(p), flags | O_CLOEXEC, 0,
+                                                        step=step)
+                except Exception as err:
+                    if hasattr(err, "message"):
+                        err.message += f" [path {path}]"
+                        err.args = (err.message,)
+                    raise
+        return self.fds[key]
+
+    def close_all(self) -> None:
+        for fd in self.fds.values():
+            self.remote.checked("close", fd, step="close mapped files")
+        self.fds.clear()
+
+
+def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> None:
+    """Turn the freshly exec'd stub into an empty address space holding only the kernel's pages.
+
+    1. map the gadget (code + scratch) in a hole of both layouts, move execution there;
+    2. unmap everything of the stub but the gadget and [vdso]/[vvar]/[vvar_vclock];
+    3. move those to the image's addresses (via a free spot, so none lands on another).
+    """
+    own = procfs.read_maps(mem.pid)
+    taken = [(v.start, v.end) for v in image_vmas] + [(m.start, m.end) for m in own]
+    size = GADGET_PAGES * PAGE_SIZE
+    gadget = find_hole(taken, size)
+    remote.checked("mmap", gadget, size, PROT_READ | PROT_WRITE | PROT_EXEC,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="map the gadget")
+    mem.write(gadget, b"\x0f\x05\xcc")          # syscall; int3
+    from ..tracee import RemotePtr
+    remote.move_gadget(RemotePtr(gadget), gadget + size - 16)
+    keep = [(gadget, gadget + size)] + [(m.start, m.end) for m in own
+                                        if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+    cursor = PAGE_SIZE * 16
+    for s, e in sorted(keep) + [(TASK_SIZE, TASK_SIZE)]:
+        if s > cursor:
+            remote.checked("munmap", cursor, s - cursor, step="unmap the stub")
+        cursor = max(cursor, e)
+    # Move the kernel's pages: first out of the way, then to the image's addresses.
+    want = special_layout(image_vmas)
+    have = special_layout(own)
+    taken += [(gadget, gadget + size)]
+    parked: dict[str, tuple[int, int]] = {}
+    for name, (s, e) in have.items():
+        if name not in want:
+            remote.checked("munmap", s, e - s, step=f"unmap {name}")
+            continue
+        spot = find_hole(taken, e - s, start=0x200000000)
+        taken.append((spot, spot + e - s))
+        remote.checked("mremap", s, e - s, e - s, MREMAP_MAYMOVE | MREMAP_FIXED, spot,
+                       step=f"move {name}")
+        parked[name] = (spot, spot + e - s)
+    for name, (s, e) in parked.items():
+        ws, we = want[name]
+        remote.checked("mremap", s, e - s, e - s, MREMAP_MAYMOVE | MREMAP_FIXED, ws,
+                       step=f"move {name}")
+
+
+def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
+                        pages: memoryview) -> None:
+    """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
+
+    `pages` is the image's page data (mapped read-only into ptckpt); runs are
+    in file order, so one process_vm_writev chain moves all of it.
+    """
+    with_pages = _vmas_with_pages(vmas, runs)
+    files = _FileCache(remote)
+    for vma in vmas:
+        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL:
+            continue
+        length = vma.end - vma.start
+        prot = vma.prot | (PROT_WRITE if id(vma) in with_pages else 0)
+        step = f"map {vma.start:#x}-{vma.end:#x} {vma.path or '[anon]'}"
+        flags = MAP_FIXED | (MAP_SHARED if vma.shared else MAP_PRIVATE)
+        if "gd" in vma.vmflags.split():
+            flags |= MAP_GROWSDOWN
+        if "nr" in vma.vmflags.split():
+            flags |= MAP_NORESERVE
+        if vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
+            remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
+                           step=step)
+        elif vma.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED, VmaKind.SHMEM, VmaKind.DEVICE):
+            writable_shared = vma.shared and vma.prot & PROT_WRITE
+            fd = files.open(vma.path, O_RDWR if writable_shared else O_RDONLY, step)
+            remote.checked("mmap", vma.start, length, prot, flags, fd, vma.pgoff, step=step)
+        else:
+            raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
+    files.close_all()
+    # Runs adjacent in the file go in one process_vm_writev chain.
+    group: list[PageRun] = []
+    for r in sorted(runs, key=lambda r: r.offset) + [None]:
+        if group and (r is None or r.offset != group[-1].offset + group[-1].npages * PAGE_SIZE):
+            first = group[0].offset
+            last = group[-1].offset + group[-1].npages * PAGE_SIZE
+            mem.write_from(pages[first:last], [(g.vaddr, g.npages * PAGE_SIZE) for g in group])
+            group = []
+        if r is not None:
+            group.append(r)
+    for vma in vmas:
+        if id(vma) in with_pages and not vma.prot & PROT_WRITE:
+            remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
+                           step=f"protect {vma.start:#x}-{vma.end:#x}")
+
+
+def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:
+    """id() of each VMA that has saved pages (they need PROT_WRITE while being filled)."""
+    ordered = sorted(vmas, key=lambda v: v.start)
+    starts = [v.start for v in ordered]
+    import bisect
+    out: set[int] = set()
+    for r in runs:
+        lo = r.vaddr
+        hi = r.vaddr + r.npages * PAGE_SIZE
+        i = bisect.bisect_right(starts, lo) - 1
+        while 0 <= i < len(ordered) and ordered[i].start < hi:
+            if ordered[i].end > lo:
+                out.add(id(ordered[i]))
+            i += 1
     return out

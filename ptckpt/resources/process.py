@@ -7,6 +7,7 @@ Dump half: :func:`dump_task`, :func:`dump_creds`, :func:`dump_rlimits`,
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 from .. import procfs
@@ -83,3 +84,106 @@ def current_clocks() -> tuple[int, int, int]:
     return (time.clock_gettime_ns(time.CLOCK_REALTIME),
             time.clock_gettime_ns(time.CLOCK_MONOTONIC),
             time.clock_gettime_ns(time.CLOCK_BOOTTIME))
+
+
+# --- restore half ------------------------------------------------------------
+
+PR_SET_MM = 35
+PR_SET_MM_MAP = 14
+PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
+PRIO_PROCESS = 0
+AT_FDCWD = -100 & (2**64 - 1)
+_MM_MAP = __import__("struct").Struct("<11QQIi")   # struct prctl_mm_map (include/uapi/linux/prctl.h)
+
+
+def restore_mm_frozen(remote: RemoteSyscalls, mm: Mm, step: str = "restore mm fields") -> None:
+    """PR_SET_MM_MAP: code/data/brk/stack/arg/env areas, auxv and the exe link, in one call.
+
+    The single-field PR_SET_MM forms need CAP_SYS_RESOURCE, which these
+    machines do not grant; the whole-struct form does not.
+    """
+    import struct
+    auxv = b"".join(struct.pack("<QQ", t, v) for t, v in mm.auxv) + struct.pack("<QQ", 0, 0)
+    exe_fd = -1
+    if mm.exe_file:
+        with remote.scratch(os.fsencode(mm.exe_file) + b"\0") as p:
+            exe_fd = remote.checked("openat", AT_FDCWD, int(p), 0o2000000, 0,
+                                    step=f"{step}: open exe {mm.exe_file}")
+    try:
+        with remote.scratch(auxv) as auxp:
+            rec = _MM_MAP.pack(mm.start_code, mm.end_code, mm.start_data, mm.end_data,
+                               mm.start_brk, mm.brk, mm.start_stack, mm.arg_start, mm.arg_end,
+                               mm.env_start, mm.env_end, int(auxp), len(auxv), exe_fd)
+            with remote.scratch(rec) as recp:
+                remote.checked("prctl", PR_SET_MM, PR_SET_MM_MAP, int(recp), len(rec), 0, step=step)
+    finally:
+        if exe_fd >= 0:
+            remote.syscall("close", exe_fd)
+
+
+def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
+    """cwd, root, umask, personality, dumpable from inside; comm, nice, oom_score_adj,
+    timerslack from outside.  Returns warnings (things that could not be set)."""
+    warnings: list[str] = []
+    pid = remote.task.tgid
+    if task.root and task.root != "/":
+        with remote.scratch(os.fsencode(task.root) + b"\0") as p:
+            remote.checked("chroot", int(p), step=f"chroot {task.root}")
+    with remote.scratch(os.fsencode(task.cwd) + b"\0") as p:
+        remote.checked("chdir", int(p), step=f"chdir {task.cwd}")
+    remote.checked("umask", task.umask, step="umask")
+    remote.checked("personality", task.personality, step="personality")
+    remote.checked("prctl", PR_SET_DUMPABLE, task.dumpable, step="dumpable")
+    with remote.scratch(task.comm.encode()[:15] + b"\0") as p:
+        remote.checked("prctl", PR_SET_NAME, int(p), step="comm")
+    for name, value in (("oom_score_adj", str(task.oom_score_adj)),
+                        ("timerslack_ns", str(task.timerslack_ns))):
+        try:
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(value)
+        except OSError as err:
+            warnings.append(f"cannot set {name} to {value}: {err.strerror}")
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, task.nice)
+    except OSError as err:
+        warnings.append(f"cannot set nice {task.nice}: {err.strerror}")
+    return warnings
+
+
+def restore_rlimits(pid: int, rlimits) -> list[str]:
+    """prlimit() from outside; a limit that cannot be raised is reported, not fatal."""
+    import resource
+    warnings = []
+    for r in rlimits:
+        inf = resource.RLIM_INFINITY
+        cur = inf if r.cur >= 2**63 else r.cur
+        mx = inf if r.max >= 2**63 else r.max
+        try:
+            resource.prlimit(pid, r.resource, (cur, mx))
+        except (OSError, ValueError) as err:
+            warnings.append(f"rlimit {r.resource} ({cur}, {mx}) cannot be set "
+                            f"(raising a hard limit needs CAP_SYS_RESOURCE): {err}")
+    return warnings
+
+
+def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds) -> list[str]:
+    """Groups, gids, uids where permitted (last: after it the process may be unprivileged)."""
+    import struct
+    warnings = []
+    me = (os.getuid(), os.getgid())
+    if creds.uids == (me[0],) * 4 and creds.gids == (me[1],) * 4 and not creds.groups:
+        return warnings
+    with remote.scratch(struct.pack(f"<{len(creds.groups)}I", *creds.groups) or 4) as gp:
+        res = remote.syscall("setgroups", len(creds.groups), int(gp))
+        if res < 0:
+            warnings.append(f"setgroups{creds.groups} failed: {os.strerror(-res)}")
+    res = remote.syscall("setresgid", *creds.gids[:3])
+    if res < 0:
+        warnings.append(f"setresgid{creds.gids[:3]} failed: {os.strerror(-res)}")
+    remote.syscall("setfsgid", creds.gids[3])
+    res = remote.syscall("setresuid", *creds.uids[:3])
+    if res < 0:
+        warnings.append(f"setresuid{creds.uids[:3]} failed: {os.strerror(-res)}")
+    remote.syscall("setfsuid", creds.uids[3])
+    return warnings

@@ -40,3 +40,32 @@ def dump_pending_frozen(tasks: Iterable[Task]) -> list[PendingSignal]:
     if tasks:
         out.extend(PendingSignal(0, info) for info in tasks[0].peek_siginfo(shared=True))
     return out
+
+
+# --- restore half ------------------------------------------------------------
+
+SIGKILL, SIGSTOP = 9, 19
+
+
+def restore_sigactions_frozen(remote: RemoteSyscalls, actions: Iterable[Sigaction]) -> None:
+    """rt_sigaction(sig, &act, NULL, 8) for every signal (defaults too: exec kept ignored ones)."""
+    with remote.scratch(KERNEL_SIGACTION.size) as buf:
+        for a in actions:
+            if a.signo in (SIGKILL, SIGSTOP):
+                continue
+            remote.mem.write(buf, KERNEL_SIGACTION.pack(a.handler, a.flags, a.restorer, a.mask))
+            remote.checked("rt_sigaction", a.signo, int(buf), 0, 8,
+                           step=f"restore the disposition of signal {a.signo}")
+
+
+def restore_pending_frozen(remote: RemoteSyscalls, tgid: int, pending: Iterable[PendingSignal]) -> None:
+    """Queue the saved signals again, from inside (so any si_code is allowed)."""
+    for p in pending:
+        signo = struct.unpack_from("<i", p.siginfo, 0)[0]
+        with remote.scratch(p.siginfo) as info:
+            if p.tid:
+                remote.checked("rt_tgsigqueueinfo", tgid, p.tid, signo, int(info),
+                               step=f"queue signal {signo} for thread {p.tid}")
+            else:
+                remote.checked("rt_sigqueueinfo", tgid, signo, int(info),
+                               step=f"queue signal {signo} for the process")

@@ -12,6 +12,7 @@ from ..formats.model import Restart, Thread
 from ..tracee import RemoteSyscalls, Task, syscall_restart, xstate_header
 
 PR_GET_TID_ADDRESS = 40
+PR_SET_NAME = 15
 
 
 def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Thread:
@@ -56,3 +57,83 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
         syscall_nr=nr,
         comm=comm,
     )
+
+
+# --- restore half ------------------------------------------------------------
+
+NR_NANOSLEEP = 35
+NR_CLOCK_NANOSLEEP = 230
+TIMER_ABSTIME = 1
+SS_ONSTACK, SS_DISABLE = 1, 2
+CLONE_THREAD_FLAGS = (0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000)
+# CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM
+
+
+def resume_regs(thread: Thread):
+    """The registers a restored thread starts with: the dumped ones, restarted if it was in a syscall.
+
+    -ERESTART*: the syscall is executed again (rax = nr, rip back over the
+    syscall instruction).  -ERESTART_RESTARTBLOCK has no restart block in the
+    new process, so the syscall is executed again too; for nanosleep and
+    relative clock_nanosleep the kernel had already written the remaining
+    time to `rem` at the freeze, so that is what the thread sleeps.
+    """
+    from ..tracee import Regs
+    regs = Regs.from_values(thread.regs)
+    if thread.restart is Restart.NONE:
+        regs.orig_rax = 2**64 - 1
+        return regs
+    regs.rax = thread.syscall_nr
+    regs.rip = regs.rip - 2
+    regs.orig_rax = 2**64 - 1
+    if thread.restart is Restart.RESTART_BLOCK:
+        if thread.syscall_nr == NR_NANOSLEEP and regs.rsi:
+            regs.rdi = regs.rsi                      # nanosleep(rem, rem)
+        elif thread.syscall_nr == NR_CLOCK_NANOSLEEP and not regs.rsi & TIMER_ABSTIME and regs.r10:
+            regs.rdx = regs.r10                      # clock_nanosleep(clk, 0, rem, rem)
+    return regs
+
+
+def create_thread_frozen(remote: RemoteSyscalls, tid: int):
+    """clone3 a thread with tid `tid` into the process (CLONE_THREAD, set_tid); returns its Task.
+
+    The tracer follows clones (PTRACE_O_TRACECLONE), so the new thread starts
+    in a ptrace stop; its registers are all set before it runs.
+    """
+    from ..tracee import Task
+    tid_buf = struct.pack("<i4x", tid)
+    with remote.scratch(tid_buf) as tidp:
+        args = struct.pack("<11Q", CLONE_THREAD_FLAGS, 0, 0, 0, 0, 0, 0, 0, int(tidp), 1, 0)
+        with remote.scratch(args) as argp:
+            remote.checked("clone3", int(argp), len(args), step=f"create thread {tid}")
+    # clone3 returns the tid in the process's own pid namespace; the clone
+    # event told the tracer the tid in its namespace.
+    task = Task(remote.last_clone, remote.task.tgid)
+    task.seized = True
+    task.wait_frozen()
+    return task
+
+
+def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) -> None:
+    """Per-thread kernel state, set from inside the thread itself; registers last."""
+    if thread.rseq_addr:
+        remote.checked("rseq", thread.rseq_addr, thread.rseq_len, 0, thread.rseq_sig,
+                       step=f"register rseq of thread {thread.tid}")
+    if thread.robust_list:
+        remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len,
+                       step=f"robust list of thread {thread.tid}")
+    remote.checked("set_tid_address", thread.clear_child_tid, step=f"clear_child_tid of thread {thread.tid}")
+    flags = thread.sas_flags & ~SS_ONSTACK
+    if not flags & SS_DISABLE:
+        with remote.scratch(struct.pack("<QixxxxQ", thread.sas_sp, flags, thread.sas_size)) as ss:
+            remote.checked("sigaltstack", int(ss), 0, step=f"sigaltstack of thread {thread.tid}")
+    if thread.comm:
+        with remote.scratch(thread.comm.encode()[:15] + b"\0") as name:
+            remote.checked("prctl", PR_SET_NAME, int(name), step=f"comm of thread {thread.tid}")
+
+
+def set_final_state(task: Task, thread: Thread) -> None:
+    """Registers, extended state and signal mask: the last thing before the thread runs."""
+    task.set_xstate(thread.xstate)
+    task.set_sigmask(thread.sigmask)
+    task.set_regs(resume_regs(thread))

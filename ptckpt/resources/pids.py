@@ -1,0 +1,245 @@
+"""Pids: the restored process gets its original pid (clone3 set_tid), optionally in a fresh pid namespace.
+
+Restore half only (a dump records pids in the task records):
+
+* :func:`check_pids_free` -- before anything is created, name the process
+  holding a pid the image needs;
+* :func:`start_stub` -- create the process that becomes the restored one:
+  clone3(set_tid=[pid]) from ptckpt (or from a minimal init in a new pid
+  namespace), stop it, seize it, and let it exec the restorer stub, so that it
+  sits at the exec event before running a single instruction of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+
+from ..errors import PidBusy, TraceeError
+from ..restorer.stub import stub_memfd
+from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
+
+NR_CLONE3 = 435
+CLONE_NEWPID = 0x20000000
+PTRACE_O_TRACECLONE = 0x8
+PTRACE_O_TRACEEXEC = 0x10
+PTRACE_EVENT_EXEC = 4
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def pid_holder(pid: int) -> str | None:
+    """'pid 123 (comm)' of whoever holds `pid` now (as a process or a thread), else None."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+    except (OSError, StopIteration):
+        tgid = pid
+    what = "process" if tgid == pid else f"a thread of process {tgid}"
+    return f"{what} {pid} ({comm})"
+
+
+def check_pids_free(pids: list[int]) -> None:
+    for pid in pids:
+        holder = pid_holder(pid)
+        if holder is not None:
+            raise PidBusy(pid, holder)
+
+
+def clone3_with_pid(pid: int) -> int:
+    """clone3(set_tid=[pid]) of ptckpt itself: the child's pid in the parent, 0 in the child.
+
+    Like fork() but without Python's fork hooks, so the child must only exec or _exit.
+    """
+    tid = ctypes.c_int32(pid)
+    # struct clone_args (include/uapi/linux/sched.h): flags, pidfd, child_tid,
+    # parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup
+    args = struct.pack("<11Q", 0, 0, 0, 0, signal.SIGCHLD, 0, 0, 0, ctypes.addressof(tid), 1, 0)
+    buf = ctypes.create_string_buffer(args, len(args))
+    res = _libc.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
+                        ctypes.c_size_t(len(args)))
+    if res < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return res
+
+
+def _exec_stub_stopped(stub_fd: int) -> None:
+    """In the new child: stop until the tracer has seized us, then become the stub."""
+    try:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os.execve(stub_fd, ["ptckpt-restorer"], {})
+    finally:
+        os._exit(127)
+
+
+@dataclass
+class Stub:
+    """The process being restored, while it is still the stub."""
+
+    pid: int            # its pid as ptckpt sees it (outer namespace)
+    vpid: int           # its pid inside its own namespace (the image's pid)
+    task: Task
+    init_pid: int = 0   # the minimal init of --pidns, 0 without
+
+    def kill(self) -> None:
+        """Kill what was half-built (the init too: that ends the whole namespace)."""
+        for pid in (self.pid, self.init_pid):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for pid in (self.pid, self.init_pid):
+            if pid:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until /proc/PID/stat shows the group stop (the process need not be our child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            raise TraceeError(pid, "the new process exited before it reached the restorer stub") from None
+        if state == b"T":
+            return
+        time.sleep(0.0005)
+    raise TraceeError(pid, "the new process did not stop before exec")
+
+
+def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
+    _wait_stopped(pid)
+    task = Task(pid, pid)
+    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEEXEC)
+    os.kill(pid, signal.SIGCONT)
+    while True:
+        st = task.wait()
+        if st.kind is StopKind.EVENT and st.event == PTRACE_EVENT_EXEC:
+            # The exec event comes from inside execve(); step to its syscall
+            # exit, so the next resume starts at the stub's first instruction.
+            while True:
+                task.syscall_step()
+                if task.wait().kind is StopKind.SYSCALL:
+                    return Stub(pid=pid, vpid=vpid, task=task, init_pid=init_pid)
+        # the group stop we were started in, SIGCONT's delivery: pass through
+        task.resume(st.signo if st.kind is StopKind.SIGNAL and st.signo != signal.SIGSTOP else 0)
+
+
+def start_stub(pid: int, *, pidns: bool = False) -> Stub:
+    """Create the process that will be restored, with pid `pid`, stopped at its exec event."""
+    stub_fd = stub_memfd()
+    try:
+        if not pidns:
+            try:
+                child = clone3_with_pid(pid)
+            except OSError as err:
+                if err.errno == errno.EEXIST:
+                    raise PidBusy(pid, pid_holder(pid) or "a process that just exited") from None
+                raise TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}") from None
+            if child == 0:
+                _exec_stub_stopped(stub_fd)
+            try:
+                return _seize_until_exec(child, pid, 0)
+            except BaseException:
+                Stub(child, pid, Task(child, child)).kill()
+                raise
+        return _start_in_new_pidns(pid, stub_fd)
+    finally:
+        os.close(stub_fd)
+
+
+def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
+    """A fresh pid namespace: a minimal init (pid 1) creates the stub with the image's pid.
+
+    An intermediate child unshares CLONE_NEWPID (so ptckpt's own namespace is
+    untouched) and forks the init; it reports the init's outer pid and exits,
+    and the init, reparented to ptckpt (a child subreaper), reaps everything in
+    the namespace and exits with the restored process's status.
+    """
+    prctl = _libc.prctl
+    prctl(ctypes.c_int(36), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+          ctypes.c_ulong(0))                                   # PR_SET_CHILD_SUBREAPER
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(r)
+        try:
+            if _libc.unshare(ctypes.c_int(CLONE_NEWPID)) != 0:
+                os.write(w, f"E {ctypes.get_errno()} unshare\n".encode())
+                os._exit(1)
+            init = os.fork()
+            if init == 0:
+                _minimal_init(pid, stub_fd, w)
+            os.write(w, f"I {init}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(middle, 0)
+    init_pid = 0
+    try:
+        with os.fdopen(r, "rb") as pipe:
+            for line in pipe:
+                kind, *rest = line.decode().split()
+                if kind == "I":
+                    init_pid = int(rest[0])
+                elif kind == "E":
+                    raise TraceeError(pid, f"pid namespace setup: {rest[1]} failed: "
+                                           f"{os.strerror(int(rest[0]))}")
+                elif kind == "C":
+                    break
+        if not init_pid:
+            raise TraceeError(pid, "pid namespace setup: the init did not start")
+        with open(f"/proc/{init_pid}/task/{init_pid}/children") as f:
+            children = [int(x) for x in f.read().split()]
+        if len(children) != 1:
+            raise TraceeError(pid, "pid namespace setup: the init has no child")
+        return _seize_until_exec(children[0], pid, init_pid)
+    except BaseException:
+        if init_pid:
+            Stub(0, pid, Task(0, 0), init_pid=init_pid).kill()
+        raise
+
+
+def _minimal_init(pid: int, stub_fd: int, report_fd: int) -> None:
+    """Pid 1 of the new namespace: create the stub with `pid`, then reap until it ends."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            child = clone3_with_pid(pid)
+        except OSError as err:
+            os.write(report_fd, f"E {err.errno} clone3-set_tid\n".encode())
+            os._exit(1)
+        if child == 0:
+            os.close(report_fd)
+            _exec_stub_stopped(stub_fd)
+        os.write(report_fd, b"C\n")
+        os.close(report_fd)
+        os.close(stub_fd)
+        status = 0
+        while True:
+            try:
+                got, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if got == child:
+                status = st
+        if os.WIFSIGNALED(status):
+            os._exit(128 + os.WTERMSIG(status))
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    finally:
+        os._exit(1)

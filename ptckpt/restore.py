@@ -1,0 +1,244 @@
+"""Restore: the library API behind ``ptckpt restore`` (layer 5, orchestration).
+
+``restore(directory)`` runs these stages, each logged:
+
+1. collect  -- open the image and validate every file (magic, version,
+               checksums) before anything else;
+2. plan     -- refuse what cannot work, before any process exists: another
+               arch or a vdso of another size, xstate features this CPU lacks,
+               mapped files missing or changed (size, mtime, inode), fds of
+               kinds not restorable yet, a busy pid (named, with --pidns as
+               the way out);
+3. create   -- clone3(set_tid) a child (in a fresh pid namespace with
+               ``pidns``), seized, which execs the restorer stub and sits at
+               the exec event;
+4. fix up   -- by syscall injection in the stub: gadget page, empty address
+               space, vdso moved, every VMA mapped and filled, fds, cwd and
+               other task state, mm fields (PR_SET_MM_MAP), dispositions,
+               threads (clone3 set_tid), per-thread state, pending signals,
+               credentials; then the gadget is unmapped;
+5. resume   -- registers, xstate and sigmasks set, every thread detached.
+
+A failure in 3-4 kills the half-built process and raises an error naming the
+step (an injected syscall's name, errno and arguments included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+
+from . import procfs
+from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
+from .formats.image import ImageReader
+from .formats.model import PAGE_SIZE, ProcessImage, VmaKind
+from .resources import files, memory, pids, process, signals, threads
+from .restorer.stub import gadget_address
+from .tracee import AddressSpace, RemotePtr, Session, remote_syscalls, xstate_header
+
+log = logging.getLogger("ptckpt.restore")
+
+
+@dataclass
+class RestoreResult:
+    pid: int                      # as ptckpt sees it (outer pid namespace)
+    vpid: int                     # the image's pid (what the process sees)
+    init_pid: int = 0             # the --pidns init, 0 without
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        where = f" in a new pid namespace (init {self.init_pid})" if self.init_pid else ""
+        return (f"restored pid {self.vpid}{where} as {self.pid} in {self.seconds:.3f} s")
+
+
+# --- plan: refuse before anything exists -------------------------------------------
+
+def host_xfeatures() -> tuple[int, int]:
+    """(XCR0, xstate size) of this machine, read from a throwaway child's NT_X86_XSTATE."""
+    from .tracee import Task
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(10)
+        os._exit(0)
+    try:
+        task = Task(pid, pid)
+        task.seize()
+        task.interrupt()
+        task.wait_frozen()
+        xs = task.get_xstate()
+        task.detach()
+        return xstate_header(xs)[1], len(xs)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def plan_problems(image: ImageReader, proc: ProcessImage, *, pidns: bool) -> None:
+    inv = image.inventory
+    if inv.arch != os.uname().machine:
+        raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
+    if inv.page_size != PAGE_SIZE:
+        raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
+    with open("/proc/self/maps", "rb") as f:
+        own = procfs.read_maps(os.getpid())
+    why = memory.vdso_mismatch(proc.vmas, own)
+    if why:
+        raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
+    xcr0, xsize = host_xfeatures()
+    for t in proc.threads:
+        missing = t.xfeatures & ~xcr0
+        if missing:
+            raise Incompatible(f"thread {t.tid} uses xsave features {missing:#x} this CPU does not "
+                               f"have (image {t.xfeatures:#x}, CPU {xcr0:#x})")
+        if len(t.xstate) != xsize:
+            raise Incompatible(f"thread {t.tid} has a {len(t.xstate)}-byte xstate area, this CPU "
+                               f"{xsize} bytes")
+    changed = changed_files(proc)
+    if changed:
+        raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
+    bad = files.restore_plan_problems(list(proc.fds))
+    for v in proc.vmas:
+        if v.file_deleted and v.kind not in (VmaKind.ANON_SHARED,):
+            bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
+        if v.path.startswith("/SYSV"):
+            bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x}")
+    if bad:
+        raise UnsupportedResource(proc.task.pid, "; ".join(bad))
+    if len(proc.threads) > 1 and not pidns:
+        pids.check_pids_free([proc.task.pid] + [t.tid for t in proc.threads if t.tid != proc.task.pid])
+    elif not pidns:
+        pids.check_pids_free([proc.task.pid])
+
+
+def changed_files(proc: ProcessImage) -> list[str]:
+    """'path: what changed' for every mapped file that is missing or differs from the dump."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for v in proc.vmas:
+        if v.kind not in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) or v.file_deleted or v.path in seen:
+            continue
+        seen.add(v.path)
+        try:
+            st = os.stat(v.path)
+        except OSError as err:
+            out.append(f"{v.path}: {err.strerror.lower()}")
+            continue
+        what = []
+        if v.file_size and st.st_size != v.file_size:
+            what.append(f"size {v.file_size} -> {st.st_size}")
+        if v.file_mtime_ns and st.st_mtime_ns != v.file_mtime_ns:
+            what.append("mtime changed")
+        if v.inode and st.st_ino != v.inode:
+            what.append(f"inode {v.inode} -> {st.st_ino}")
+        if what:
+            out.append(f"{v.path}: " + ", ".join(what))
+    return out
+
+
+# --- create, fix up, resume ---------------------------------------------------------
+
+def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
+    """Recreate the process of image `directory`; returns once it runs (detached from ptckpt)."""
+    started = time.monotonic()
+    log.info("collect %s", directory)
+    with ImageReader(directory) as image:
+        pid = image.inventory.root_pid
+        proc = image.process(pid)
+        log.info("plan %d", pid)
+        plan_problems(image, proc, pidns=pidns)
+        runs = image.page_runs(pid)
+        pages_map = None
+        data = memoryview(b"")
+        if image.pages_length(pid):
+            from .formats.model import PageRun
+            fd, data_offset = image.pages_location(pid, PageRun(0, 0, 0))
+            pages_map = mmap.mmap(fd, 0, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            data = memoryview(pages_map)[data_offset:]
+        try:
+            log.info("create %d", pid)
+            stub = pids.start_stub(pid, pidns=pidns)
+            result = RestoreResult(pid=stub.pid, vpid=pid, init_pid=stub.init_pid)
+            try:
+                result.warnings += _fix_up(stub, proc, runs, data)
+            except BaseException as err:
+                stub.kill()
+                if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
+                    raise RestoreFailed(f"restore of {pid} failed, the half-restored process was "
+                                        f"killed: {err}") from err
+                raise
+        finally:
+            data.release()
+            if pages_map is not None:
+                pages_map.close()
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages: memoryview) -> list[str]:
+    warnings: list[str] = []
+    session = Session()
+    session.tasks[stub.pid] = stub.task
+    leader = stub.task
+    inherited = procfs.list_fds(stub.pid)
+    with AddressSpace(stub.pid) as mem:
+        with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
+            log.info("fix up %d: address space", proc.task.pid)
+            memory.prepare_address_space_frozen(remote, mem, proc.vmas)
+            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages)
+            log.info("fix up %d: files and task state", proc.task.pid)
+            files.restore_fds_frozen(remote, list(proc.fds), inherited)
+            warnings += process.restore_task_frozen(remote, proc.task)
+            process.restore_mm_frozen(remote, proc.mm)
+            warnings += process.restore_rlimits(stub.pid, proc.rlimits)
+            signals.restore_sigactions_frozen(remote, proc.sigactions)
+            log.info("fix up %d: threads", proc.task.pid)
+            tasks = {proc.task.pid: leader}
+            for t in proc.threads:
+                if t.tid != proc.task.pid:
+                    tasks[t.tid] = threads.create_thread_frozen(remote, t.tid)
+                    session.tasks[tasks[t.tid].tid] = tasks[t.tid]
+            for t in proc.threads:
+                task = tasks[t.tid]
+                if task is leader:
+                    threads.restore_thread_frozen(task, remote, t)
+                else:
+                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote._sp,
+                                         keep_regs=False) as tremote:
+                        threads.restore_thread_frozen(task, tremote, t)
+            signals.restore_pending_frozen(remote, stub.vpid, proc.pending)
+            warnings += process.restore_creds_frozen(remote, proc.creds)
+            log.info("resume %d", proc.task.pid)
+            gadget = int(remote.gadget)
+            # The last injected syscall removes the gadget it runs from; the
+            # thread stops at its exit, before fetching another instruction.
+            remote.checked("munmap", gadget & ~(PAGE_SIZE - 1), memory.GADGET_PAGES * PAGE_SIZE,
+                           step="unmap the gadget")
+        for t in proc.threads:
+            threads.set_final_state(tasks[t.tid], t)
+    for t in proc.threads:
+        if t.tid != proc.task.pid:
+            tasks[t.tid].detach()
+    leader.detach()
+    return warnings
+
+
+def wait_restored(result: RestoreResult) -> int:
+    """Wait for the restored process (or its --pidns init) and return a shell-style exit status."""
+    target = result.init_pid or result.pid
+    while True:
+        try:
+            got, status = os.waitpid(target, 0)
+        except ChildProcessError:
+            return 0
+        if got == target:
+            break
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)

@@ -1,0 +1,791 @@
+"""Shared test machinery: compiled fixtures, spawned targets, the CLI runner.
+
+Fixtures (pytest) defined here:
+  fixture_bins   session: fixture name -> compiled executable (skips without gcc)
+  spawn          spawn(program, *args, ...) -> Target; kills and reaps at teardown
+  ptckpt_cmd     session: argv prefix that runs the installed CLI
+  ptckpt         ptckpt(*args, ...) -> CliResult(returncode, stdout, stderr)
+  wait_until, read_counter, reap_orphans, wait_pid_free, cpu_has
+                 the module-level helpers of the same names, as fixtures
+
+The pytest process makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) at
+start-up, so every process a test creates - restored ones included, whatever
+their parent was - stays a descendant of pytest and can be reaped here
+(docs: DESIGN.md, "PID 1 ... reaps orphaned processes lazily").  Nothing is
+reaped behind the back of a subprocess.Popen object that is still waiting.
+
+Fixture programs and their outputs are described in fixtures/README.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES_DIR = ROOT / "fixtures"
+
+# Exit codes of the fixtures (fixtures/fixture.h).
+EXIT_USAGE = 2
+EXIT_EINTR = 3
+EXIT_BADVALUE = 4
+EXIT_SYSCALL = 5
+EXIT_NOCPU = 77
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _load_build_module():
+    spec = importlib.util.spec_from_file_location("ptckpt_fixture_build",
+                                                  FIXTURES_DIR / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fixture_build = _load_build_module()
+
+
+# --- waiting -----------------------------------------------------------------
+
+class WaitTimeout(AssertionError):
+    """wait_until ran out of time (an AssertionError, so pytest shows a failure)."""
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0,
+               interval: float = 0.01, message: str | Callable[[], str] | None = None) -> Any:
+    """Call predicate until it returns something truthy; return that value.
+
+    Raises WaitTimeout after `timeout` seconds; `message` (a string, or a
+    callable returning one, evaluated only on failure) says what was awaited.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            raise WaitTimeout(f"timed out after {timeout:g} s: "
+                              f"{text or getattr(predicate, '__name__', repr(predicate))}")
+        time.sleep(interval)
+        interval = min(interval * 1.5, 0.1)
+
+
+# --- the process table, zombies and orphans ---------------------------------
+
+class ProcStat(NamedTuple):
+    """The /proc/PID/stat fields this file needs (man 5 proc: fields 3-6)."""
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """Fields of /proc/PID/stat, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'.
+    fields = data[data.rindex(")") + 2:].split()
+    return ProcStat(fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
+
+
+def process_table() -> dict[int, ProcStat]:
+    """pid -> ProcStat for every process (thread group) on the machine."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = proc_stat(int(entry))
+            if st is not None:
+                table[int(entry)] = st
+    return table
+
+
+def descendants(root: int | None = None,
+                table: dict[int, ProcStat] | None = None) -> set[int]:
+    """Pids of all descendants of root (default: this pytest process)."""
+    root = os.getpid() if root is None else root
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, st in table.items():
+        children.setdefault(st.ppid, []).append(pid)
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid is a process that is not (yet) a zombie."""
+    st = proc_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+# Exit statuses (os.waitpid form) of children reaped by reap_orphans, so that
+# Target.wait_exit can still report how a restored process ended.
+_reaped_status: dict[int, int] = {}
+
+
+def _waiting_popen_pids() -> set[int]:
+    """Pids of live subprocess.Popen objects that have not collected their child.
+
+    Reaping one of those would make its wait() see ECHILD and report exit
+    status 0, hiding a failure; they are left to their Popen.
+    """
+    pids = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, subprocess.Popen) and obj.returncode is None:
+            pids.add(obj.pid)
+    return pids
+
+
+def reap_orphans(pids: Iterable[int] | None = None) -> dict[int, int]:
+    """Reap zombie children of this process that no Popen object waits for.
+
+    With `pids`, only those.  Orphans reparented to pytest (it is a child
+    subreaper) land here: a restored process whose restorer exited, the
+    children of a killed fixture.  Returns {pid: wait status} reaped now; the
+    statuses are also kept for Target.wait_exit.
+    """
+    me = os.getpid()
+    if pids is None:
+        candidates = [pid for pid, st in process_table().items()
+                      if st.ppid == me and st.state in ("Z", "X")]
+    else:
+        candidates = list(pids)
+    if not candidates:
+        return {}
+    skip = _waiting_popen_pids()
+    reaped = {}
+    for pid in candidates:
+        if pid in skip:
+            continue
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if got:
+            reaped[got] = status
+            _reaped_status[got] = status
+    return reaped
+
+
+def wait_pid_free(pid: int, timeout: float = 10.0) -> None:
+    """Wait until no process (not even a zombie) holds pid, reaping it if ours.
+
+    Use before restoring a process at its old pid.  A zombie that belongs to
+    another parent is waited for, not reaped.
+    """
+    def free() -> bool:
+        st = proc_stat(pid)
+        if st is None:
+            return True
+        if st.state in ("Z", "X") and st.ppid == os.getpid():
+            reap_orphans([pid])
+        return proc_stat(pid) is None
+
+    wait_until(free, timeout, message=lambda: f"pid {pid} still taken: {proc_stat(pid)}")
+
+
+def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    """Send sig to each pid, ignoring the ones already gone."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        warnings.warn(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _become_subreaper()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill and reap whatever a test left behind (spawn cleans up its own)."""
+    def leftovers() -> list[int]:
+        reap_orphans()
+        return [pid for pid in descendants() - _waiting_popen_pids() if pid_alive(pid)]
+
+    alive = leftovers()
+    if alive:
+        # Too late for the warnings summary: say it on stderr.
+        print(f"\nconftest: killing processes the tests left behind: {sorted(alive)}",
+              file=sys.stderr)
+        kill_pids(alive)
+        try:
+            wait_until(lambda: not leftovers(), timeout=5.0)
+        except WaitTimeout:
+            pass
+    reap_orphans()
+
+
+# --- CPU features --------------------------------------------------------------
+
+def cpu_has(flag: str) -> bool:
+    """True if /proc/cpuinfo lists flag (e.g. "avx2", "avx512f")."""
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return flag in line.split(":", 1)[1].split()
+    return False
+
+
+# --- compiled fixtures -------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def fixture_bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Compile every fixtures/*.c once per session: name -> executable path."""
+    if fixture_build.find_cc() is None:
+        pytest.skip("gcc is not installed (or not on PATH): the C fixtures in "
+                    "fixtures/*.c cannot be compiled")
+    outdir = tmp_path_factory.mktemp("fixture-bins")
+    try:
+        return fixture_build.compile_all(outdir)
+    except fixture_build.CompileError as err:
+        pytest.fail(str(err), pytrace=False)
+
+
+# --- spawned targets -------------------------------------------------------------
+
+class TargetError(AssertionError):
+    """A spawned fixture failed to start, reported a failure or misbehaved."""
+
+
+_LINE_READY = re.compile(r"^READY (\d+)$")
+_LINE_SYM = re.compile(r"^SYM (\S+) 0x([0-9a-fA-F]+)$")
+_LINE_TID = re.compile(r"^TID (\d+) (\d+)$")
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The lines of a file that end in a newline (a line being written is left out)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return data.decode(errors="replace").split("\n")[:-1]
+
+
+def _tail(path: Path | None, limit: int = 2000) -> str:
+    if path is None:
+        return "(none)"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return "(missing)"
+    text = data[-limit:].decode(errors="replace")
+    return text if text else "(empty)"
+
+
+def read_counter(path: Path | str, timeout: float = 2.0) -> int:
+    """The fixed-width integer a counter fixture keeps at the start of its file.
+
+    Reads until two reads agree (a read can race the fixture's pwrite).
+    Raises TargetError if the fixture replaced it with a "FAIL ..." line.
+    """
+    return read_numbers(path, timeout)[0]
+
+
+def read_numbers(path: Path | str, timeout: float = 2.0) -> tuple[int, ...]:
+    """All integers on the first line of a state file (counter: 1, threads: 4,
+    avx: 1), read consistently.  Raises TargetError on "FAIL ..." content."""
+    path = Path(path)
+
+    def once() -> tuple[int, ...] | None:
+        try:
+            text = path.read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        if text.startswith("FAIL"):
+            raise TargetError(f"{path.name}: {text.strip()}")
+        line, newline, _ = text.partition("\n")
+        if not newline:
+            return None
+        numbers = tuple(int(n) for n in re.findall(r"\b\d+\b", line))
+        return numbers or None
+
+    def agreed():
+        first = once()
+        return first if first is not None and once() == first else None
+
+    return wait_until(agreed, timeout, interval=0.002,
+                      message=f"no complete state line in {path}")
+
+
+class Target:
+    """One fixture process started by `spawn` (see the attributes below).
+
+    The handle outlives the process: after a restore that gives the process
+    back its pid, the same handle keeps working; a restored process with
+    another pid can be attached with adopt().  `spawn`'s teardown kills by
+    pid and process group (SIGKILL) and reaps, whatever happened to it.
+    """
+
+    def __init__(self, name: str, argv: list[str], popen: subprocess.Popen,
+                 workdir: Path, out_path: Path | None, stdout_path: Path,
+                 stderr_path: Path, stdin_file: Any | None, fifo_path: Path | None):
+        self.name = name
+        self.argv = argv
+        self.popen: subprocess.Popen | None = popen
+        self.pid: int = popen.pid
+        self.workdir = workdir
+        self.out_path = out_path          # argv[1] of the fixture, or None
+        self.stdout_path = stdout_path
+        self.stderr_path = stderr_path
+        self.fifo_path = fifo_path        # stdin FIFO (stdin="fifo")
+        self.stdin = stdin_file           # our writing end (stdin="pipe"/"fifo")
+        self.preamble: list[str] = []     # stdout lines before READY
+        self.symbols: dict[str, int] = {} # "SYM name 0x..." lines
+        self.tids: list[int] = []         # "TID i tid" lines, by i
+        self._pids = {self.pid}           # cleaned up at teardown
+        self._returncode: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<Target {self.name} pid={self.pid}>"
+
+    # -- output -----------------------------------------------------------
+    def stdout_lines(self) -> list[str]:
+        return _complete_lines(self.stdout_path)
+
+    def stdout_text(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr_text(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def out_lines(self) -> list[str]:
+        """Complete lines of the output file (argv[1])."""
+        return _complete_lines(self._need_out())
+
+    def out_text(self) -> str:
+        return self._need_out().read_text(errors="replace")
+
+    def read_counter(self, timeout: float = 2.0) -> int:
+        """The integer of a counter-style state file (counter, counter.py, avx)."""
+        return read_counter(self._need_out(), timeout)
+
+    def read_counters(self, timeout: float = 2.0) -> tuple[int, ...]:
+        """All integers of the state file's line (threads: counters[0..3])."""
+        return read_numbers(self._need_out(), timeout)
+
+    def wait_for_line(self, pattern: str, *, where: str = "stdout", count: int = 1,
+                      timeout: float = 10.0) -> re.Match:
+        """Wait for the count-th complete line matching regex pattern (re.search)
+        in "stdout" or "out" (the output file); return its match.
+
+        Fails early, with the fixture's output, if the process dies first.
+        """
+        rx = re.compile(pattern)
+        lines = self.stdout_lines if where == "stdout" else self.out_lines
+
+        def found():
+            matches = [m for m in map(rx.search, lines()) if m]
+            if len(matches) >= count:
+                return matches[count - 1]
+            if not self.alive():
+                # One last look: the line may have been written just before exit.
+                matches = [m for m in map(rx.search, lines()) if m]
+                if len(matches) >= count:
+                    return matches[count - 1]
+                raise TargetError(f"{self.name} ended before line {pattern!r} "
+                                  f"#{count} appeared\n{self.describe()}")
+            return None
+
+        return wait_until(found, timeout,
+                          message=lambda: f"line {pattern!r} #{count} in {where} "
+                                          f"of {self.name}\n{self.describe()}")
+
+    def wait_progress(self, timeout: float = 10.0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Wait until every number in the state file grew; return (before, after).
+
+        The "it keeps running" check for counter, counter.py, threads and avx.
+        """
+        before = self.read_counters()
+
+        def grown():
+            self.assert_ok()
+            now = self.read_counters()
+            return now if all(b > a for a, b in zip(before, now)) else None
+
+        after = wait_until(grown, timeout,
+                           message=lambda: f"{self.name} made no progress from "
+                                           f"{before}\n{self.describe()}")
+        return before, after
+
+    def failure(self) -> str | None:
+        """What the fixture reported as failing ("FAIL ..." in the output file,
+        text on stderr, an exit status), or None."""
+        problems = []
+        if self.out_path is not None:
+            for line in _complete_lines(self.out_path):
+                if line.startswith("FAIL "):
+                    problems.append(line)
+        err = self.stderr_text().strip() if self.stderr_path.exists() else ""
+        if err:
+            problems.append(f"stderr: {err}")
+        if self._returncode is None and self.popen is not None \
+                and self.popen.pid == self.pid:
+            self._returncode = self.popen.poll()
+        if self._returncode not in (None, 0):
+            problems.append(f"exit status {self._returncode}")
+        return "; ".join(problems) if problems else None
+
+    def assert_ok(self) -> None:
+        """Raise TargetError if the fixture reported a failure."""
+        problem = self.failure()
+        if problem:
+            raise TargetError(f"{self.name} (pid {self.pid}) failed: {problem}\n"
+                              f"{self.describe()}")
+
+    def describe(self) -> str:
+        """A diagnostic block: argv, state, and the tails of every output."""
+        st = proc_stat(self.pid)
+        return (f"--- target {self.name} pid {self.pid}: {' '.join(self.argv)}\n"
+                f"state: {st.state if st else 'gone'}, returncode: {self._returncode}\n"
+                f"--- stdout:\n{_tail(self.stdout_path)}\n"
+                f"--- stderr:\n{_tail(self.stderr_path)}\n"
+                f"--- output file:\n{_tail(self.out_path)}")
+
+    def _need_out(self) -> Path:
+        if self.out_path is None:
+            raise TypeError(f"{self.name} was spawned without an output file")
+        return self.out_path
+
+    # -- input and signals ------------------------------------------------------
+    def send(self, data: str | bytes) -> None:
+        """Write to the fixture's stdin (spawned with stdin="pipe" or "fifo")."""
+        if self.stdin is None:
+            raise TypeError(f"{self.name} was spawned without a stdin pipe")
+        self.stdin.write(data.encode() if isinstance(data, str) else data)
+        self.stdin.flush()
+
+    def send_line(self, line: str) -> None:
+        self.send(line + "\n")
+
+    def close_stdin(self) -> None:
+        if self.stdin is not None:
+            self.stdin.close()
+            self.stdin = None
+
+    def signal(self, sig: int = signal.SIGUSR1) -> None:
+        os.kill(self.pid, sig)
+
+    # -- life and death -------------------------------------------------------------
+    def alive(self) -> bool:
+        """True while the process with our pid runs (not a zombie)."""
+        return pid_alive(self.pid)
+
+    def adopt(self, pid: int) -> None:
+        """Make pid (e.g. a restored copy with another pid) this target's process:
+        it is cleaned up at teardown and pid / alive() / wait_exit() refer to it."""
+        self._pids.add(pid)
+        _reaped_status.pop(pid, None)
+        if pid != self.pid:
+            self.pid = pid
+            self._returncode = None
+
+    def wait_exit(self, timeout: float = 10.0) -> int | None:
+        """Wait for the process to end; return its status like Popen.returncode
+        (negative: killed by that signal), or None if another process reaped it."""
+        if self.popen is not None and self.popen.pid == self.pid \
+                and self.popen.returncode is None:
+            try:
+                self._returncode = self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise TargetError(f"{self.name} still running after {timeout:g} s\n"
+                                  f"{self.describe()}") from None
+            return self._returncode
+        if self.popen is not None and self.popen.pid == self.pid:
+            self._returncode = self.popen.returncode
+            return self._returncode
+
+        def ended():
+            if self.pid in _reaped_status:
+                return True
+            st = proc_stat(self.pid)
+            if st is None:
+                return True
+            if st.state in ("Z", "X") and st.ppid == os.getpid():
+                reap_orphans([self.pid])
+            return False
+
+        wait_until(ended, timeout, message=lambda: f"{self.name} to exit\n{self.describe()}")
+        status = _reaped_status.get(self.pid)
+        self._returncode = None if status is None else os.waitstatus_to_exitcode(status)
+        return self._returncode
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL the process (group) now, reap it, and wait until its pid is free."""
+        self._kill_and_reap(timeout)
+        wait_pid_free(self.pid, timeout)
+
+    def _victims(self) -> set[int]:
+        """Our descendants that are this target's processes or share its
+        process group / session (pgid = sid = pid: start_new_session)."""
+        table = process_table()
+        mine = descendants(table=table)
+        return {pid for pid in mine
+                if pid in self._pids or table[pid].pgid in self._pids
+                or table[pid].sid in self._pids}
+
+    def _kill_and_reap(self, timeout: float) -> None:
+        victims = self._victims()
+        kill_pids(victims)
+
+        def done() -> bool:
+            if self.popen is not None and self.popen.returncode is None:
+                if self.popen.poll() is not None and self.popen.pid == self.pid:
+                    self._returncode = self.popen.returncode
+            reap_orphans(victims)
+            return not any(pid_alive(p) for p in victims) and \
+                (self.popen is None or self.popen.returncode is not None)
+
+        try:
+            wait_until(done, timeout, message=lambda: f"{self.name} to die\n{self.describe()}")
+        except WaitTimeout as err:
+            warnings.warn(str(err))
+
+    def cleanup(self) -> None:
+        """The teardown: never raises, always kills and reaps."""
+        try:
+            self.close_stdin()
+        except OSError:
+            pass
+        self._kill_and_reap(10.0)
+        if self.popen is not None:
+            for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+                if f is not None:
+                    f.close()
+
+
+def _resolve_program(program: str, request: pytest.FixtureRequest) -> tuple[str, list[str]]:
+    """Fixture name or path -> (name, argv prefix)."""
+    if program.endswith(".py"):
+        path = Path(program) if os.sep in program else FIXTURES_DIR / program
+        if not path.exists():
+            raise FileNotFoundError(f"no such Python fixture: {path}")
+        return path.name, [sys.executable, str(path)]
+    if os.sep in program:
+        return Path(program).name, [program]
+    bins = request.getfixturevalue("fixture_bins")
+    if program not in bins:
+        raise KeyError(f"no such fixture: {program!r} (have: {', '.join(sorted(bins))})")
+    return program, [str(bins[program])]
+
+
+@pytest.fixture
+def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Target]:
+    """Start fixture programs; every one is killed and reaped at teardown.
+
+    spawn(program, *args, out=True, stdin=None, env=None, ready=True,
+          timeout=30.0) -> Target
+
+    program  a fixtures/*.c name ("counter"), a fixtures/*.py name
+             ("counter.py", run with this Python), or a path
+    args     the fixture's arguments after argv[1] (str() is applied)
+    out      pass tmp_path/<name>.<n>.out as argv[1] (Target.out_path)
+    stdin    None (/dev/null), "pipe" or "fifo" (a named FIFO in tmp_path,
+             which a restore can reopen by path); write with Target.send()
+    ready    wait for "READY <pid>" (a fixture exiting 77 skips the test)
+    stdout and stderr go to files (Target.stdout_path, .stderr_path) opened
+    O_APPEND, so a restored process can reopen them and nothing blocks.
+    """
+    targets: list[Target] = []
+    counter = iter(range(1, 1 << 30))
+
+    def _spawn(program: str, *args: Any, out: bool = True, stdin: str | None = None,
+               env: dict[str, str] | None = None, ready: bool = True,
+               timeout: float = 30.0) -> Target:
+        name, argv = _resolve_program(program, request)
+        n = next(counter)
+        base = tmp_path / f"{name}.{n}"
+        out_path = Path(f"{base}.out") if out else None
+        argv = argv + ([str(out_path)] if out_path else []) + [str(a) for a in args]
+        stdout_path, stderr_path = Path(f"{base}.stdout"), Path(f"{base}.stderr")
+        fifo_path = None
+        child_stdin: Any = subprocess.DEVNULL
+        our_end = None
+        if stdin == "pipe":
+            r, w = os.pipe()
+            child_stdin, our_end = r, os.fdopen(w, "wb")
+        elif stdin == "fifo":
+            fifo_path = Path(f"{base}.fifo")
+            os.mkfifo(fifo_path)
+            # O_RDWR first so neither of the two real opens blocks.
+            keep = os.open(fifo_path, os.O_RDWR)
+            child_stdin = os.open(fifo_path, os.O_RDONLY)
+            our_end = os.fdopen(os.open(fifo_path, os.O_WRONLY), "wb")
+            os.close(keep)
+        elif stdin is not None:
+            raise ValueError(f"stdin must be None, 'pipe' or 'fifo', not {stdin!r}")
+        with open(stdout_path, "ab") as so, open(stderr_path, "ab") as se:
+            try:
+                popen = subprocess.Popen(argv, stdin=child_stdin, stdout=so, stderr=se,
+                                         start_new_session=True, close_fds=True,
+                                         env=env, cwd=tmp_path)
+            finally:
+                if isinstance(child_stdin, int) and child_stdin >= 0:
+                    os.close(child_stdin)
+        target = Target(name, argv, popen, tmp_path, out_path, stdout_path,
+                        stderr_path, our_end, fifo_path)
+        targets.append(target)
+        if ready:
+            _wait_ready(target, timeout)
+        return target
+
+    yield _spawn
+    for target in reversed(targets):
+        target.cleanup()
+
+
+def _wait_ready(target: Target, timeout: float) -> None:
+    def ready():
+        lines = target.stdout_lines()
+        for i, line in enumerate(lines):
+            m = _LINE_READY.match(line)
+            if m:
+                return i, int(m.group(1))
+        if target.popen.poll() is not None:
+            target._returncode = target.popen.returncode
+            if target.popen.returncode == EXIT_NOCPU:
+                pytest.skip(f"{target.name}: {target.stderr_text().strip()}")
+            raise TargetError(f"{target.name} exited with {target.popen.returncode} "
+                              f"before READY\n{target.describe()}")
+        return None
+
+    index, pid = wait_until(ready, timeout,
+                            message=lambda: f"READY from {target.name}\n{target.describe()}")
+    if pid != target.pid:
+        raise TargetError(f"{target.name} says READY {pid} but its pid is {target.pid}")
+    target.preamble = target.stdout_lines()[:index]
+    for line in target.preamble:
+        if m := _LINE_SYM.match(line):
+            target.symbols[m.group(1)] = int(m.group(2), 16)
+        elif m := _LINE_TID.match(line):
+            i, tid = int(m.group(1)), int(m.group(2))
+            target.tids.extend([0] * (i + 1 - len(target.tids)))
+            target.tids[i] = tid
+
+
+# --- the CLI ----------------------------------------------------------------------
+
+class CliResult(NamedTuple):
+    """What one `ptckpt` run gave; unpacks as (returncode, stdout, stderr)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def ptckpt_cmd() -> list[str]:
+    """The argv prefix running the installed CLI: the console script next to
+    this Python, else `python -m ptckpt`."""
+    script = Path(sys.executable).parent / "ptckpt"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "ptckpt"]
+
+
+@pytest.fixture
+def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
+    """Run the CLI as a subprocess: ptckpt(*args, timeout=120.0, input=None,
+    env=None, cwd=None, check=False) -> CliResult(returncode, stdout, stderr).
+
+    stdout/stderr go through files, not pipes, so a process the CLI leaves
+    running (a restored target) cannot hold them open and hang the test.  The
+    CLI runs in its own session; on timeout its whole process group is killed
+    and the test fails.  check=True fails the test on a non-zero exit.
+    """
+    runs = iter(range(1, 1 << 30))
+
+    def run(*args: Any, timeout: float = 120.0, input: str | bytes | None = None,
+            env: dict[str, str] | None = None, cwd: Path | str | None = None,
+            check: bool = False) -> CliResult:
+        argv = ptckpt_cmd + [str(a) for a in args]
+        n = next(runs)
+        out_path, err_path = tmp_path / f"ptckpt.{n}.stdout", tmp_path / f"ptckpt.{n}.stderr"
+        stdin_data = input.encode() if isinstance(input, str) else input
+        with open(out_path, "wb") as so, open(err_path, "wb") as se:
+            proc = subprocess.Popen(argv, stdout=so, stderr=se,
+                                    stdin=subprocess.PIPE if stdin_data is not None
+                                    else subprocess.DEVNULL,
+                                    env=env, cwd=cwd, start_new_session=True)
+            try:
+                proc.communicate(stdin_data, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+                reap_orphans()
+                pytest.fail(f"{' '.join(argv)} did not finish within {timeout:g} s\n"
+                            f"stdout:\n{_tail(out_path)}\nstderr:\n{_tail(err_path)}")
+        reap_orphans()
+        result = CliResult(proc.returncode, out_path.read_text(errors="replace"),
+                           err_path.read_text(errors="replace"))
+        if check and result.returncode != 0:
+            pytest.fail(f"{' '.join(argv)} exited with {result.returncode}\n"
+                        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+        return result
+
+    return run
+
+
+# --- the helpers as fixtures ---------------------------------------------------------
+
+@pytest.fixture(name="wait_until")
+def _wait_until_fixture() -> Callable[..., Any]:
+    """wait_until(predicate, timeout=10.0, interval=0.01, message=None) -> value"""
+    return wait_until
+
+
+@pytest.fixture(name="read_counter")
+def _read_counter_fixture() -> Callable[..., int]:
+    """read_counter(path, timeout=2.0) -> int"""
+    return read_counter
+
+
+@pytest.fixture(name="reap_orphans")
+def _reap_orphans_fixture() -> Callable[..., dict[int, int]]:
+    """reap_orphans(pids=None) -> {pid: wait status}"""
+    return reap_orphans
+
+
+@pytest.fixture(name="wait_pid_free")
+def _wait_pid_free_fixture() -> Callable[..., None]:
+    """wait_pid_free(pid, timeout=10.0)"""
+    return wait_pid_free
+
+
+@pytest.fixture(name="cpu_has")
+def _cpu_has_fixture() -> Callable[[str], bool]:
+    """cpu_has(flag) -> bool, from /proc/cpuinfo"""
+    return cpu_has
