@@ -74,9 +74,13 @@ from ptckpt.formats.records import (
 INVENTORY_NAME = "inventory.img"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-DEFAULT_BUFFER_SIZE = 16 << 20       # PagesWriter buffers: 16 MiB ...
-DEFAULT_NBUFFERS = 3                 # ... x 3 (one being filled, two in flight)
+# PagesWriter buffers: 4 x 4 MiB, so a buffer is usually still in the L3 cache
+# when the checksum and write threads read it (measured: 16 MiB x 3 is ~30%
+# slower, 2 MiB x 4 about the same).
+DEFAULT_BUFFER_SIZE = 4 << 20
+DEFAULT_NBUFFERS = 4
 MAX_BUFFER_SIZE = 64 << 20
+_CHUNK = 4 << 20                     # unit of work of the checksum and write threads
 _READ_BLOCK = 16 << 20               # block size of the reader's checksum pass
 
 
@@ -314,16 +318,14 @@ class ImageWriter:
             os.close(fd)
 
 
-class _Job:
-    """One buffer in flight: checksummed by one thread, written by the other."""
+class _Ticket:
+    """One submitted buffer in flight: done when every chunk is checksummed and written."""
 
-    __slots__ = ("view", "offset", "on_done", "_pending", "_lock")
+    __slots__ = ("on_done", "_pending", "_lock")
 
-    def __init__(self, view: memoryview, offset: int, on_done):
-        self.view = view
-        self.offset = offset
+    def __init__(self, steps: int, on_done):
         self.on_done = on_done
-        self._pending = 2
+        self._pending = steps
         self._lock = threading.Lock()
 
     def step_done(self) -> None:
@@ -386,8 +388,8 @@ class PagesWriter:
         self._closed = False
         with image._write_errors(self.path):
             self._fd = image._create_file(pages_name(pid))
-        self._crc_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._write_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._crc_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._crc_loop, name=f"pages-{pid}-crc", daemon=True),
             threading.Thread(target=self._write_loop, name=f"pages-{pid}-write", daemon=True),
@@ -497,35 +499,42 @@ class PagesWriter:
         raise err
 
     def _enqueue(self, view: memoryview, on_done) -> int:
+        # Both threads work through the same chunk at about the same time, so
+        # a big buffer is read from memory once, not twice.
         offset = self._length
         self._length += len(view)
-        job = _Job(view, offset, on_done)
-        self._crc_q.put(job)
-        self._write_q.put(job)
+        starts = range(0, len(view), _CHUNK)
+        ticket = _Ticket(2 * len(starts), on_done)
+        for start in starts:
+            job = (ticket, view[start:start + _CHUNK], offset + start)
+            self._crc_q.put(job)
+            self._write_q.put(job)
         return offset
 
     def _crc_loop(self) -> None:
         crc = 0
         while (job := self._crc_q.get()) is not None:
+            ticket, view, _offset = job
             try:
                 if self._error is None:
-                    crc = zlib.crc32(job.view, crc)
+                    crc = zlib.crc32(view, crc)
             except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
                 self._error = self._error or err
             finally:
-                job.step_done()
+                ticket.step_done()
         self._crc = crc
 
     def _write_loop(self) -> None:
         fd = self._fd
         while (job := self._write_q.get()) is not None:
+            ticket, view, offset = job
             try:
                 if self._error is None:
-                    _pwrite_all(fd, job.view, PAGES_DATA_OFFSET + job.offset)
+                    _pwrite_all(fd, view, PAGES_DATA_OFFSET + offset)
             except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
                 self._error = self._error or err
             finally:
-                job.step_done()
+                ticket.step_done()
 
     def _stop_threads(self) -> None:
         if not self._threads:

@@ -44,7 +44,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 from construct import (
     Adapter,
@@ -228,7 +228,8 @@ def Since(version: int, subcon):
 
     Usage, when a field is appended::  ``"new_field" / Since(2, Int64ul)``
     together with a default on the dataclass field and FORMAT_VERSION = 2.
-    Building always writes it (writers write FORMAT_VERSION).
+    The ``version`` parse/build parameter (default FORMAT_VERSION) selects the
+    layout; image files pass their header's version when parsing.
     """
     return If(lambda ctx: ctx._params.get("version", FORMAT_VERSION) >= version, subcon)
 
@@ -599,7 +600,3 @@ def build_file(file_kind: FileKind, records: Sequence[AnyRecord]) -> bytes:
     payload = encode_entries(records)
     return build_header(file_kind, len(payload), zlib.crc32(payload)) + payload
 
-
-def record_as_dict(record: Any) -> dict[str, Any]:
-    """Shallow field-name -> value mapping of a record (for show / debugging)."""
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}

@@ -19,6 +19,7 @@ as it was: a dump never harms what it dumps.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import __version__, procfs
-from .errors import AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, TargetVanished
+from .errors import PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, TargetVanished
 from .formats.image import ImageWriter
 from .formats.model import Inventory, PendingSignal, ProcessImage
 from .resources import files, memory, process, signals, threads
@@ -145,16 +146,18 @@ def dump(pid: int, directory: str | None = None, *,
         writer.commit()
     except BaseException:
         writer.abort()
-        session.resume_all()
+        with contextlib.suppress(PtckptError):   # the original error is the one to report
+            session.resume_all()
         raise
     log.info("release %d (%s)", pid, mode.value)
     if mode is DumpMode.KILL:
         session.kill_process(pid)
+        result.frozen_seconds = time.monotonic() - frozen_at
+        _wait_gone(pid)
     else:
         session.resume_all()
-    ended = time.monotonic()
-    result.frozen_seconds = ended - frozen_at
-    result.seconds = ended - started
+        result.frozen_seconds = time.monotonic() - frozen_at
+    result.seconds = time.monotonic() - started
     return result
 
 
@@ -195,6 +198,13 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
         pages.close()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, runs, stats, xcr0, len(thread_records[0].xstate)
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    """After --kill: give the parent (often a lazily reaping init) time to reap, so the pid is free."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _thread_comm(pid: int, tid: int) -> str:

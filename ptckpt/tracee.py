@@ -146,12 +146,22 @@ def _ptrace(request: int, tid: int, addr: int = 0, data: int = 0, *, what: str =
 
 def _translate_errno(err: int, pid: int, what: str) -> Exception:
     if err == errno.ESRCH:
-        if not os.path.exists(f"/proc/{pid}"):
+        if not _alive(pid):
             return TargetVanished(pid, what)
         return TraceeError(pid, f"{what} on {pid}: thread is not stopped for us (ESRCH)")
     if err == errno.EPERM:
         return AccessDenied(pid)
     return TraceeError(pid, f"{what} on {pid} failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})")
+
+
+def _alive(tid: int) -> bool:
+    """The thread exists and is neither a zombie nor dead."""
+    try:
+        with open(f"/proc/{tid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X", b"x")
 
 
 def _translate_os_error(exc: OSError, pid: int, what: str) -> Exception:
@@ -740,7 +750,8 @@ class Session:
         """SIGKILL `pid` and collect the end of each of its threads."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        for task in self.threads_of(pid):
+        # Non-leader threads first: a dead leader is reported only after them.
+        for task in sorted(self.threads_of(pid), key=lambda t: t.tid == pid):
             while task.seized:
                 try:
                     task.wait()

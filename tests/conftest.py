@@ -353,7 +353,7 @@ class Target:
                  stderr_path: Path, stdin_file: Any | None, fifo_path: Path | None):
         self.name = name
         self.argv = argv
-        self.popen: subprocess.Popen | None = popen
+        self.popen = popen
         self.pid: int = popen.pid
         self.workdir = workdir
         self.out_path = out_path          # argv[1] of the fixture, or None
@@ -365,7 +365,12 @@ class Target:
         self.symbols: dict[str, int] = {} # "SYM name 0x..." lines
         self.tids: list[int] = []         # "TID i tid" lines, by i
         self._pids = {self.pid}           # cleaned up at teardown
-        self._returncode: int | None = None
+        # The process at self.pid is an "incarnation": first the one Popen
+        # started, later maybe a restored one (same pid, or adopted).  Only
+        # the first is waited for through Popen; the others by pid.
+        self._by_popen = True             # how to wait for the current one
+        self._ended = False               # the current one has ended ...
+        self._returncode: int | None = None   # ... with this status
 
     def __repr__(self) -> str:
         return f"<Target {self.name} pid={self.pid}>"
@@ -450,10 +455,7 @@ class Target:
         err = self.stderr_text().strip() if self.stderr_path.exists() else ""
         if err:
             problems.append(f"stderr: {err}")
-        if self._returncode is None and self.popen is not None \
-                and self.popen.pid == self.pid:
-            self._returncode = self.popen.poll()
-        if self._returncode not in (None, 0):
+        if self.poll() and self._returncode not in (None, 0):
             problems.append(f"exit status {self._returncode}")
         return "; ".join(problems) if problems else None
 
@@ -506,45 +508,74 @@ class Target:
         """Make pid (e.g. a restored copy with another pid) this target's process:
         it is cleaned up at teardown and pid / alive() / wait_exit() refer to it."""
         self._pids.add(pid)
-        _reaped_status.pop(pid, None)
-        if pid != self.pid:
-            self.pid = pid
-            self._returncode = None
+        self.pid = pid
+        self._new_incarnation()
+
+    def _new_incarnation(self, forget_status: bool = True) -> None:
+        self._by_popen = False
+        self._ended = False
+        self._returncode = None
+        if forget_status:
+            _reaped_status.pop(self.pid, None)
+
+    def _end(self, returncode: int | None) -> None:
+        self._ended = True
+        self._returncode = returncode
+
+    def poll(self) -> bool:
+        """True if the current incarnation has ended (status: .returncode).
+
+        A process running at our pid after the last one ended (a restore at
+        the same pid) is taken as a new incarnation.  Never blocks; reaps the
+        process if it is pytest's zombie child."""
+        if self._ended:
+            # The ended one no longer holds the pid (it was reaped): whatever
+            # is there now, running or a zombie, or was reaped since, is new.
+            if proc_stat(self.pid) is None and self.pid not in _reaped_status:
+                return True
+            self._new_incarnation(forget_status=False)
+        if self._by_popen:
+            if self.popen.poll() is None:
+                return False
+            self._end(self.popen.returncode)
+            return True
+        st = proc_stat(self.pid)
+        if st is not None and st.state in ("Z", "X") and st.ppid == os.getpid():
+            reap_orphans([self.pid])
+            st = proc_stat(self.pid)
+        if self.pid in _reaped_status:
+            self._end(os.waitstatus_to_exitcode(_reaped_status.pop(self.pid)))
+            return True
+        if st is None:                 # gone, reaped by someone else: no status
+            self._end(None)
+            return True
+        return False
+
+    @property
+    def returncode(self) -> int | None:
+        """Popen-style status of the current incarnation, once poll() saw it end."""
+        return self._returncode if self._ended else None
 
     def wait_exit(self, timeout: float = 10.0) -> int | None:
-        """Wait for the process to end; return its status like Popen.returncode
-        (negative: killed by that signal), or None if another process reaped it."""
-        if self.popen is not None and self.popen.pid == self.pid \
-                and self.popen.returncode is None:
+        """Wait for the current incarnation to end; return its status like
+        Popen.returncode (negative: killed by that signal), or None when
+        another process reaped it."""
+        if not self.poll() and self._by_popen:
             try:
-                self._returncode = self.popen.wait(timeout)
+                self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
                 raise TargetError(f"{self.name} still running after {timeout:g} s\n"
                                   f"{self.describe()}") from None
-            return self._returncode
-        if self.popen is not None and self.popen.pid == self.pid:
-            self._returncode = self.popen.returncode
-            return self._returncode
-
-        def ended():
-            if self.pid in _reaped_status:
-                return True
-            st = proc_stat(self.pid)
-            if st is None:
-                return True
-            if st.state in ("Z", "X") and st.ppid == os.getpid():
-                reap_orphans([self.pid])
-            return False
-
-        wait_until(ended, timeout, message=lambda: f"{self.name} to exit\n{self.describe()}")
-        status = _reaped_status.get(self.pid)
-        self._returncode = None if status is None else os.waitstatus_to_exitcode(status)
+        wait_until(self.poll, timeout,
+                   message=lambda: f"{self.name} to exit\n{self.describe()}")
         return self._returncode
 
     def kill(self, timeout: float = 10.0) -> None:
-        """SIGKILL the process (group) now, reap it, and wait until its pid is free."""
+        """SIGKILL the process (group) now, reap it, and wait until its pid is
+        free (e.g. to restore it there).  wait_exit() then gives its status."""
         self._kill_and_reap(timeout)
         wait_pid_free(self.pid, timeout)
+        self.poll()
 
     def _victims(self) -> set[int]:
         """Our descendants that are this target's processes or share its
@@ -560,12 +591,12 @@ class Target:
         kill_pids(victims)
 
         def done() -> bool:
-            if self.popen is not None and self.popen.returncode is None:
-                if self.popen.poll() is not None and self.popen.pid == self.pid:
-                    self._returncode = self.popen.returncode
+            self.poll()                   # the current incarnation, first
+            if self.popen.returncode is None:
+                self.popen.poll()
             reap_orphans(victims)
             return not any(pid_alive(p) for p in victims) and \
-                (self.popen is None or self.popen.returncode is not None)
+                self.popen.returncode is not None
 
         try:
             wait_until(done, timeout, message=lambda: f"{self.name} to die\n{self.describe()}")
@@ -579,10 +610,9 @@ class Target:
         except OSError:
             pass
         self._kill_and_reap(10.0)
-        if self.popen is not None:
-            for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-                if f is not None:
-                    f.close()
+        for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if f is not None:
+                f.close()
 
 
 def _resolve_program(program: str, request: pytest.FixtureRequest) -> tuple[str, list[str]]:
@@ -672,8 +702,7 @@ def _wait_ready(target: Target, timeout: float) -> None:
             m = _LINE_READY.match(line)
             if m:
                 return i, int(m.group(1))
-        if target.popen.poll() is not None:
-            target._returncode = target.popen.returncode
+        if target.poll():
             if target.popen.returncode == EXIT_NOCPU:
                 pytest.skip(f"{target.name}: {target.stderr_text().strip()}")
             raise TargetError(f"{target.name} exited with {target.popen.returncode} "

@@ -351,3 +351,17 @@ def test_python_counter_runs_this_interpreter(spawn):
     t = spawn("counter.py")
     assert os.readlink(f"/proc/{t.pid}/exe") == os.path.realpath(sys.executable)
     assert pid_alive(t.pid)
+
+
+# --- the CLI runner -------------------------------------------------------------------------
+
+def test_ptckpt_runner_runs_the_installed_cli(ptckpt):
+    returncode, stdout, stderr = ptckpt("--help")
+    assert returncode == 0, stderr
+    assert "dump" in stdout
+
+
+def test_ptckpt_runner_reports_failure_exit(ptckpt):
+    result = ptckpt("no-such-command")
+    assert result.returncode != 0
+    assert result.stderr

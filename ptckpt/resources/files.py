@@ -143,7 +143,7 @@ def dump_fds(pid: int) -> list[Fd]:
         except OSError:
             st = None
         kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
-        details = [(k, v) for k, v in info.extra.items()]
+        details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
         if kind is FdKind.SOCKET:
             details.extend(_socket_details(pid, fd))
         out.append(Fd(

@@ -42,12 +42,18 @@ def pid_holder(pid: int) -> str | None:
             comm = f.read().strip()
     except OSError:
         return None
+    fields = {}
     try:
         with open(f"/proc/{pid}/status") as f:
-            tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
-    except (OSError, StopIteration):
-        tgid = pid
+            for line in f:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    except OSError:
+        pass
+    tgid = int(fields.get("Tgid", pid))
     what = "process" if tgid == pid else f"a thread of process {tgid}"
+    if fields.get("State", "").startswith("Z"):
+        return f"zombie {pid} ({comm}), not yet reaped by its parent {fields.get('PPid', '?')}"
     return f"{what} {pid} ({comm})"
 
 

@@ -1,0 +1,646 @@
+"""The image format: record round trips, framing rules, and the image directory's writer/reader.
+
+Pure: no ptrace, no processes; everything is built from synthetic records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+
+import pytest
+from construct import Int32ul, Struct
+
+import ptckpt.formats.image as image_mod
+from ptckpt.errors import (
+    BadMagic,
+    CorruptImage,
+    DestinationExists,
+    ImageWriteError,
+    NotAnImage,
+    UnsupportedVersion,
+)
+from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_name, pages_name
+from ptckpt.formats.model import (
+    GP_REG_NAMES,
+    PAGE_SIZE,
+    Creds,
+    Fd,
+    FdKind,
+    Inventory,
+    Mm,
+    PageRun,
+    PendingSignal,
+    ProcessImage,
+    Restart,
+    Rlimit,
+    Sigaction,
+    Task,
+    Thread,
+    Vma,
+    VmaKind,
+)
+from ptckpt.formats.records import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    KIND_OF,
+    PAGES_DATA_OFFSET,
+    RECORDS,
+    Entry,
+    EntryDecodeError,
+    EntryKind,
+    FileKind,
+    RawEntry,
+    Record,
+    Since,
+    build_header,
+    build_record,
+    decode_entries,
+    encode_entry,
+    encode_page_runs,
+    parse_header,
+    parse_record,
+)
+
+U64_MAX = 2**64 - 1
+ODD_PATH = b"/tmp/caf\xe9-\xff\xfe.so".decode("utf-8", "surrogateescape")   # Latin-1 name, not UTF-8
+
+
+# --- sample records ------------------------------------------------------------
+
+def make_inventory(pids=(100,)) -> Inventory:
+    return Inventory(
+        ptckpt_version="0.1.0", kernel_release="6.8.0-test", arch="x86_64", page_size=PAGE_SIZE,
+        xfeatures=0x2e7, xstate_size=2696, root_pid=pids[0], pids=tuple(pids),
+        realtime_ns=1_700_000_000_123_456_789, monotonic_ns=5_000_000_000, boottime_ns=6_000_000_000,
+        hostname="host\udcff", fd_kinds_unsupported=("100 7 -> anon_inode:[io_uring]",))
+
+
+def make_task(pid=100, tids=(100, 101)) -> Task:
+    return Task(
+        pid=pid, ppid=1, pgid=pid, sid=1, comm="wörker\udcfe", state="S", exe="/usr/bin/app",
+        cwd=ODD_PATH, root="/", umask=0o022, personality=0x0040000, nice=-20,
+        sched_policy=0x40000000, rt_priority=0, oom_score_adj=-1000, timerslack_ns=50_000,
+        exit_signal=-1, tids=tuple(tids), cmdline=("app", "--x=\udcff", ""), dumpable=2)
+
+
+def make_creds() -> Creds:
+    return Creds(uids=(1000, 1000, 1000, 1000), gids=(100, 100, 100, 100), groups=(4, 24, 27),
+                 cap_inh=0, cap_prm=0x1ffffffffff, cap_eff=0x1ffffffffff, cap_bnd=U64_MAX,
+                 cap_amb=0, no_new_privs=1, seccomp=2)
+
+
+def make_mm() -> Mm:
+    return Mm(start_code=0x400000, end_code=0x401000, start_data=0x600000, end_data=0x601000,
+              start_brk=0x1000000, brk=0x1021000, start_stack=0x7ffc0000f000, arg_start=0x7ffc0000f100,
+              arg_end=0x7ffc0000f200, env_start=0x7ffc0000f200, env_end=0x7ffc0000fff0,
+              exe_file="/usr/bin/app", auxv=((33, 0x7ffd000), (6, 4096), (25, 0x7ffc0000f300)))
+
+
+def make_vma(start=0x7f0000000000, npages=4, kind=VmaKind.FILE_PRIVATE, path=ODD_PATH, shared=False) -> Vma:
+    return Vma(start=start, end=start + npages * PAGE_SIZE, prot=5, shared=shared, kind=kind,
+               pgoff=0x2000, dev_major=259, dev_minor=2, inode=1234567, path=path,
+               vmflags="rd ex mr mw me", file_size=123456, file_mtime_ns=-5, file_deleted=True)
+
+
+def make_thread(tid=100, restart=Restart.REEXECUTE) -> Thread:
+    regs = tuple(range(1, len(GP_REG_NAMES) + 1))
+    regs = regs[:15] + (U64_MAX,) + (0x401234,) + regs[17:19] + (0x7ffc0000e000,) + regs[20:]
+    return Thread(tid=tid, regs=regs, xstate=bytes(range(256)) * 10 + b"\x00" * 136, xfeatures=0x7,
+                  sigmask=1 << 9, rseq_addr=0x7f00000020a0, rseq_len=32, rseq_sig=0x53053053,
+                  rseq_flags=0, robust_list=0x7f0000001920, robust_list_len=24,
+                  clear_child_tid=0x7f0000001910, sas_sp=0, sas_flags=0x80000002, sas_size=0,
+                  restart=restart, syscall_nr=-1 if restart == Restart.NONE else 7, comm="t\udcff")
+
+
+def make_process(pid=100) -> ProcessImage:
+    return ProcessImage(
+        task=make_task(pid, (pid, pid + 1)), creds=make_creds(), mm=make_mm(),
+        rlimits=(Rlimit(7, 1024, 4096), Rlimit(3, 8 << 20, U64_MAX)),
+        vmas=(make_vma(), make_vma(0x7f0000100000, 2, VmaKind.ANON_PRIVATE, "")),
+        threads=(make_thread(pid), make_thread(pid + 1, Restart.NONE)),
+        sigactions=(Sigaction(2, 0x401500, 0x04000004, 0x401600, 1 << 1), Sigaction(13, 1, 0, 0, 0)),
+        pending=(PendingSignal(0, bytes([10]) + bytes(127)), PendingSignal(pid + 1, bytes(range(128)))),
+        fds=(Fd(fd=0, kind=FdKind.PTY_SLAVE, path="/dev/pts/3", flags=0o100002, pos=0, cloexec=False,
+                mnt_id=25, dev=0x19, ino=6, mode=0o20620, rdev=0x8803, size=0, mtime_ns=1),
+             Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
+                cloexec=True, mnt_id=30, dev=0x10302, ino=99, mode=0o100644, rdev=0, size=-1,
+                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")))),
+    )
+
+
+def sample_records() -> list:
+    proc = make_process()
+    return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
+            *proc.sigactions, *proc.pending, *proc.fds, PageRun(0x7f0000000000, 4, 8192)]
+
+
+SAMPLES = sample_records()
+
+
+def _id(rec) -> str:
+    return type(rec).__name__
+
+
+# --- records -------------------------------------------------------------------------
+
+def test_every_entry_kind_has_a_record_and_a_sample():
+    assert set(RECORDS) == set(EntryKind)
+    assert {KIND_OF[type(r)] for r in SAMPLES} == set(EntryKind)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=_id)
+def test_record_round_trip(record):
+    rec = RECORDS[KIND_OF[type(record)]]
+    payload = rec.build(record)
+    assert rec.parse(payload) == record                  # parse(build(rec)) == rec
+    assert rec.build(rec.parse(payload)) == payload      # build(parse(b)) == b
+    assert build_record(record) == payload
+    assert parse_record(KIND_OF[type(record)], payload) == record
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=_id)
+def test_fast_framing_agrees_with_entry_grammar(record):
+    framed = encode_entry(record)
+    assert framed == Entry.build(dict(kind=KIND_OF[type(record)], payload=record))
+    parsed = Entry.parse(framed)
+    assert parsed.payload == record and parsed.kind == KIND_OF[type(record)]
+    assert decode_entries(framed) == [record]
+
+
+def test_record_types_survive_parse():
+    task = RECORDS[EntryKind.TASK].parse(build_record(make_task()))
+    assert isinstance(task.tids, tuple) and isinstance(task.cmdline, tuple)
+    fd = RECORDS[EntryKind.FD].parse(build_record(make_process().fds[1]))
+    assert fd.kind is FdKind.REGULAR and fd.details[0] == ("lock", "1: POSIX")
+    thread = RECORDS[EntryKind.THREAD].parse(build_record(make_thread()))
+    assert thread.restart is Restart.REEXECUTE and len(thread.regs) == 27
+
+
+def test_non_utf8_path_round_trips_as_raw_bytes():
+    vma = make_vma(path=ODD_PATH)
+    payload = build_record(vma)
+    assert b"/tmp/caf\xe9-\xff\xfe.so" in payload          # the original bytes, not an escape
+    back = parse_record(EntryKind.VMA, payload)
+    assert back.path == ODD_PATH and os.fsencode(back.path) == b"/tmp/caf\xe9-\xff\xfe.so"
+
+
+def test_unknown_enum_value_round_trips_as_int():
+    vma = dataclasses.replace(make_vma(), kind=99)
+    payload = build_record(vma)
+    back = parse_record(EntryKind.VMA, payload)
+    assert back.kind == 99 and not isinstance(back.kind, VmaKind)
+    assert build_record(back) == payload
+
+
+def test_signed_fields_keep_their_sign():
+    back = parse_record(EntryKind.TASK, build_record(make_task()))
+    assert (back.nice, back.oom_score_adj, back.exit_signal) == (-20, -1000, -1)
+    assert parse_record(EntryKind.THREAD, build_record(make_thread(restart=Restart.NONE))).syscall_nr == -1
+
+
+def test_out_of_range_value_is_refused_on_build():
+    with pytest.raises(ValueError, match="cannot encode"):
+        build_record(Rlimit(7, -1, 0))
+
+
+def test_unknown_entry_kind_is_kept_raw_and_skipped():
+    plugin = RawEntry(2, b"\x01\x02\x03")
+    data = encode_entry(make_task()) + encode_entry(plugin) + encode_entry(make_creds())
+    entries = decode_entries(data)
+    assert entries == [make_task(), plugin, make_creds()]
+    assert b"".join(encode_entry(e) for e in entries) == data
+
+
+def test_trailing_payload_bytes_are_ignored():
+    for record in (make_task(), make_creds(), PageRun(0x1000, 1, 0)):
+        payload = build_record(record) + b"\x00future field\xff"
+        kind = KIND_OF[type(record)]
+        framed = kind.to_bytes(2, "little") + bytes(2) + len(payload).to_bytes(4, "little") + payload
+        assert decode_entries(framed + encode_entry(make_mm())) == [record, make_mm()]
+        assert RECORDS[kind].parse(payload) == record
+
+
+@dataclass(frozen=True)
+class _Toy:
+    a: int
+    b: int = 7
+
+
+def test_since_field_defaults_for_older_versions():
+    toy = Record(_Toy, Struct("a" / Int32ul, "b" / Since(2, Int32ul)))   # as if FORMAT_VERSION were 2
+    assert toy.build(_Toy(1, 2), version=2) == b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    assert toy.parse(b"\x01\x00\x00\x00\x02\x00\x00\x00", version=2) == _Toy(1, 2)
+    assert toy.parse(b"\x01\x00\x00\x00", version=1) == _Toy(1)
+
+
+def test_truncated_entries_are_decode_errors():
+    data = encode_entry(make_task())
+    with pytest.raises(EntryDecodeError, match="truncated entry header"):
+        decode_entries(data + b"\x0a\x00")
+    with pytest.raises(EntryDecodeError, match="overruns"):
+        decode_entries(data[:-1])
+    short = encode_entry(RawEntry(EntryKind.TASK, build_record(make_task())[:5]))
+    with pytest.raises(EntryDecodeError, match="TASK entry at payload offset 0"):
+        decode_entries(short)
+    with pytest.raises(EntryDecodeError, match="PAGE_RUN"):
+        decode_entries(encode_entry(RawEntry(EntryKind.PAGE_RUN, bytes(23))))
+
+
+def test_page_run_fast_path_matches_construct():
+    runs = [PageRun(0x1000 * i, i + 1, 4096 * i) for i in range(50)]
+    assert encode_page_runs(runs) == b"".join(encode_entry(r) for r in runs)
+    assert encode_page_runs((r.vaddr, r.npages, r.offset) for r in runs) == encode_page_runs(runs)
+    assert decode_entries(encode_page_runs(runs)) == runs
+
+
+def test_golden_bytes():
+    """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
+    assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
+        "5054434b" "0200" "0100" "2211000000000000" "efbeadde" "00000000")
+    assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
+        "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
+    assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
+        "0d00" "0000" "14000000" "07000000" "0004000000000000" "ffffffffffffffff")
+    assert encode_entry(PendingSignal(5, bytes(128)))[:12] == bytes.fromhex("1100" "0000" "84000000" "05000000")
+    task = make_task(pid=5, tids=(5,))
+    task = dataclasses.replace(task, comm="a\udcff", cwd="/", cmdline=("x",))
+    assert build_record(task) == bytes.fromhex(
+        "05000000" "01000000" "05000000" "01000000"        # pid ppid pgid sid
+        "0261ff" "0153" "0c2f7573722f62696e2f617070"      # comm "a\xff", state, exe
+        "012f" "012f"                                       # cwd, root
+        "12000000" "00000400" "ecffffff" "00000040"        # umask personality nice policy
+        "00000000" "18fcffff" "50c3000000000000"            # rt_priority oom_score_adj timerslack_ns
+        "ffffffff" "0105000000" "010178" "02000000")       # exit_signal tids cmdline dumpable
+
+
+def test_header_parse_round_trip():
+    raw = build_header(FileKind.PAGES, 8192, 0x1234)
+    h = parse_header(raw)
+    assert (h.file_kind, h.version, h.payload_length, h.crc32) == (FileKind.PAGES, FORMAT_VERSION, 8192, 0x1234)
+    assert len(raw) == HEADER_SIZE
+
+
+# --- the image directory -----------------------------------------------------------------
+
+PAGE_A = bytes([0xAA]) * PAGE_SIZE
+PAGE_B = bytes([0xBB]) * PAGE_SIZE
+PAGE_C = bytes(range(256)) * (PAGE_SIZE // 256)
+
+
+def write_image(target, pids=(100, 200)) -> dict[int, bytes]:
+    """A small two-process image; returns each process's page data."""
+    data = {}
+    with ImageWriter(target) as image:
+        image.write_inventory(make_inventory(pids))
+        for pid in pids:
+            image.write_process(make_process(pid))
+            with image.pages_writer(pid, buffer_size=2 * PAGE_SIZE, nbuffers=2) as pages:
+                off1 = pages.write(PAGE_A + PAGE_B)
+                pages.add_run(0x7f0000000000, 2, off1)
+                buf = pages.get_buffer()
+                buf[:PAGE_SIZE] = PAGE_C
+                off2 = pages.submit(buf, PAGE_SIZE)
+                pages.add_run(0x7f0000100000, 1, off2)
+            data[pid] = PAGE_A + PAGE_B + PAGE_C
+    return data
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    target = tmp_path / "ckpt"
+    write_image(target)
+    return target
+
+
+def test_golden_image_reads_back(image_dir):
+    with ImageReader(image_dir) as image:
+        assert image.inventory == make_inventory((100, 200))
+        assert image.version == FORMAT_VERSION
+        for pid in (100, 200):
+            assert image.process(pid) == make_process(pid)
+            assert image.unknown_entries(pid) == ()
+            runs = image.page_runs(pid)
+            assert runs == [PageRun(0x7f0000000000, 2, 0), PageRun(0x7f0000100000, 1, 2 * PAGE_SIZE)]
+            assert image.read_pages(pid, runs[0]) == PAGE_A + PAGE_B
+            assert image.read_pages(pid, runs[1]) == PAGE_C
+            fd, offset = image.pages_location(pid, runs[1])
+            assert os.pread(fd, PAGE_SIZE, offset) == PAGE_C
+            assert image.pages_length(pid) == 3 * PAGE_SIZE
+            assert image.pages_crc32(pid) == zlib.crc32(PAGE_A + PAGE_B + PAGE_C)
+            assert image.pages_crc_ok(pid)
+    assert sorted(os.listdir(image_dir)) == sorted(
+        ["inventory.img"] + [f(p) for p in (100, 200) for f in (core_name, pagemap_name, pages_name)])
+
+
+def test_pages_file_layout(image_dir):
+    raw = (image_dir / pages_name(100)).read_bytes()
+    assert len(raw) == PAGES_DATA_OFFSET + 3 * PAGE_SIZE
+    assert raw[:4] == b"PTCK" and raw[HEADER_SIZE:PAGES_DATA_OFFSET] == bytes(PAGES_DATA_OFFSET - HEADER_SIZE)
+    header = parse_header(raw[:HEADER_SIZE])
+    assert header.file_kind == FileKind.PAGES and header.payload_length == 3 * PAGE_SIZE
+    assert raw[PAGES_DATA_OFFSET:] == PAGE_A + PAGE_B + PAGE_C
+
+
+def test_reader_does_not_modify_the_image(image_dir):
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in image_dir.iterdir()}
+    with ImageReader(image_dir) as image:
+        image.read_pages(100, image.page_runs(100)[0])
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in image_dir.iterdir()} == before
+
+
+def test_modes_do_not_depend_on_umask(tmp_path):
+    old = os.umask(0o277)
+    try:
+        write_image(tmp_path / "ckpt", pids=(100,))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o700
+    for f in (tmp_path / "ckpt").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f.name
+
+
+def test_nothing_visible_until_commit_and_no_temp_left(tmp_path):
+    target = tmp_path / "ckpt"
+    image = ImageWriter(target).create()
+    assert not target.exists()
+    [temp] = [p for p in tmp_path.iterdir()]
+    assert temp.name.startswith(".ckpt.tmp-") and stat.S_IMODE(temp.stat().st_mode) == 0o700
+    image.write_inventory(make_inventory((100,)))
+    image.write_process(make_process(100))
+    image.pages_writer(100).close()
+    assert not target.exists()
+    image.commit()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    ImageReader(target).open().close()
+
+
+def test_existing_empty_directory_is_replaced(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    write_image(target, pids=(100,))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert (target / "inventory.img").exists()
+
+
+def test_abort_and_exception_leave_nothing(tmp_path):
+    target = tmp_path / "ckpt"
+    image = ImageWriter(target).create()
+    image.write_inventory(make_inventory((100,)))
+    pages = image.pages_writer(100)
+    pages.write(PAGE_A)
+    image.abort()
+    assert list(tmp_path.iterdir()) == []
+
+    with pytest.raises(RuntimeError):
+        with ImageWriter(target) as image:
+            image.write_inventory(make_inventory((100,)))
+            with image.pages_writer(100) as pages:
+                pages.write(PAGE_A)
+                raise RuntimeError("dump failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_destination_exists(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "old").write_bytes(b"x")
+    with pytest.raises(DestinationExists):
+        ImageWriter(target).create()
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(DestinationExists):
+        ImageWriter(tmp_path / "file").create()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]
+
+
+def test_destination_filled_while_writing(tmp_path):
+    target = tmp_path / "ckpt"
+    image = ImageWriter(target).create()
+    image.write_inventory(make_inventory((100,)))
+    image.write_process(make_process(100))
+    image.pages_writer(100).close()
+    target.mkdir()
+    (target / "other").write_bytes(b"x")
+    with pytest.raises(DestinationExists):
+        image.commit()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert [p.name for p in target.iterdir()] == ["other"]
+
+
+def test_incomplete_image_is_refused_at_commit(tmp_path):
+    image = ImageWriter(tmp_path / "ckpt").create()
+    image.write_inventory(make_inventory((100, 200)))
+    image.write_process(make_process(100))
+    image.pages_writer(100).close()
+    with pytest.raises(ValueError, match="process 200 has no core"):
+        image.commit()
+    image.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_os_errors_become_image_write_errors(tmp_path, monkeypatch):
+    with pytest.raises(ImageWriteError):
+        ImageWriter(tmp_path / "missing-parent" / "ckpt").create()
+
+    image = ImageWriter(tmp_path / "ckpt").create()
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(image_mod.os, "pwrite", full)
+    with pytest.raises(ImageWriteError, match="No space left") as info:
+        image.write_process(make_process(100))
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, OSError)
+    pages = image.pages_writer(100)
+    buf = pages.get_buffer()
+    pages.submit(buf, PAGE_SIZE)
+    with pytest.raises(ImageWriteError, match="pages-100.img"):
+        pages.close()
+    monkeypatch.setattr(image_mod.os, "pwrite", real_pwrite)
+    image.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pages_writer_offsets_and_crc(tmp_path):
+    image = ImageWriter(tmp_path / "ckpt").create()
+    image.write_inventory(make_inventory((100,)))
+    image.write_process(make_process(100))
+    pages = image.pages_writer(100, buffer_size=4 * PAGE_SIZE, nbuffers=2)
+    expected = bytearray()
+    offsets = []
+    mine = bytearray(3 * PAGE_SIZE)
+    for i in range(20):                                  # interleave both APIs, reuse every buffer
+        if i % 3 == 0:
+            mine[:] = bytes([i]) * len(mine)
+            offsets.append(pages.write(memoryview(mine)))
+            expected += mine
+        else:
+            buf = pages.get_buffer()
+            n = (i % 4 + 1) * PAGE_SIZE
+            buf[:n] = bytes([i]) * n
+            offsets.append(pages.submit(buf, n))
+            expected += bytes([i]) * n
+        pages.add_run(0x10000000 + i * 0x100000, 1, offsets[-1])
+    assert pages.submit(pages.get_buffer(), 0) == len(expected)      # returning an unused buffer
+    assert pages.length == len(expected)
+    pages.close()
+    image.commit()
+    sizes = [3 if i % 3 == 0 else i % 4 + 1 for i in range(20)]
+    assert offsets == [sum(sizes[:i]) * PAGE_SIZE for i in range(20)]
+    with ImageReader(tmp_path / "ckpt") as reader:
+        assert reader.pages_crc32(100) == zlib.crc32(expected)
+        assert reader.pages_length(100) == len(expected)
+        fd, off = reader.pages_location(100, PageRun(0, 1, 0))
+        assert os.pread(fd, len(expected), off) == expected
+
+
+def test_pages_writer_misuse(tmp_path):
+    image = ImageWriter(tmp_path / "ckpt").create()
+    pages = image.pages_writer(100, buffer_size=PAGE_SIZE, nbuffers=1)
+    with pytest.raises(ValueError, match="whole pages"):
+        pages.write(b"x" * 100)
+    with pytest.raises(ValueError, match="get_buffer"):
+        pages.submit(memoryview(bytearray(PAGE_SIZE)), PAGE_SIZE)
+    buf = pages.get_buffer()
+    with pytest.raises(ValueError, match="multiple"):
+        pages.submit(buf, 10)
+    pages.add_run(0x1000, 2, 0)                           # more pages than written
+    with pytest.raises(ValueError, match="bad page run"):
+        pages.close()
+    image.abort()
+
+
+def test_empty_pages(tmp_path):
+    with ImageWriter(tmp_path / "ckpt") as image:
+        image.write_inventory(make_inventory((100,)))
+        image.write_process(make_process(100))
+        image.pages_writer(100).close()
+    with ImageReader(tmp_path / "ckpt") as reader:
+        assert reader.page_runs(100) == [] and reader.pages_length(100) == 0
+        assert reader.pages_crc_ok(100)
+
+
+# --- the reader's validation ---------------------------------------------------------------
+
+def _patch(path, offset, data: bytes):
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def test_not_an_image(tmp_path):
+    with pytest.raises(NotAnImage, match="no such directory"):
+        ImageReader(tmp_path / "nope").open()
+    with pytest.raises(NotAnImage, match="inventory"):
+        ImageReader(tmp_path).open()
+
+
+@pytest.mark.parametrize("name", ["inventory.img", "core-100.img", "pagemap-200.img", "pages-100.img"])
+def test_bad_magic(image_dir, name):
+    _patch(image_dir / name, 0, b"CRIU")
+    with pytest.raises(BadMagic) as info:
+        ImageReader(image_dir).open()
+    assert info.value.found == b"CRIU" and info.value.path.endswith(name)
+
+
+@pytest.mark.parametrize("name", ["inventory.img", "core-100.img", "pagemap-100.img", "pages-200.img"])
+def test_truncated_file(image_dir, name):
+    path = image_dir / name
+    os.truncate(path, path.stat().st_size - 1)
+    with pytest.raises(CorruptImage, match="truncated"):
+        ImageReader(image_dir).open()
+    os.truncate(path, 10)
+    with pytest.raises(CorruptImage, match="truncated header"):
+        ImageReader(image_dir).open()
+
+
+def test_extra_bytes_after_payload(image_dir):
+    with open(image_dir / "core-100.img", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CorruptImage, match="unexpected bytes"):
+        ImageReader(image_dir).open()
+
+
+@pytest.mark.parametrize("name", ["inventory.img", "core-200.img", "pagemap-100.img", "pages-100.img"])
+def test_flipped_byte_is_a_checksum_mismatch(image_dir, name):
+    path = image_dir / name
+    offset = path.stat().st_size - 5
+    raw = path.read_bytes()
+    _patch(path, offset, bytes([raw[offset] ^ 0x10]))
+    with pytest.raises(CorruptImage, match="checksum mismatch"):
+        ImageReader(image_dir).open()
+
+
+def test_pages_checksum_can_be_deferred(image_dir):
+    path = image_dir / "pages-100.img"
+    _patch(path, PAGES_DATA_OFFSET + 7, b"\x00")
+    with ImageReader(image_dir, verify_pages=False) as reader:
+        assert not reader.pages_crc_ok(100)
+        assert reader.pages_crc_ok(200)
+
+
+@pytest.mark.parametrize("name", ["inventory.img", "core-100.img", "pages-200.img"])
+def test_newer_version_is_unsupported(image_dir, name):
+    _patch(image_dir / name, 6, (FORMAT_VERSION + 1).to_bytes(2, "little"))
+    with pytest.raises(UnsupportedVersion) as info:
+        ImageReader(image_dir).open()
+    assert info.value.found == FORMAT_VERSION + 1 and info.value.supported == FORMAT_VERSION
+
+
+def test_wrong_file_kind(image_dir):
+    (image_dir / "core-100.img").write_bytes((image_dir / "pagemap-100.img").read_bytes())
+    with pytest.raises(CorruptImage, match="file kind PAGEMAP, expected CORE"):
+        ImageReader(image_dir).open()
+
+
+def test_missing_per_process_file(image_dir):
+    os.unlink(image_dir / "pagemap-200.img")
+    with pytest.raises(CorruptImage, match="pagemap-200.img: corrupt image: missing"):
+        ImageReader(image_dir).open()
+
+
+def _rewrite_core(path, records):
+    from ptckpt.formats.records import build_file
+    path.write_bytes(build_file(FileKind.CORE, records))
+
+
+def test_undecodable_entry_is_corrupt(image_dir):
+    proc = make_process(100)
+    _rewrite_core(image_dir / "core-100.img",
+                  [proc.task, proc.creds, proc.mm, RawEntry(EntryKind.VMA, b"\x01\x02")])
+    with pytest.raises(CorruptImage, match="VMA entry"):
+        ImageReader(image_dir).open()
+
+
+def test_core_structure_is_checked(image_dir):
+    proc = make_process(100)
+    _rewrite_core(image_dir / "core-100.img", [proc.task, proc.mm])
+    with pytest.raises(CorruptImage, match="no CREDS entry"):
+        ImageReader(image_dir).open()
+    _rewrite_core(image_dir / "core-100.img", [make_task(pid=999), proc.creds, proc.mm])
+    with pytest.raises(CorruptImage, match="pid 999"):
+        ImageReader(image_dir).open()
+    _rewrite_core(image_dir / "core-100.img", [proc.task, proc.creds, proc.mm, PageRun(0, 1, 0)])
+    with pytest.raises(CorruptImage, match="PAGE_RUN entry in a CORE file"):
+        ImageReader(image_dir).open()
+
+
+def test_unknown_core_entries_are_skipped(image_dir):
+    proc = make_process(100)
+    plugin = RawEntry(2, b"plugin state")
+    _rewrite_core(image_dir / "core-100.img", [proc.task, plugin, proc.creds, proc.mm, *proc.vmas])
+    with ImageReader(image_dir) as reader:
+        assert reader.unknown_entries(100) == (plugin,)
+        assert reader.process(100).vmas == proc.vmas and reader.process(100).threads == ()
+
+
+def test_page_run_outside_the_data_is_corrupt(image_dir):
+    from ptckpt.formats.image import build_file_from_runs
+    (image_dir / "pagemap-100.img").write_bytes(build_file_from_runs([(0x1000, 4, 0)]))
+    with pytest.raises(CorruptImage, match="does not fit"):
+        ImageReader(image_dir).open()
