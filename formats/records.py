@@ -18,6 +18,12 @@ Grammar (every integer little-endian)::
     string  := VarInt n, n bytes                 UTF-8; kernel-supplied text (paths, comm, argv ...)
                                                  with surrogateescape, so any bytes round-trip
     array   := VarInt count, count items
+    bool    := u8 (0 or 1)
+
+    INVENTORY file := INVENTORY
+    CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
+    PAGEMAP file   := PAGE_RUN*
+    PAGES file     := (no entries: the payload is the page data)
 
 Evolution rules:
 

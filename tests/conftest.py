@@ -342,10 +342,19 @@ def read_numbers(path: Path | str, timeout: float = 2.0) -> tuple[int, ...]:
 class Target:
     """One fixture process started by `spawn` (see the attributes below).
 
-    The handle outlives the process: after a restore that gives the process
-    back its pid, the same handle keeps working; a restored process with
-    another pid can be attached with adopt().  `spawn`'s teardown kills by
-    pid and process group (SIGKILL) and reaps, whatever happened to it.
+    The handle outlives the process.  The typical restore test:
+
+        t = spawn("counter"); ptckpt("dump", t.pid, "-D", img)
+        t.kill()                      # SIGKILL, reap, wait until the pid is free
+        ptckpt("restore", "-D", img, "--detach")
+        t.wait_progress(); t.assert_ok()
+
+    A process found at t.pid after the previous one ended is a new
+    "incarnation": poll() / wait_exit() / failure() then speak of it (it is
+    pytest's child through the subreaper, so its status is still seen).  A
+    restored copy at another pid is attached with adopt(pid).  `spawn`'s
+    teardown SIGKILLs every pid the handle knew, and everything in their
+    process groups / sessions that descends from pytest, then reaps.
     """
 
     def __init__(self, name: str, argv: list[str], popen: subprocess.Popen,

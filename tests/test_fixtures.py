@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import (EXIT_BADVALUE, TargetError, WaitTimeout, pid_alive, proc_stat,
-                      reap_orphans, wait_pid_free)
+                      reap_orphans, wait_pid_free, wait_until)
 
 SYS_READ = 0
 SYS_CLOCK_NANOSLEEP = 230     # glibc 2.36's nanosleep() uses clock_nanosleep
@@ -109,7 +109,6 @@ def test_reap_orphans_leaves_waiting_popen_alone():
 
 def test_wait_until_times_out():
     with pytest.raises(WaitTimeout, match="nothing"):
-        from conftest import wait_until
         wait_until(lambda: False, timeout=0.05, message="nothing")
 
 
@@ -138,7 +137,6 @@ def test_counter_symbol_is_the_counter(spawn):
     # poke: the counter continues from the value written there
     poke_mem(t.pid, t.symbols["poke"], (10**6).to_bytes(8, "little"))
     t.wait_for_line(r"^\d{20}$", where="out")
-    from conftest import wait_until
     assert wait_until(lambda: t.read_counter() >= 10**6, timeout=5)
     t.assert_ok()
 
@@ -171,7 +169,6 @@ def test_threads_count_each(spawn):
 
 @pytest.mark.parametrize("stdin", ["pipe", "fifo"])
 def test_blocked_read_echoes_lines(spawn, stdin):
-    from conftest import wait_until
     t = spawn("blocked_read", stdin=stdin)
     wait_until(lambda: in_syscall(t.pid, SYS_READ), timeout=5)
     t.send_line("hello")
@@ -199,7 +196,6 @@ def test_blocked_read_detects_garbage(spawn):
 # --- sleeper -----------------------------------------------------------------------
 
 def test_sleeper_wakes_after_its_time(spawn):
-    from conftest import wait_until
     t = spawn("sleeper", 1.0)
     started = time.monotonic()
     wait_until(lambda: in_syscall(t.pid, SYS_CLOCK_NANOSLEEP), timeout=5)

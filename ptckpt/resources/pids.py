@@ -196,8 +196,10 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
     os.close(w)
     os.waitpid(middle, 0)
     init_pid = 0
+    created = False
     try:
         with os.fdopen(r, "rb") as pipe:
+            # "I <pid>" from the middle child and "C" from the init, in either order.
             for line in pipe:
                 kind, *rest = line.decode().split()
                 if kind == "I":
@@ -206,8 +208,10 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
                     raise TraceeError(pid, f"pid namespace setup: {rest[1]} failed: "
                                            f"{os.strerror(int(rest[0]))}")
                 elif kind == "C":
+                    created = True
+                if init_pid and created:
                     break
-        if not init_pid:
+        if not init_pid or not created:
             raise TraceeError(pid, "pid namespace setup: the init did not start")
         with open(f"/proc/{init_pid}/task/{init_pid}/children") as f:
             children = [int(x) for x in f.read().split()]
@@ -236,6 +240,11 @@ def _minimal_init(pid: int, stub_fd: int, report_fd: int) -> None:
         os.write(report_fd, b"C\n")
         os.close(report_fd)
         os.close(stub_fd)
+        # The init needs none of ptckpt's stdio (the restored process has its own copies).
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
         status = 0
         while True:
             try:

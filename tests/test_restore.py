@@ -1,0 +1,393 @@
+"""`ptckpt restore` round trips on real processes: they go on exactly where they were.
+
+Each test dumps a fixture with --kill, waits until its pid is free, restores it
+and checks, through the fixture's own reports, that its state survived.  The
+restored process keeps the fixture's pid, so the `spawn` handle still refers
+to it and the teardown kills it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader, ImageWriter
+from ptckpt.formats.model import PAGE_SIZE
+
+from conftest import kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
+
+
+def _dump_kill(ptckpt, target, image: Path) -> None:
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+
+
+def _restore(ptckpt, image: Path, *extra) -> int:
+    res = ptckpt("restore", "-D", image, "--detach", *extra)
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def _image_digest(image: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(image.iterdir()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+        h.update(str(f.stat().st_mtime_ns).encode())
+    return h.hexdigest()
+
+
+# --- round trips ----------------------------------------------------------------------
+
+def test_counter_goes_on_from_its_value(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    target.wait_progress()
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    at_dump = target.read_counter()
+    assert at_dump > 0
+    pid = _restore(ptckpt, tmp_path / "img")
+    assert pid == target.pid
+    wait_until(lambda: target.read_counter() > at_dump + 20, 10, message="counter goes on")
+    value = target.read_counter()
+    assert value > at_dump, "goes on from its value, not from 0"
+    target.assert_ok()
+
+
+def test_four_threads_all_go_on_with_their_tids(spawn, ptckpt, tmp_path):
+    target = spawn("threads")
+    tids = list(target.tids)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    at_dump = target.read_counters()
+    pid = _restore(ptckpt, tmp_path / "img")
+    assert pid == target.pid
+    wait_until(lambda: all(a > b for a, b in zip(target.read_counters(), at_dump)), 10,
+               message="every thread counts on")
+    assert sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")) == sorted([pid] + tids)
+    for tid in tids:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            assert f.read().strip() == "threads"
+    target.assert_ok()                     # the fixture checks gettid() itself
+
+
+def test_sleeping_process_wakes_at_the_right_time(spawn, ptckpt, tmp_path):
+    secs = 2.0
+    target = spawn("sleeper", secs)
+    time.sleep(0.5)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    restored_at = time.monotonic()
+    _restore(ptckpt, tmp_path / "img")
+    target.wait_for_line(r"WOKE 1", timeout=10)
+    woke_after = time.monotonic() - restored_at
+    assert woke_after <= secs + 1.0, f"slept {woke_after:.2f} s after the restore"
+    m = re.search(r"ELAPSED 1 ([0-9.]+)", target.stdout_text())
+    assert m and float(m.group(1)) >= secs, "no early wake"
+    assert target.wait_exit(10) == 0
+    target.assert_ok()
+
+
+def test_blocked_read_completes_without_eintr(spawn, ptckpt_cmd, ptckpt, tmp_path):
+    target = spawn("blocked_read", stdin="pipe")
+    target.send_line("before")
+    target.wait_for_line("GOT before")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    # The restored process's stdin is ptckpt restore's own (a shell job): a pipe of ours.
+    r, w = os.pipe()
+    proc = subprocess.run(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--detach"],
+                          stdin=r, capture_output=True, text=True, timeout=60)
+    os.close(r)
+    assert proc.returncode == 0, proc.stderr
+    try:
+        time.sleep(0.3)
+        os.write(w, b"after-restore\n")
+        target.wait_for_line("GOT after-restore")
+        assert target.alive()
+        target.assert_ok()
+    finally:
+        os.close(w)
+
+
+def test_heap_contents_intact(spawn, ptckpt, tmp_path):
+    target = spawn("bigheap", 48)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK")
+    target.assert_ok()
+
+
+def test_file_mappings_intact(spawn, ptckpt, tmp_path):
+    target = spawn("filemap", tmp_path / "private.dat", tmp_path / "shared.dat", 16)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK")
+    target.assert_ok()
+
+
+@pytest.mark.parametrize("mode", ["ymm", "zmm"])
+def test_avx_registers_intact(spawn, ptckpt, tmp_path, cpu_has, mode):
+    if mode == "zmm" and not cpu_has("avx512f"):
+        pytest.skip("no AVX-512 on this CPU")
+    # The fixture spins flat out with its patterns loaded in the vector registers;
+    # the dump must catch it inside the spin for the check to mean something.
+    for attempt in range(5):
+        target = spawn("avx", mode, 1 << 22, 0)
+        target.wait_progress()
+        image = tmp_path / f"img{attempt}"
+        _dump_kill(ptckpt, target, image)
+        with ImageReader(image) as reader:
+            t = reader.process(target.pid).threads[0]
+        rip = t.regs[16]
+        if target.symbols["spin_begin"] <= rip < target.symbols["spin_end"]:
+            break
+    else:
+        pytest.fail("never froze the fixture inside its spin loop")
+    assert t.xfeatures & 0b100, "the image holds AVX state"
+    if mode == "zmm":
+        assert t.xfeatures & 0xE0 == 0xE0, "and AVX-512 state"
+    before = target.read_counter()
+    _restore(ptckpt, image)
+    wait_until(lambda: target.read_counter() > before + 3, 20, message="AVX checks go on")
+    assert target.out_text().startswith("AVX OK")
+    target.assert_ok()
+
+
+def test_python3_loop_goes_on(spawn, ptckpt, tmp_path):
+    target = spawn("counter.py")
+    target.wait_progress()
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    at_dump = target.read_counter()
+    _restore(ptckpt, tmp_path / "img")
+    wait_until(lambda: target.read_counter() > at_dump + 10, 10, message="python counts on")
+    target.assert_ok()
+
+
+def test_getpid_and_restored_task_state(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    with open(f"/proc/{target.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    exe = os.readlink(f"/proc/{target.pid}/exe")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    pid = _restore(ptckpt, tmp_path / "img")
+    assert pid == target.pid
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert f.read() == cmdline, "arg area restored (PR_SET_MM_MAP)"
+    assert os.readlink(f"/proc/{pid}/exe") == exe
+    assert os.readlink(f"/proc/{pid}/cwd") == str(tmp_path)
+    with open(f"/proc/{pid}/comm") as f:
+        assert f.read().strip() == "counter"
+    maps = open(f"/proc/{pid}/maps").read()
+    assert "[heap]" in maps or "[stack]" in maps
+    assert "ptckpt-restorer" not in maps
+    target.wait_progress()
+    target.assert_ok()
+
+
+def test_ten_restores_of_one_image(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    target.wait_progress()
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    at_dump = target.read_counter()
+    digest = _image_digest(image)
+    for i in range(10):
+        _restore(ptckpt, image)
+        wait_until(lambda: target.read_counter() > at_dump, 10, message=f"restore {i} counts")
+        target.assert_ok()
+        target.kill()
+        with open(target.out_path, "r+") as f:        # start each run from a clean state file
+            f.write(f"{0:020d}\n")
+    assert _image_digest(image) == digest, "restores never modify the image"
+
+
+def test_five_concurrent_pidns_restores(spawn, ptckpt_cmd, ptckpt, tmp_path):
+    target = spawn("counter")
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    # Output through files: the restored processes keep ptckpt's stdio (a shell job).
+    outs = [(tmp_path / f"r{i}.out", tmp_path / f"r{i}.err") for i in range(5)]
+    procs = []
+    for out, err in outs:
+        with open(out, "w") as o, open(err, "w") as e:
+            procs.append(subprocess.Popen(ptckpt_cmd + ["restore", "-D", str(image), "--pidns",
+                                                        "--detach"], stdout=o, stderr=e))
+    outer = []
+    try:
+        for p, (out, err) in zip(procs, outs):
+            p.wait(timeout=60)
+            assert p.returncode == 0, err.read_text()
+            outer.append(int(out.read_text().strip().splitlines()[-1]))
+        assert len(set(outer)) == 5
+        for pid in outer:
+            assert pid_alive(pid)
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+            assert [int(x) for x in nspid] == [pid, target.pid], "each sees its original getpid()"
+        at_dump = target.read_counter()
+        wait_until(lambda: target.read_counter() > at_dump + 20, 10, message="they count on")
+        assert all(pid_alive(pid) for pid in outer), "all five run"
+        assert not target.out_text().startswith("FAIL"), target.out_text()
+    finally:
+        # Killing a namespace's init ends the whole namespace.
+        inits = []
+        for pid in outer:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    inits.append(int(f.read().rsplit(")", 1)[1].split()[1]))
+            except OSError:
+                pass
+        kill_pids(outer + inits)
+        time.sleep(0.2)
+        reap_orphans()
+
+
+def test_restore_waits_and_passes_the_exit_status(spawn, ptckpt, tmp_path):
+    target = spawn("sleeper", 1.0)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    res = ptckpt("restore", "-D", tmp_path / "img", timeout=30)
+    assert res.returncode == 0, res.stderr
+    target.wait_for_line("WOKE 1")
+    # A restored process killed by a signal: ptckpt exits 128+signal, like a shell.
+    target2 = spawn("counter")
+    _dump_kill(ptckpt, target2, tmp_path / "img2")
+    killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -TERM {target2.pid}"])
+    res = ptckpt("restore", "-D", tmp_path / "img2", timeout=30)
+    killer.wait()
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr
+
+
+# --- bad input: refused before any process is created -------------------------------------
+
+def _one_line(res, code: int, *words: str) -> None:
+    assert res.returncode == code, (res.returncode, res.stderr)
+    lines = [line for line in res.stderr.strip().splitlines() if not line.startswith("ptckpt: warning")]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture
+def counter_image(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    return target, image
+
+
+def test_truncated_image(counter_image, ptckpt, tmp_path):
+    target, image = counter_image
+    core = image / f"core-{target.pid}.img"
+    data = core.read_bytes()
+    core.write_bytes(data[: len(data) // 2])
+    _one_line(ptckpt("restore", "-D", image), ExitCode.CORRUPT_IMAGE, "truncated")
+    assert not pid_alive(target.pid)
+
+
+def test_corrupt_image(counter_image, ptckpt):
+    target, image = counter_image
+    pages = image / f"pages-{target.pid}.img"
+    with open(pages, "r+b") as f:
+        f.seek(PAGE_SIZE + 100)
+        b = f.read(1)
+        f.seek(PAGE_SIZE + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    _one_line(ptckpt("restore", "-D", image), ExitCode.CORRUPT_IMAGE, "checksum")
+    assert not pid_alive(target.pid)
+
+
+def test_newer_format_version(counter_image, ptckpt):
+    target, image = counter_image
+    inv = image / "inventory.img"
+    data = bytearray(inv.read_bytes())
+    data[6:8] = (99).to_bytes(2, "little")             # header: magic, kind u16, version u16
+    inv.write_bytes(bytes(data))
+    _one_line(ptckpt("restore", "-D", image), ExitCode.UNSUPPORTED_VERSION, "99", "newer")
+    assert not pid_alive(target.pid)
+
+
+def _rewrite_image(src: Path, dst: Path, change) -> None:
+    """A copy of image `src` whose process record went through change(ProcessImage)."""
+    with ImageReader(src) as image:
+        pid = image.inventory.root_pid
+        proc = change(image.process(pid))
+        with ImageWriter(dst) as out:
+            out.write_process(proc)
+            pages = out.pages_writer(pid)
+            for run in image.page_runs(pid):
+                offset = pages.write(image.read_pages(pid, run))
+                pages.add_run(run.vaddr, run.npages, offset)
+            pages.close()
+            out.write_inventory(image.inventory)
+
+
+def test_cpu_without_an_xstate_feature(counter_image, ptckpt, tmp_path):
+    target, image = counter_image
+    amx = (1 << 17) | (1 << 18)            # AMX tile state: not on these CPUs
+    _rewrite_image(image, tmp_path / "amx", lambda p: dataclasses.replace(
+        p, threads=tuple(dataclasses.replace(t, xfeatures=t.xfeatures | amx) for t in p.threads)))
+    _one_line(ptckpt("restore", "-D", tmp_path / "amx"), ExitCode.INCOMPATIBLE, "xsave features")
+    assert not pid_alive(target.pid)
+
+
+def test_mapped_file_missing_or_changed(spawn, ptckpt, tmp_path):
+    target = spawn("filemap", tmp_path / "private.dat", tmp_path / "shared.dat", 16)
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    private = tmp_path / "private.dat"
+    saved = private.read_bytes()
+    st = private.stat()
+    os.utime(private, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _one_line(ptckpt("restore", "-D", image), ExitCode.INCOMPATIBLE, str(private), "mtime")
+    with open(private, "ab") as f:
+        f.write(b"x" * 10)
+    _one_line(ptckpt("restore", "-D", image), ExitCode.INCOMPATIBLE, "size")
+    replacement = tmp_path / "replacement.dat"       # made while the old inode still exists
+    replacement.write_bytes(saved)
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(replacement, private)
+    _one_line(ptckpt("restore", "-D", image), ExitCode.INCOMPATIBLE, "inode")
+    private.unlink()
+    _one_line(ptckpt("restore", "-D", image), ExitCode.INCOMPATIBLE, "no such file")
+    assert not pid_alive(target.pid)
+
+
+def test_busy_pid(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img")       # leave running: pid busy
+    assert res.returncode == 0, res.stderr
+    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.PID_BUSY,
+              f"pid {target.pid}", "counter", "--pidns")
+    target.wait_progress()
+    target.assert_ok()
+
+
+def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):
+    """An injected syscall fails (openat of a path that became a directory): the message names
+    the step, the syscall, its errno and arguments, and nothing is left running."""
+    script = tmp_path / "holder.py"
+    data = tmp_path / "data.txt"
+    script.write_text("import os, sys, time\n"
+                      f"f = open({str(data)!r}, 'w')\n"
+                      "print('READY', os.getpid(), flush=True)\n"
+                      "while True: time.sleep(0.05)\n")
+    target = spawn(str(script), out=False)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    data.unlink()
+    data.mkdir()
+    res = ptckpt("restore", "-D", tmp_path / "img")
+    _one_line(res, ExitCode.REMOTE_SYSCALL, "killed", "openat", "EISDIR", str(data))
+    time.sleep(0.2)
+    reap_orphans()
+    assert not pid_alive(target.pid)

@@ -1,0 +1,200 @@
+"""`ptckpt show` backend on a small synthetic image (pure: no processes)."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from ptckpt.errors import CorruptImage, NotAnImage
+from ptckpt.formats.image import ImageWriter
+from ptckpt.formats.model import (
+    GP_REG_NAMES,
+    PAGE_SIZE,
+    Creds,
+    Fd,
+    FdKind,
+    Inventory,
+    Mm,
+    PendingSignal,
+    ProcessImage,
+    Restart,
+    Rlimit,
+    Sigaction,
+    Task,
+    Thread,
+    Vma,
+    VmaKind,
+)
+from ptckpt.show import image_summary, image_to_json
+
+PID = 4242
+HEAP = 0x55550000
+STACK = 0x7ffd0000
+
+
+def _regs(rip: int, rsp: int) -> tuple[int, ...]:
+    regs = dict.fromkeys(GP_REG_NAMES, 0) | {"rip": rip, "rsp": rsp, "orig_rax": 2**64 - 1}
+    return tuple(regs[n] for n in GP_REG_NAMES)
+
+
+def _thread(tid: int, restart: Restart, nr: int) -> Thread:
+    return Thread(tid=tid, regs=_regs(0x401000 + tid, STACK + 0xf00), xstate=b"\x01" * 576, xfeatures=3,
+                  sigmask=0, rseq_addr=0, rseq_len=0, rseq_sig=0, rseq_flags=0, robust_list=0,
+                  robust_list_len=0, clear_child_tid=0, sas_sp=0, sas_flags=2, sas_size=0,
+                  restart=restart, syscall_nr=nr, comm="worker")
+
+
+def _vma(start: int, npages: int, prot: int, kind, path: str, shared=False) -> Vma:
+    return Vma(start=start, end=start + npages * PAGE_SIZE, prot=prot, shared=shared, kind=kind, pgoff=0,
+               dev_major=0, dev_minor=0, inode=0, path=path, vmflags="rd wr mr mw me ac")
+
+
+def _fd(fd: int, kind, path: str, flags: int, pos: int) -> Fd:
+    return Fd(fd=fd, kind=kind, path=path, flags=flags, pos=pos, cloexec=False, mnt_id=1, dev=0, ino=fd,
+              mode=0o100644, rdev=0, size=0, mtime_ns=0)
+
+
+PROC = ProcessImage(
+    task=Task(pid=PID, ppid=1, pgid=PID, sid=PID, comm="demo", state="S", exe="/usr/bin/demo", cwd="/srv",
+              root="/", umask=0o22, personality=0, nice=0, sched_policy=0, rt_priority=0, oom_score_adj=0,
+              timerslack_ns=50000, exit_signal=17, tids=(PID, PID + 1), cmdline=("demo", "-v")),
+    creds=Creds(uids=(0, 0, 0, 0), gids=(0, 0, 0, 0), groups=(), cap_inh=0, cap_prm=0, cap_eff=0, cap_bnd=0,
+                cap_amb=0, no_new_privs=0, seccomp=0),
+    mm=Mm(start_code=0x400000, end_code=0x401000, start_data=0, end_data=0, start_brk=HEAP, brk=HEAP + 0x3000,
+          start_stack=STACK + 0xff0, arg_start=0, arg_end=0, env_start=0, env_end=0, exe_file="/usr/bin/demo",
+          auxv=((6, 4096),)),
+    rlimits=(Rlimit(7, 1024, 1024),),
+    vmas=(_vma(HEAP, 3, 3, VmaKind.HEAP, "[heap]"),
+          _vma(0x7f0000000000, 256, 5, VmaKind.FILE_PRIVATE, b"/lib/libx\xff.so".decode("utf-8", "surrogateescape")),
+          _vma(STACK, 2, 3, VmaKind.STACK, "[stack]"),
+          _vma(0x7f1000000000, 1, 3, 77, "/dev/zero (deleted)", shared=True)),
+    threads=(_thread(PID, Restart.NONE, -1), _thread(PID + 1, Restart.REEXECUTE, 202)),
+    sigactions=(Sigaction(15, 0x401500, 0x04000000, 0x401600, 0),),
+    pending=(PendingSignal(0, bytes([15]) + bytes(127)),),
+    fds=(_fd(0, FdKind.TTY, "/dev/console", 0o2, 0), _fd(3, FdKind.REGULAR, "/srv/data.log", 0o102001, 123456),
+         _fd(10, FdKind.PIPE, "pipe:[991]", 0o0, 0)),
+)
+
+HEAP_PAGES = b"H" * (2 * PAGE_SIZE)          # 2 of the 3 heap pages
+STACK_PAGES = b"S" * (2 * PAGE_SIZE)
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    target = tmp_path / "img"
+    with ImageWriter(target) as image:
+        image.write_inventory(Inventory(
+            ptckpt_version="0.1.0", kernel_release="6.8.0", arch="x86_64", page_size=PAGE_SIZE, xfeatures=3,
+            xstate_size=576, root_pid=PID, pids=(PID,), realtime_ns=1_700_000_000 * 10**9, monotonic_ns=1,
+            boottime_ns=2, hostname="box"))
+        image.write_process(PROC)
+        with image.pages_writer(PID) as pages:
+            pages.add_run(HEAP, 2, pages.write(HEAP_PAGES))
+            pages.add_run(STACK, 2, pages.write(STACK_PAGES))
+    return target
+
+
+def test_json_holds_every_record(image_dir):
+    data = image_to_json(image_dir)
+    json.loads(json.dumps(data))                       # JSON-able as is
+    assert data["format_version"] == 1
+    assert data["inventory"]["pids"] == [PID] and data["inventory"]["hostname"] == "box"
+    [proc] = data["processes"]
+    assert proc["pid"] == PID
+    assert proc["task"]["tids"] == [PID, PID + 1] and proc["task"]["cmdline"] == ["demo", "-v"]
+    assert proc["mm"]["auxv"] == [[6, 4096]]
+    assert [v["kind"] for v in proc["vmas"]] == ["HEAP", "FILE_PRIVATE", "STACK", 77]   # unknown kind: its number
+    assert proc["vmas"][3]["shared"] is True
+    t0, t1 = proc["threads"]
+    assert t0["restart"] == "NONE" and t1["restart"] == "REEXECUTE" and t1["syscall_nr"] == 202
+    assert t1["regs"]["rip"] == 0x401000 + PID + 1 and t1["regs"]["orig_rax"] == 2**64 - 1
+    assert t0["xstate"] == {"size": 576, "crc32": zlib.crc32(b"\x01" * 576)}
+    assert proc["pending_signals"][0]["siginfo"] == "0f" + "00" * 127
+    assert [f["kind"] for f in proc["fds"]] == ["TTY", "REGULAR", "PIPE"]
+    assert proc["sigactions"][0]["handler"] == 0x401500 and proc["rlimits"][0]["resource"] == 7
+    assert proc["unknown_entries"] == []
+    pages = proc["pages"]
+    assert pages["run_count"] == 2 and pages["total_pages"] == 4 and pages["total_bytes"] == 4 * PAGE_SIZE
+    assert pages["crc32"] == zlib.crc32(HEAP_PAGES + STACK_PAGES)
+    assert pages["runs"] == [{"vaddr": HEAP, "npages": 2, "offset": 0},
+                             {"vaddr": STACK, "npages": 2, "offset": 2 * PAGE_SIZE}]
+
+
+def test_json_keeps_undecodable_path_bytes(image_dir):
+    text = json.dumps(image_to_json(image_dir))
+    path = json.loads(text)["processes"][0]["vmas"][1]["path"]
+    assert path.encode("utf-8", "surrogateescape") == b"/lib/libx\xff.so"
+
+
+def _table_after(text: str, title: str) -> list[str]:
+    lines = text.split("\n\n")
+    [block] = [b for b in lines if b.startswith(title)]
+    return block.splitlines()[1:]
+
+
+def test_summary_tables(image_dir):
+    text = image_summary(image_dir)
+    assert "ptckpt 0.1.0" in text and "root pid 4242" in text and "2023-11-14T22:13:20+00:00" in text
+
+    tasks = _table_after(text, "tasks:")
+    assert tasks[0].split() == ["PID", "PPID", "COMM", "THREADS", "EXE"]
+    assert tasks[1].split() == ["4242", "1", "demo", "2", "/usr/bin/demo"]
+
+    threads = _table_after(text, f"threads of {PID}:")
+    assert threads[0].split() == ["TID", "RIP", "RSP", "RESTART", "SYSCALL", "COMM"]
+    assert threads[1].split() == [str(PID), hex(0x401000 + PID), hex(STACK + 0xf00), "NONE", "-", "worker"]
+    assert threads[2].split()[3:5] == ["REEXECUTE", "202"]
+
+    vmas = _table_after(text, f"memory of {PID}")
+    assert vmas[0].split() == ["START-END", "PROT", "KIND", "PAGES", "PATH"]
+    rows = [line.split(None, 4) for line in vmas[1:]]
+    assert [r[1:4] for r in rows] == [["rw-p", "HEAP", "2"], ["r-xp", "FILE_PRIVATE", "0"],
+                                      ["rw-p", "STACK", "2"], ["rw-s", "77", "0"]]
+    assert rows[1][4] == r"/lib/libx\xff.so"
+    assert rows[0][0] == f"{HEAP:012x}-{HEAP + 3 * PAGE_SIZE:012x}"
+
+    fds = _table_after(text, f"files of {PID}:")
+    assert fds[0].split() == ["FD", "KIND", "FLAGS", "POS", "PATH"]
+    assert fds[2].split() == ["3", "REGULAR", "0102001", "123456", "/srv/data.log"]
+
+
+def _check_aligned(header: str, rows: list[str], right: set[int]) -> None:
+    """Left-aligned cells start under their header word, right-aligned ones end under it."""
+    words = [(m_start, word) for m_start, word in _words(header)]
+    for row in rows:
+        for col, (start, word) in enumerate(words):
+            end = start + len(word)
+            if col in right:
+                assert row[end - 1] != " " and row[end:end + 1] in ("", " "), (header, row, word)
+            else:
+                assert row[start] != " " and (start == 0 or row[start - 1] == " "), (header, row, word)
+
+
+def _words(line: str) -> list[tuple[int, str]]:
+    out, i = [], 0
+    for word in line.split():
+        i = line.index(word, i)
+        out.append((i, word))
+        i += len(word)
+    return out
+
+
+def test_summary_columns_are_aligned(image_dir):
+    text = image_summary(image_dir)
+    for title, right in (("tasks:", {0, 1, 3}), (f"threads of {PID}:", {0, 4}),
+                         (f"memory of {PID}", {3}), (f"files of {PID}:", {0, 2, 3})):
+        header, *rows = _table_after(text, title)
+        _check_aligned(header, rows, right)
+
+
+def test_show_reports_image_errors(tmp_path, image_dir):
+    with pytest.raises(NotAnImage):
+        image_to_json(tmp_path / "nothing")
+    core = image_dir / f"core-{PID}.img"
+    raw = bytearray(core.read_bytes())
+    raw[-1] ^= 1
+    core.write_bytes(bytes(raw))
+    with pytest.raises(CorruptImage, match="checksum mismatch"):
+        image_summary(image_dir)
