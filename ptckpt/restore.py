@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import signal
 import struct
@@ -154,19 +153,15 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         log.info("plan %d", pid)
         plan_problems(image, proc, pidns=pidns)
         runs = image.page_runs(pid)
-        pages_map = None
-        data = memoryview(b"")
-        if image.pages_length(pid):
-            from .formats.model import PageRun
-            fd, data_offset = image.pages_location(pid, PageRun(0, 0, 0))
-            pages_map = mmap.mmap(fd, 0, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            data = memoryview(pages_map)[data_offset:]
+        from .formats.model import PageRun
+        fd, data_offset = image.pages_location(pid, PageRun(0, 0, 0))
+        pages_fd = _open_pages(fd)
         try:
             log.info("create %d", pid)
             stub = pids.start_stub(pid, pidns=pidns)
             result = RestoreResult(pid=stub.pid, vpid=pid, init_pid=stub.init_pid)
             try:
-                result.warnings += _fix_up(stub, proc, runs, data)
+                result.warnings += _fix_up(stub, proc, runs, pages_fd, data_offset)
             except BaseException as err:
                 stub.kill()
                 if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
@@ -174,14 +169,20 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
                                         f"killed: {err}") from err
                 raise
         finally:
-            data.release()
-            if pages_map is not None:
-                pages_map.close()
+            os.close(pages_fd)
     result.seconds = time.monotonic() - started
     return result
 
 
-def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages: memoryview) -> list[str]:
+def _open_pages(fd: int) -> int:
+    """The pages file again, O_DIRECT where possible: the data goes to the tracee, not our cache."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+
+
+def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offset: int) -> list[str]:
     warnings: list[str] = []
     session = Session()
     session.tasks[stub.pid] = stub.task
@@ -191,7 +192,7 @@ def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages: memoryview) -> lis
         with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
             log.info("fix up %d: address space", proc.task.pid)
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
-            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages)
+            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset)
             log.info("fix up %d: files and task state", proc.task.pid)
             files.restore_fds_frozen(remote, list(proc.fds), inherited)
             warnings += process.restore_task_frozen(remote, proc.task)

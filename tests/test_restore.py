@@ -118,6 +118,18 @@ def test_blocked_read_completes_without_eintr(spawn, ptckpt_cmd, ptckpt, tmp_pat
         os.close(w)
 
 
+def test_stdin_fifo_is_reopened_by_path(spawn, ptckpt, tmp_path):
+    target = spawn("blocked_read", stdin="fifo")
+    target.send_line("before")
+    target.wait_for_line("GOT before")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    target.send_line("through-the-fifo")
+    target.wait_for_line("GOT through-the-fifo")
+    assert os.readlink(f"/proc/{target.pid}/fd/0") == str(target.fifo_path)
+    target.assert_ok()
+
+
 def test_heap_contents_intact(spawn, ptckpt, tmp_path):
     target = spawn("bigheap", 48)
     _dump_kill(ptckpt, target, tmp_path / "img")

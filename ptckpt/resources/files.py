@@ -177,8 +177,11 @@ O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY = 0o100, 0o200, 0o1000, 0o400
 F_GETFD = 1
 AT_FDCWD = -100 & (2**64 - 1)
 STDIO_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE,
-                         FdKind.FIFO, FdKind.SOCKET})
-BY_PATH_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.PATH})
+                         FdKind.SOCKET})
+BY_PATH_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.PATH,
+                           FdKind.FIFO})
+O_NONBLOCK = 0o4000
+F_SETFL = 4
 
 
 def restore_plan_problems(fds: list[Fd]) -> list[str]:
@@ -217,9 +220,14 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int]) -> None:
             continue
         flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC) | O_NOCTTY
         step = f"reopen fd {f.fd} ({f.path})"
+        # A FIFO is opened non-blocking (a blocking open would wait for the other end
+        # inside the injected syscall), then gets its own flags back.
+        open_flags = flags | O_NONBLOCK if f.kind is FdKind.FIFO else flags
         with remote.scratch(os.fsencode(f.path) + b"\0") as p:
-            got = remote.checked("openat", AT_FDCWD, int(p), flags | (O_CLOEXEC if f.cloexec else 0), 0,
-                                 step=step)
+            got = remote.checked("openat", AT_FDCWD, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0),
+                                 0, step=step)
+        if open_flags != flags:
+            remote.checked("fcntl", got, F_SETFL, flags, step=step)
         if got != f.fd:
             remote.checked("dup3", got, f.fd, O_CLOEXEC if f.cloexec else 0, step=step)
             remote.checked("close", got, step=step)

@@ -273,11 +273,10 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
 
 
 def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
-                        pages: memoryview) -> None:
+                        pages_fd: int, data_offset: int) -> None:
     """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
 
-    `pages` is the image's page data (mapped read-only into ptckpt); runs are
-    in file order, so one process_vm_writev chain moves all of it.
+    `pages_fd` reads the image's pages file, whose page data starts at `data_offset`.
     """
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
@@ -302,16 +301,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
     files.close_all()
-    # Runs adjacent in the file go in one process_vm_writev chain.
-    group: list[PageRun] = []
-    for r in sorted(runs, key=lambda r: r.offset) + [None]:
-        if group and (r is None or r.offset != group[-1].offset + group[-1].npages * PAGE_SIZE):
-            first = group[0].offset
-            last = group[-1].offset + group[-1].npages * PAGE_SIZE
-            mem.write_from(pages[first:last], [(g.vaddr, g.npages * PAGE_SIZE) for g in group])
-            group = []
-        if r is not None:
-            group.append(r)
+    fill_pages(mem, runs, pages_fd, data_offset)
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
@@ -333,3 +323,48 @@ def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:
                 out.add(id(ordered[i]))
             i += 1
     return out
+
+
+FILL_BUFFER = 32 * 1024 * 1024
+
+
+def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> None:
+    """Copy the saved pages into the tracee: big preadv()s from the image into one reused
+    buffer, each followed by one process_vm_writev chain over the runs it holds."""
+    import mmap
+    buf = mmap.mmap(-1, FILL_BUFFER)
+    view = memoryview(buf)
+    try:
+        batch: list[tuple[int, int]] = []     # (vaddr, length), consecutive in the file
+        start = size = 0
+        for r in sorted(runs, key=lambda r: r.offset):
+            pos, left, vaddr = r.offset, r.npages * PAGE_SIZE, r.vaddr
+            while left:
+                if batch and (pos != start + size or size == FILL_BUFFER):
+                    _fill_batch(mem, pages_fd, data_offset + start, view, size, batch)
+                    batch, size = [], 0
+                if not batch:
+                    start = pos
+                take = min(left, FILL_BUFFER - size)
+                batch.append((vaddr, take))
+                size += take
+                pos += take
+                vaddr += take
+                left -= take
+        if batch:
+            _fill_batch(mem, pages_fd, data_offset + start, view, size, batch)
+    finally:
+        view.release()
+        buf.close()
+
+
+def _fill_batch(mem: AddressSpace, fd: int, offset: int, view: memoryview, size: int,
+                batch: list[tuple[int, int]]) -> None:
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:size]], offset + got)
+        if n <= 0:
+            from ..errors import CorruptImage
+            raise CorruptImage(f"fd {fd}", f"page data ends early at offset {offset + got}")
+        got += n
+    mem.write_from(view[:size], batch)
