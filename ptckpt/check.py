@@ -73,30 +73,19 @@ def _cap(bit: int) -> bool:
     return False
 
 
-def _ptrace_seize() -> tuple[bool, str]:
+def _ptrace_seize() -> tuple[bool, object]:
+    """(seize works, rseq query works or the error text)."""
     from . import tracee
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(5)
-        os._exit(0)
     try:
-        task = tracee.Task(pid, pid)
-        task.seize()
-        task.interrupt()
-        task.wait_frozen()
-        try:
-            task.get_rseq()
-            rseq = True
-        except Exception:
-            rseq = False
-        task.get_xstate()
-        task.detach()
-        return True, rseq
+        with tracee.probe_task() as task:
+            task.get_xstate()
+            try:
+                task.get_rseq()
+                return True, True
+            except Exception:
+                return True, False
     except Exception as err:
         return False, str(err)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
 
 
 def _clone3_set_tid() -> bool:

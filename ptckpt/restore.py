@@ -39,7 +39,7 @@ from .formats.image import ImageReader
 from .formats.model import PAGE_SIZE, ProcessImage, VmaKind
 from .resources import files, memory, pids, process, signals, threads
 from .restorer.stub import gadget_address
-from .tracee import AddressSpace, RemotePtr, Session, remote_syscalls, xstate_header
+from .tracee import AddressSpace, RemotePtr, Session, probe_task, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.restore")
 
@@ -61,22 +61,9 @@ class RestoreResult:
 
 def host_xfeatures() -> tuple[int, int]:
     """(XCR0, xstate size) of this machine, read from a throwaway child's NT_X86_XSTATE."""
-    from .tracee import Task
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(10)
-        os._exit(0)
-    try:
-        task = Task(pid, pid)
-        task.seize()
-        task.interrupt()
-        task.wait_frozen()
+    with probe_task() as task:
         xs = task.get_xstate()
-        task.detach()
-        return xstate_header(xs)[1], len(xs)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    return xstate_header(xs)[1], len(xs)
 
 
 def plan_problems(image: ImageReader, proc: ProcessImage, *, pidns: bool) -> None:

@@ -31,6 +31,7 @@ import errno
 import os
 import signal
 import struct
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -472,38 +473,19 @@ class AddressSpace:
         process_vm_readv with up to IOV_MAX remote iovecs per call; ranges it
         cannot read (unreadable protections) fall back to /proc/PID/mem.
         """
-        local = (ctypes.c_char * len(buffer)).from_buffer(buffer)
-        base = ctypes.addressof(local)
-        done = 0
-        i = 0
-        while i < len(ranges):
-            chunk = ranges[i:i + 1024]
-            total = sum(length for _, length in chunk)
-            remote = (_IoVec * len(chunk))(*[_IoVec(a, n) for a, n in chunk])
-            liov = _IoVec(base + done, total)
-            got = _libc.process_vm_readv(self.pid, ctypes.byref(liov), 1, remote, len(chunk), 0)
-            if got == total:
-                done += total
-                i += len(chunk)
-                continue
-            err = ctypes.get_errno() if got < 0 else 0
-            if got < 0 and err in (errno.ESRCH,):
-                raise TargetVanished(self.pid, "reading memory")
-            got = max(got, 0)
-            # Skip the ranges read completely, then take the faulting one by /proc/PID/mem.
-            while chunk and got >= chunk[0][1]:
-                got -= chunk[0][1]
-                done += chunk[0][1]
-                chunk = chunk[1:]
-                i += 1
-            addr, length = ranges[i]
-            data = self.read(addr, length)
-            buffer[done:done + length] = data
-            done += length
-            i += 1
+        def slow(addr: int, length: int, done: int) -> None:
+            buffer[done:done + length] = self.read(addr, length)
+        self._transfer(_libc.process_vm_readv, buffer, ranges, slow, "reading memory")
 
     def write_from(self, buffer: memoryview, ranges: Sequence[tuple[int, int]]) -> None:
-        """Write consecutive bytes of `buffer` to (addr, length) ranges (process_vm_writev)."""
+        """Write consecutive bytes of `buffer` to (addr, length) ranges (process_vm_writev;
+        /proc/PID/mem for ranges it cannot write)."""
+        def slow(addr: int, length: int, done: int) -> None:
+            self.write(addr, bytes(buffer[done:done + length]))
+        self._transfer(_libc.process_vm_writev, buffer, ranges, slow, "writing memory")
+
+    def _transfer(self, call, buffer: memoryview, ranges: Sequence[tuple[int, int]], slow,
+                  what: str) -> None:
         local = (ctypes.c_char * len(buffer)).from_buffer(buffer)
         base = ctypes.addressof(local)
         done = 0
@@ -513,19 +495,22 @@ class AddressSpace:
             total = sum(length for _, length in chunk)
             remote = (_IoVec * len(chunk))(*[_IoVec(a, n) for a, n in chunk])
             liov = _IoVec(base + done, total)
-            got = _libc.process_vm_writev(self.pid, ctypes.byref(liov), 1, remote, len(chunk), 0)
+            got = call(self.pid, ctypes.byref(liov), 1, remote, len(chunk), 0)
             if got == total:
                 done += total
                 i += len(chunk)
                 continue
+            if got < 0 and ctypes.get_errno() == errno.ESRCH:
+                raise TargetVanished(self.pid, what)
             got = max(got, 0)
+            # Skip the ranges moved completely, then take the faulting one the slow way.
             while chunk and got >= chunk[0][1]:
                 got -= chunk[0][1]
                 done += chunk[0][1]
                 chunk = chunk[1:]
                 i += 1
             addr, length = ranges[i]
-            self.write(addr, bytes(buffer[done:done + length]))
+            slow(addr, length, done)
             done += length
             i += 1
 
@@ -760,6 +745,29 @@ class Session:
                 with contextlib.suppress(Exception):
                     task.resume(0)
             del self.tasks[task.tid]
+
+
+@contextlib.contextmanager
+def probe_task() -> Iterator[Task]:
+    """A throwaway sleeping child of ptckpt, seized and frozen, killed on exit.
+
+    For questions only a tracee answers: this CPU's xstate size and XCR0,
+    whether PTRACE_SEIZE and friends work here.
+    """
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(10)
+        os._exit(0)
+    try:
+        task = Task(pid, pid)
+        task.seize()
+        task.interrupt()
+        task.wait_frozen()
+        yield task
+        task.detach()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def xstate_header(xstate: bytes) -> tuple[int, int]:
