@@ -200,6 +200,10 @@ def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offse
                     with remote_syscalls(task, mem, remote.gadget, scratch_top=remote._sp,
                                          keep_regs=False) as tremote:
                         threads.restore_thread_frozen(task, tremote, t)
+            # Everything blocked while the saved signals are queued and the last
+            # syscalls run: none may be delivered before the thread's own mask is back.
+            for task in tasks.values():
+                task.set_sigmask(signals.ALL_BLOCKED)
             signals.restore_pending_frozen(remote, stub.vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
             log.info("resume %d", proc.task.pid)

@@ -198,6 +198,7 @@ def test_getpid_and_restored_task_state(spawn, ptckpt, tmp_path):
         assert f.read() == cmdline, "arg area restored (PR_SET_MM_MAP)"
     assert os.readlink(f"/proc/{pid}/exe") == exe
     assert os.readlink(f"/proc/{pid}/cwd") == str(tmp_path)
+    assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null", "character devices reopened by path"
     with open(f"/proc/{pid}/comm") as f:
         assert f.read().strip() == "counter"
     maps = open(f"/proc/{pid}/maps").read()
@@ -353,6 +354,33 @@ def test_cpu_without_an_xstate_feature(counter_image, ptckpt, tmp_path):
     assert not pid_alive(target.pid)
 
 
+def test_vdso_of_another_size_is_refused(counter_image, ptckpt, tmp_path):
+    from ptckpt.formats.model import VmaKind
+    target, image = counter_image
+
+    def bigger_vdso(p):
+        vmas = []
+        for v in p.vmas:
+            if v.kind is VmaKind.VDSO:
+                v = dataclasses.replace(v, end=v.end + PAGE_SIZE)
+            vmas.append(v)
+        return dataclasses.replace(p, vmas=tuple(vmas))
+
+    _rewrite_image(image, tmp_path / "vdso", bigger_vdso)
+    _one_line(ptckpt("restore", "-D", tmp_path / "vdso"), ExitCode.INCOMPATIBLE, "[vdso]", "bytes")
+    assert not pid_alive(target.pid)
+
+
+def test_pidfile(counter_image, ptckpt, tmp_path):
+    target, image = counter_image
+    pidfile = tmp_path / "restored.pid"
+    res = ptckpt("restore", "-D", image, "--detach", "--pidfile", pidfile)
+    assert res.returncode == 0, res.stderr
+    assert int(pidfile.read_text()) == target.pid == int(res.stdout.split()[-1])
+    target.wait_progress()
+    target.assert_ok()
+
+
 def test_mapped_file_missing_or_changed(spawn, ptckpt, tmp_path):
     target = spawn("filemap", tmp_path / "private.dat", tmp_path / "shared.dat", 16)
     image = tmp_path / "img"
@@ -403,3 +431,60 @@ def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):
     time.sleep(0.2)
     reap_orphans()
     assert not pid_alive(target.pid)
+
+
+_STATE_PROGRAM = r'''
+import ctypes, os, resource, signal, sys, time
+out = sys.argv[1]
+def log(text):
+    with open(out, "a") as f:
+        f.write(text + "\n")
+def on_usr1(sig, frame):
+    log("USR1 delivered")
+def on_usr2(sig, frame):
+    log("USR2 handler")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+signal.signal(signal.SIGUSR1, on_usr1)
+signal.signal(signal.SIGUSR2, on_usr2)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+os.umask(0o027)
+os.nice(5)
+with open("/proc/self/oom_score_adj", "w") as f:
+    f.write("123")
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+ctypes.CDLL(None).prctl(15, b"statekeeper", 0, 0, 0)
+print("READY", os.getpid(), flush=True)
+while True:
+    time.sleep(0.02)
+'''
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def test_signals_and_task_state_survive(spawn, ptckpt, tmp_path):
+    """Dispositions, the blocked mask, a pending signal, umask, nice, oom_score_adj, rlimits, comm."""
+    script = tmp_path / "state.py"
+    script.write_text(_STATE_PROGRAM)
+    target = spawn(str(script))
+    os.kill(target.pid, signal.SIGUSR1)               # blocked: stays pending
+    wait_until(lambda: int(_status(target.pid)["ShdPnd"], 16) & (1 << (signal.SIGUSR1 - 1)), 5)
+    before = _status(target.pid)
+    limits = open(f"/proc/{target.pid}/limits").read()
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    pid = _restore(ptckpt, tmp_path / "img")
+    after = _status(pid)
+    for key in ("SigBlk", "SigIgn", "SigCgt", "Umask", "Name"):
+        assert after[key] == before[key], key
+    assert int(after["ShdPnd"], 16) & (1 << (signal.SIGUSR1 - 1)), "the pending SIGUSR1 is queued again"
+    assert open(f"/proc/{pid}/oom_score_adj").read().strip() == "123"
+    assert os.getpriority(os.PRIO_PROCESS, pid) == 5
+    assert open(f"/proc/{pid}/limits").read() == limits
+    assert not target.out_path.exists(), "no handler ran during the restore"
+    os.kill(pid, signal.SIGUSR2)                      # its handler unblocks SIGUSR1
+    target.wait_for_line("USR2 handler", where="out")
+    target.wait_for_line("USR1 delivered", where="out")
+    assert target.alive()

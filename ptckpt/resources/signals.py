@@ -45,6 +45,7 @@ def dump_pending_frozen(tasks: Iterable[Task]) -> list[PendingSignal]:
 # --- restore half ------------------------------------------------------------
 
 SIGKILL, SIGSTOP = 9, 19
+ALL_BLOCKED = (2**64 - 1) & ~(1 << (SIGKILL - 1)) & ~(1 << (SIGSTOP - 1))
 
 
 def restore_sigactions_frozen(remote: RemoteSyscalls, actions: Iterable[Sigaction]) -> None:
