@@ -396,3 +396,26 @@ def test_target_exits_mid_dump(spawn, tmp_path, monkeypatch):
     assert f"process {target.pid} exited" in str(err.value)
     assert not (tmp_path / "img").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".img")]
+
+
+def test_threads_come_and_go_during_the_freeze(spawn, ptckpt, tmp_path):
+    """Threads created and exiting all the time: the dump re-scans until the set is stable."""
+    script = tmp_path / "churn.py"
+    script.write_text("import os, sys, threading, time\n"
+                      "out = open(sys.argv[1], 'w')\n"
+                      "n = 0\n"
+                      "print('READY', os.getpid(), flush=True)\n"
+                      "while True:\n"
+                      "    ts = [threading.Thread(target=time.sleep, args=(0.002,)) for _ in range(4)]\n"
+                      "    [t.start() for t in ts]; [t.join() for t in ts]\n"
+                      "    n += 1; out.seek(0); out.write(f'{n:20d}\\n'); out.flush()\n")
+    target = spawn(str(script))
+    for i in range(5):
+        res = ptckpt("dump", target.pid, "-D", tmp_path / f"img{i}")
+        assert res.returncode == 0, res.stderr
+        with ImageReader(tmp_path / f"img{i}") as image:
+            proc = image.process(target.pid)
+            assert proc.threads[0].tid == target.pid
+            assert set(proc.task.tids) == {t.tid for t in proc.threads}
+    target.wait_progress()
+    target.assert_ok()

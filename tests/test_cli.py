@@ -1,0 +1,48 @@
+"""The CLI surface: --version, help with examples, `ptckpt check`, and exit codes of bad usage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ptckpt import __version__
+from ptckpt.errors import ExitCode
+
+
+def test_version(ptckpt):
+    res = ptckpt("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"ptckpt {__version__}"
+
+
+@pytest.mark.parametrize("command", ["dump", "restore", "show", "check"])
+def test_every_command_has_help_with_an_example(ptckpt, command):
+    res = ptckpt(command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "Example: ptckpt " + command in " ".join(res.stdout.split())
+
+
+def test_check_lists_features_and_passes_here(ptckpt):
+    res = ptckpt("check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("ptrace seize", "PTRACE_GET_RSEQ_CONFIGURATION", "clone3 set_tid", "pid namespaces",
+                 "pidfd_getfd", "PR_SET_MM_MAP", "userfaultfd", "soft-dirty", "CAP_SYS_RESOURCE"):
+        assert name in res.stdout, name
+    data = json.loads(ptckpt("check", "--json").stdout)
+    by_name = {c["name"]: c for c in data}
+    assert by_name["clone3 set_tid"]["present"] and by_name["clone3 set_tid"]["required"]
+    # DESIGN.md: soft-dirty is compiled out and CAP_SYS_RESOURCE is missing on these machines.
+    assert not by_name["soft-dirty"]["present"] and by_name["soft-dirty"]["cost"]
+    assert all(c["present"] for c in data if c["required"])
+
+
+def test_bad_usage_is_one_line_and_exit_2(ptckpt):
+    res = ptckpt("dump", "not-a-pid")
+    assert res.returncode == ExitCode.USAGE
+    assert "Traceback" not in res.stderr
+
+
+def test_show_of_a_non_image(ptckpt, tmp_path):
+    res = ptckpt("show", tmp_path / "nothing")
+    assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
