@@ -488,3 +488,27 @@ def test_signals_and_task_state_survive(spawn, ptckpt, tmp_path):
     target.wait_for_line("USR2 handler", where="out")
     target.wait_for_line("USR1 delivered", where="out")
     assert target.alive()
+
+
+def test_shared_anonymous_memory_and_python_heap(spawn, ptckpt, tmp_path):
+    """python3's mmap(-1, n) is MAP_SHARED|MAP_ANONYMOUS: its contents come back, still shared-anon."""
+    script = tmp_path / "shm.py"
+    script.write_text("import hashlib, mmap, os, signal, sys, time\n"
+                      "m = mmap.mmap(-1, 8 << 20)\n"
+                      "for i in range(0, len(m), 4096): m[i:i+8] = i.to_bytes(8, 'little')\n"
+                      "want = hashlib.sha256(m).hexdigest()\n"
+                      "data = [str(i) * 3 for i in range(200000)]\n"
+                      "def check(sig, frame):\n"
+                      "    ok = hashlib.sha256(m).hexdigest() == want and data[12345] == '12345' * 3\n"
+                      "    open(sys.argv[1], 'a').write('OK\\n' if ok else 'FAIL shm\\n')\n"
+                      "signal.signal(signal.SIGUSR1, check)\n"
+                      "print('READY', os.getpid(), flush=True)\n"
+                      "while True: time.sleep(0.05)\n")
+    target = spawn(str(script))
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    pid = _restore(ptckpt, tmp_path / "img")
+    maps = open(f"/proc/{pid}/maps").read()
+    assert "/dev/zero (deleted)" in maps, "the region is shared anonymous memory again"
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("^OK$", where="out")
+    target.assert_ok()
