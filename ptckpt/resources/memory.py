@@ -7,6 +7,7 @@ streamed to the image's pages file: no per-page Python work).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat as _stat
 from dataclasses import dataclass
@@ -97,14 +98,14 @@ class PageStats:
     bytes: int = 0
 
 
-def _batches(ranges: Iterable[tuple[int, int]], limit: int) -> Iterable[list[tuple[int, int]]]:
-    """Group (start, end) ranges into batches of at most `limit` bytes, splitting big ones."""
-    batch: list[tuple[int, int]] = []
+def _batches(ranges: Iterable[tuple[int, int, bool]], limit: int) -> Iterable[list[tuple[int, int, bool]]]:
+    """Group (start, end, flag) ranges into batches of at most `limit` bytes, splitting big ones."""
+    batch: list[tuple[int, int, bool]] = []
     size = 0
-    for start, end in ranges:
+    for start, end, flag in ranges:
         while start < end:
             take = min(end - start, limit - size)
-            batch.append((start, start + take))
+            batch.append((start, start + take, flag))
             size += take
             start += take
             if size == limit:
@@ -121,22 +122,99 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages) -> tuple[li
     with process_vm_readv while the writer thread checksums and writes the
     other).  Returns the page index and the totals.
     """
-    ranges: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, bool]] = []
     for vma in vmas:
-        ranges.extend(ranges_to_save(mem.pid, vma))
+        # Zero pages can be left out where the restore maps fresh anonymous memory;
+        # in a file mapping the file's own bytes would show through instead.
+        droppable = vma.kind in ZERO_DROPPABLE
+        ranges.extend((s, e, droppable) for s, e in ranges_to_save(mem.pid, vma))
     stats = PageStats()
     index: list[PageRun] = []
     for batch in _batches(ranges, pages.buffer_size):
-        nbytes = sum(e - s for s, e in batch)
+        nbytes = sum(e - s for s, e, _ in batch)
         buf = pages.get_buffer()
-        mem.read_into(buf[:nbytes], [(s, e - s) for s, e in batch])
+        mem.read_into(buf[:nbytes], [(s, e - s) for s, e, _ in batch])
+        nbytes, kept = drop_zero_pages(buf, nbytes, batch)
         offset = pages.submit(buf, nbytes)
-        for s, e in batch:
+        for s, e in kept:
             index.append(PageRun(vaddr=s, npages=(e - s) // PAGE_SIZE, offset=offset))
             offset += e - s
         stats.pages += nbytes // PAGE_SIZE
         stats.bytes += nbytes
     return _merge_runs(index), stats
+
+
+_libc = ctypes.CDLL(None)
+_libc.memmem.restype = ctypes.c_void_p
+_libc.memmem.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+_ZERO_PAGE = ctypes.create_string_buffer(PAGE_SIZE)
+
+
+def zero_pages(buf: memoryview, nbytes: int) -> list[int]:
+    """Offsets of the page-aligned all-zero pages in buf[:nbytes].
+
+    glibc's memmem (two-way search) skips through non-zero data a needle's
+    length at a time, so Python only runs once per zero run found.
+    """
+    base = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(buf))
+    out: list[int] = []
+    pos = 0
+    while pos < nbytes:
+        hit = _libc.memmem(base + pos, nbytes - pos, _ZERO_PAGE, PAGE_SIZE)
+        if not hit:
+            break
+        at = hit - base
+        page = (at + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)     # first whole page of the zero run
+        # Every aligned page from here on that is zero belongs to this run or a later one.
+        while page + PAGE_SIZE <= nbytes and buf[page:page + PAGE_SIZE] == _ZERO_VIEW:
+            out.append(page)
+            page += PAGE_SIZE
+        pos = max(page, at + 1)
+    return out
+
+
+_ZERO_VIEW = memoryview(bytes(PAGE_SIZE))
+
+
+ZERO_DROPPABLE = frozenset({VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED})
+
+
+def drop_zero_pages(buf: memoryview, nbytes: int, batch: list[tuple[int, int, bool]]):
+    """Remove all-zero pages of droppable ranges from a filled batch: compact buf, split
+    the (start, end, droppable) ranges into the (start, end) runs that remain.
+
+    A page that reads as zero needs no saving: the restore maps fresh
+    anonymous memory, which reads as zero too.  Returns (nbytes, ranges).
+    Work is proportional to ranges plus zero pages, never to all pages.
+    """
+    zeros = zero_pages(buf, nbytes) if any(d for _, _, d in batch) else []
+    if not zeros:
+        return nbytes, [(s, e) for s, e, _ in batch]
+    segments: list[tuple[int, int, int]] = []     # (buffer offset, length, vaddr)
+    zi = 0
+    src = 0
+    for start, end, droppable in batch:
+        seg_end = src + end - start
+        cur = src
+        while zi < len(zeros) and zeros[zi] < seg_end:
+            z = zeros[zi]
+            zi += 1
+            if not droppable:
+                continue
+            if z > cur:
+                segments.append((cur, z - cur, start + cur - src))
+            cur = z + PAGE_SIZE
+        if cur < seg_end:
+            segments.append((cur, seg_end - cur, start + cur - src))
+        src = seg_end
+    kept: list[tuple[int, int]] = []
+    dst = 0
+    for off, n, vaddr in segments:
+        if off != dst:
+            buf[dst:dst + n] = buf[off:off + n]        # memmove: dst < off
+        kept.append((vaddr, vaddr + n))
+        dst += n
+    return dst, kept
 
 
 def _merge_runs(index: list[PageRun]) -> list[PageRun]:
