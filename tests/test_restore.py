@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -413,6 +414,19 @@ def test_busy_pid(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
+def test_deleted_open_file_is_refused_before_anything_starts(spawn, ptckpt, tmp_path):
+    script = tmp_path / "ghost.py"
+    script.write_text("import os, time\n"
+                      "f = open('ghost.txt', 'w'); os.unlink('ghost.txt')\n"
+                      "print('READY', os.getpid(), flush=True)\n"
+                      "while True: time.sleep(0.05)\n")
+    target = spawn(str(script), out=False)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
+              "ghost.txt (deleted)", "not restored yet")
+    assert not pid_alive(target.pid)
+
+
 def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):
     """An injected syscall fails (openat of a path that became a directory): the message names
     the step, the syscall, its errno and arguments, and nothing is left running."""
@@ -512,3 +526,48 @@ def test_shared_anonymous_memory_and_python_heap(spawn, ptckpt, tmp_path):
     target.signal(signal.SIGUSR1)
     target.wait_for_line("^OK$", where="out")
     target.assert_ok()
+
+
+def test_credentials_of_an_unprivileged_process(ptckpt, tmp_path):
+    """A process running as nobody comes back as nobody (uids, gids, groups set last, from inside)."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python3 that an unprivileged user can run")
+    work = Path(tempfile.mkdtemp(prefix="ptckpt-creds-", dir="/tmp"))
+    os.chmod(work, 0o777)
+    out = work / "count"
+    code = ("import os, sys, time\n"
+            "n = 0\n"
+            "f = open(sys.argv[1], 'w')\n"
+            "print('READY', os.getpid(), flush=True)\n"
+            "while True:\n"
+            "    n += 1; f.seek(0); f.write(f'{n:20d}\\n'); f.flush(); time.sleep(0.01)\n")
+
+    def drop():
+        os.setgroups([65534])
+        os.setresgid(65534, 65534, 65534)
+        os.setresuid(65534, 65534, 65534)
+
+    proc = subprocess.Popen([python, "-c", code, str(out)], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work, preexec_fn=drop, start_new_session=True)
+    restored = 0
+    try:
+        assert proc.stdout.readline().startswith(b"READY")
+        proc.stdout.close()
+        wait_until(lambda: out.exists() and out.read_text().strip(), 5)
+        res = ptckpt("dump", proc.pid, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        proc.wait(10)
+        wait_pid_free(proc.pid)
+        restored = _restore(ptckpt, tmp_path / "img")
+        status = _status(restored)
+        assert status["Uid"].split() == ["65534"] * 4
+        assert status["Gid"].split() == ["65534"] * 4
+        assert status["Groups"].split() == ["65534"]
+        at = int(out.read_text())
+        wait_until(lambda: int(out.read_text() or 0) > at, 5, message="counts on as nobody")
+    finally:
+        kill_pids([proc.pid] + ([restored] if restored else []))
+        time.sleep(0.1)
+        reap_orphans()
+        shutil.rmtree(work, ignore_errors=True)

@@ -194,6 +194,9 @@ def restore_plan_problems(fds: list[Fd]) -> list[str]:
     for f in fds:
         if f.fd <= 2 and f.kind in STDIO_KINDS:
             continue
+        if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
+            out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
+            continue
         if f.kind in BY_PATH_KINDS or (f.kind is FdKind.TTY and f.path.startswith("/dev/")):
             continue
         out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
