@@ -200,10 +200,18 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
     return image, runs, stats, xcr0, len(thread_records[0].xstate)
 
 
-def _wait_gone(pid: int, timeout: float = 5.0) -> None:
-    """After --kill: give the parent (often a lazily reaping init) time to reap, so the pid is free."""
+def _wait_gone(pid: int, timeout: float = 3.0) -> None:
+    """After --kill: when the dead target's parent is init, which reaps lazily on these
+    machines (DESIGN.md), wait a little for the pid to be free, so a restore can follow.
+    A zombie of any other parent is that parent's to reap."""
     deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            ppid = procfs.read_status(pid).ppid
+        except PtckptError:
+            return
+        if ppid != 1:
+            return
         time.sleep(0.005)
 
 
