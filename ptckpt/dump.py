@@ -126,6 +126,11 @@ def dump(pid: int, directory: str | None = None, *,
         result.pages = stats.pages
         result.bytes = stats.bytes
         result.unsupported = [f"pid {pid} " + u for u in files.unsupported_fds(list(image.fds))]
+        children = procfs.read_children(pid)
+        if children:
+            # Whole trees come with the process-tree work; never drop them silently.
+            result.unsupported.append(f"pid {pid} child processes {', '.join(map(str, children))} "
+                                      "(not dumped: process trees are not supported yet)")
         log.info("write %s", directory)
         writer.write_process(image)
         writer.write_inventory(Inventory(

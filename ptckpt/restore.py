@@ -139,6 +139,7 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         proc = image.process(pid)
         log.info("plan %d", pid)
         plan_problems(image, proc, pidns=pidns)
+        left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
         runs = image.page_runs(pid)
         from .formats.model import PageRun
         fd, data_offset = image.pages_location(pid, PageRun(0, 0, 0))
@@ -146,7 +147,8 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         try:
             log.info("create %d", pid)
             stub = pids.start_stub(pid, pidns=pidns)
-            result = RestoreResult(pid=stub.pid, vpid=pid, init_pid=stub.init_pid)
+            result = RestoreResult(pid=stub.pid, vpid=pid, init_pid=stub.init_pid,
+                                   warnings=[f"the image left out {u}" for u in left_out])
             try:
                 result.warnings += _fix_up(stub, proc, runs, pages_fd, data_offset)
             except BaseException as err:
