@@ -827,3 +827,13 @@ def _wait_pid_free_fixture() -> Callable[..., None]:
 def _cpu_has_fixture() -> Callable[[str], bool]:
     """cpu_has(flag) -> bool, from /proc/cpuinfo"""
     return cpu_has
+
+
+IDLE_TAIL = "print('READY', os.getpid(), flush=True)\nwhile True:\n    time.sleep(0.05)\n"
+
+
+def idle_script(directory: Path, name: str, setup: str) -> Path:
+    """A python3 target: `setup` (which imports os and time), then READY, then idle forever."""
+    path = directory / name
+    path.write_text(setup + IDLE_TAIL)
+    return path

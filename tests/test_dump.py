@@ -27,7 +27,7 @@ from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, FdKind, Restart, VmaKi
 from ptckpt.resources import memory
 from ptckpt.tracee import Session
 
-from conftest import wait_until
+from conftest import idle_script, wait_until
 
 
 def _stop(target) -> None:
@@ -197,11 +197,7 @@ def test_fds_are_recorded_with_kind_flags_and_position(spawn, ptckpt, tmp_path):
 
 
 def test_unrestorable_fd_kind_is_named_not_dropped(spawn, ptckpt, tmp_path):
-    script = tmp_path / "efd.py"
-    script.write_text("import os, sys, time\n"
-                      "efd = os.eventfd(5)\n"
-                      "print('READY', os.getpid(), flush=True)\n"
-                      "while True: time.sleep(0.05)\n")
+    script = idle_script(tmp_path, "efd.py", "import os, time\nefd = os.eventfd(5)\n")
     target = spawn(str(script), out=False)
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
     assert res.returncode == 0, res.stderr
@@ -422,12 +418,10 @@ def test_threads_come_and_go_during_the_freeze(spawn, ptckpt, tmp_path):
 
 
 def test_children_are_named_not_silently_dropped(spawn, ptckpt, tmp_path):
-    script = tmp_path / "parent.py"
-    script.write_text("import os, subprocess, time\n"
-                      "child = subprocess.Popen(['sleep', '1000'])\n"
-                      "print('CHILD', child.pid, flush=True)\n"
-                      "print('READY', os.getpid(), flush=True)\n"
-                      "while True: time.sleep(0.05)\n")
+    script = idle_script(tmp_path, "parent.py",
+                         "import os, subprocess, time\n"
+                         "child = subprocess.Popen(['sleep', '1000'])\n"
+                         "print('CHILD', child.pid, flush=True)\n")
     target = spawn(str(script), out=False)
     child = int(next(line.split()[1] for line in target.preamble if line.startswith("CHILD")))
     try:

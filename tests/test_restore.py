@@ -25,7 +25,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter
 from ptckpt.formats.model import PAGE_SIZE
 
-from conftest import kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
+from conftest import IDLE_TAIL, idle_script, kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
 
 
 def _dump_kill(ptckpt, target, image: Path) -> None:
@@ -415,11 +415,8 @@ def test_busy_pid(spawn, ptckpt, tmp_path):
 
 
 def test_deleted_open_file_is_refused_before_anything_starts(spawn, ptckpt, tmp_path):
-    script = tmp_path / "ghost.py"
-    script.write_text("import os, time\n"
-                      "f = open('ghost.txt', 'w'); os.unlink('ghost.txt')\n"
-                      "print('READY', os.getpid(), flush=True)\n"
-                      "while True: time.sleep(0.05)\n")
+    script = idle_script(tmp_path, "ghost.py",
+                         "import os, time\nf = open('ghost.txt', 'w'); os.unlink('ghost.txt')\n")
     target = spawn(str(script), out=False)
     _dump_kill(ptckpt, target, tmp_path / "img")
     _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
@@ -430,12 +427,8 @@ def test_deleted_open_file_is_refused_before_anything_starts(spawn, ptckpt, tmp_
 def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):
     """An injected syscall fails (openat of a path that became a directory): the message names
     the step, the syscall, its errno and arguments, and nothing is left running."""
-    script = tmp_path / "holder.py"
     data = tmp_path / "data.txt"
-    script.write_text("import os, sys, time\n"
-                      f"f = open({str(data)!r}, 'w')\n"
-                      "print('READY', os.getpid(), flush=True)\n"
-                      "while True: time.sleep(0.05)\n")
+    script = idle_script(tmp_path, "holder.py", f"import os, time\nf = open({str(data)!r}, 'w')\n")
     target = spawn(str(script), out=False)
     _dump_kill(ptckpt, target, tmp_path / "img")
     data.unlink()
@@ -515,9 +508,7 @@ def test_shared_anonymous_memory_and_python_heap(spawn, ptckpt, tmp_path):
                       "def check(sig, frame):\n"
                       "    ok = hashlib.sha256(m).hexdigest() == want and data[12345] == '12345' * 3\n"
                       "    open(sys.argv[1], 'a').write('OK\\n' if ok else 'FAIL shm\\n')\n"
-                      "signal.signal(signal.SIGUSR1, check)\n"
-                      "print('READY', os.getpid(), flush=True)\n"
-                      "while True: time.sleep(0.05)\n")
+                      "signal.signal(signal.SIGUSR1, check)\n" + IDLE_TAIL)
     target = spawn(str(script))
     _dump_kill(ptckpt, target, tmp_path / "img")
     pid = _restore(ptckpt, tmp_path / "img")
