@@ -57,7 +57,8 @@ class DumpResult:
     unsupported: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        text = (f"dumped {self.pids[0]} to {self.directory}: {self.threads} threads, "
+        procs = f"{len(self.pids)} processes, " if len(self.pids) > 1 else ""
+        text = (f"dumped {self.pids[0]} to {self.directory}: {procs}{self.threads} threads, "
                 f"{self.vmas} VMAs, {self.pages} pages, {self.bytes} bytes, "
                 f"{self.seconds:.3f} s (frozen {self.frozen_seconds:.3f} s)")
         if self.unsupported:
@@ -111,28 +112,27 @@ def dump(pid: int, directory: str | None = None, *,
     result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
     frozen_at = None
     try:
-        log.info("freeze %d", pid)
+        log.info("freeze the tree of %d", pid)
         try:
-            session.freeze_process(pid)
+            pids, zombies = freeze_tree_frozen(session, pid)
         except AccessDenied:
             _refuse_if_traced(pid)
             raise
+        result.pids = pids
+        result.unsupported += [f"zombie {z} (not dumped: zombies are not supported yet)" for z in zombies]
         frozen_at = time.monotonic()
         realtime, monotonic, boottime = process.current_clocks()
-        log.info("capture %d", pid)
-        image, runs, stats, xcr0, xsize = _capture_process_frozen(session, pid, writer)
-        result.threads = len(image.threads)
-        result.vmas = len(image.vmas)
-        result.pages = stats.pages
-        result.bytes = stats.bytes
-        result.unsupported = [f"pid {pid} " + u for u in files.unsupported_fds(list(image.fds))]
-        children = procfs.read_children(pid)
-        if children:
-            # Whole trees come with the process-tree work; never drop them silently.
-            result.unsupported.append(f"pid {pid} child processes {', '.join(map(str, children))} "
-                                      "(not dumped: process trees are not supported yet)")
-        log.info("write %s", directory)
-        writer.write_process(image)
+        xcr0 = xsize = 0
+        for member in pids:
+            log.info("capture %d", member)
+            image, runs, stats, xcr0, xsize = _capture_process_frozen(session, member, writer)
+            result.threads += len(image.threads)
+            result.vmas += len(image.vmas)
+            result.pages += stats.pages
+            result.bytes += stats.bytes
+            result.unsupported += [f"pid {member} " + u for u in files.unsupported_fds(list(image.fds))]
+            log.info("write %d", member)
+            writer.write_process(image)
         writer.write_inventory(Inventory(
             ptckpt_version=__version__,
             kernel_release=os.uname().release,
@@ -141,7 +141,7 @@ def dump(pid: int, directory: str | None = None, *,
             xfeatures=xcr0,
             xstate_size=xsize,
             root_pid=pid,
-            pids=(pid,),
+            pids=tuple(pids),
             realtime_ns=realtime,
             monotonic_ns=monotonic,
             boottime_ns=boottime,
@@ -154,9 +154,10 @@ def dump(pid: int, directory: str | None = None, *,
         with contextlib.suppress(PtckptError):   # the original error is the one to report
             session.resume_all()
         raise
-    log.info("release %d (%s)", pid, mode.value)
+    log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
     if mode is DumpMode.KILL:
-        session.kill_process(pid)
+        for member in reversed(result.pids):
+            session.kill_process(member)
         result.frozen_seconds = time.monotonic() - frozen_at
         _wait_gone(pid)
     else:
@@ -164,6 +165,47 @@ def dump(pid: int, directory: str | None = None, *,
         result.frozen_seconds = time.monotonic() - frozen_at
     result.seconds = time.monotonic() - started
     return result
+
+
+def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int]]:
+    """Freeze `root` and all its descendants: (their pids, parents before children; zombies left out).
+
+    A frozen process cannot fork, so re-reading the children of every member
+    until no unfrozen one appears catches a fork that raced the freeze.
+    """
+    order: list[int] = []
+    frozen: set[int] = set()
+    zombies: list[int] = []
+    while True:
+        todo = [root] if root not in frozen else []
+        for member in order:
+            for c in procfs.read_children(member):
+                if c in frozen or c in todo or c in zombies:
+                    continue
+                if _is_zombie(c):
+                    zombies.append(c)
+                else:
+                    todo.append(c)
+        if not todo:
+            return order, zombies
+        for member in todo:
+            if member != root:
+                _refuse_if_traced(member)
+            try:
+                session.freeze_process(member)
+            except TargetVanished:
+                if member == root:
+                    raise
+                continue              # a child that exited meanwhile
+            frozen.add(member)
+            order.append(member)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return procfs.read_stat(pid).state in ("Z", "X")
+    except PtckptError:
+        return True
 
 
 def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):

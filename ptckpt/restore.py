@@ -131,36 +131,80 @@ def changed_files(proc: ProcessImage) -> list[str]:
 # --- create, fix up, resume ---------------------------------------------------------
 
 def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
-    """Recreate the process of image `directory`; returns once it runs (detached from ptckpt)."""
+    """Recreate the processes of image `directory`; returns once they run (detached from ptckpt)."""
+    from .formats.model import PageRun
     started = time.monotonic()
     log.info("collect %s", directory)
     with ImageReader(directory) as image:
-        pid = image.inventory.root_pid
-        proc = image.process(pid)
-        log.info("plan %d", pid)
-        plan_problems(image, proc, pidns=pidns)
+        root = image.inventory.root_pid
+        members = list(image.inventory.pids)
+        procs = {p: image.process(p) for p in members}
+        log.info("plan %s", " ".join(map(str, members)))
+        plan_tree_problems(procs)
+        for p in members:
+            plan_problems(image, procs[p], pidns=pidns)
         left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
-        runs = image.page_runs(pid)
-        from .formats.model import PageRun
-        fd, data_offset = image.pages_location(pid, PageRun(0, 0, 0))
-        pages_fd = _open_pages(fd)
+        pages = {}
         try:
-            log.info("create %d", pid)
-            stub = pids.start_stub(pid, pidns=pidns)
-            result = RestoreResult(pid=stub.pid, vpid=pid, init_pid=stub.init_pid,
+            for p in members:
+                fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
+                pages[p] = (_open_pages(fd), data_offset)
+            log.info("create %d", root)
+            stub = pids.start_stub(root, pidns=pidns)
+            result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid,
                                    warnings=[f"the image left out {u}" for u in left_out])
+            created = {root: stub.task}
             try:
-                result.warnings += _fix_up(stub, proc, runs, pages_fd, data_offset)
+                for p in members[1:]:
+                    parent = procs[p].task.ppid
+                    log.info("create %d (child of %d)", p, parent)
+                    created[p] = _create_child(created[parent], p)
+                to_detach = []
+                for p in members:
+                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p])
+                    result.warnings += warnings
+                    to_detach += tasks
+                log.info("resume %s", " ".join(map(str, members)))
+                for task in to_detach:
+                    task.detach()
             except BaseException as err:
+                for task in created.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(task.tgid, signal.SIGKILL)
                 stub.kill()
                 if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
-                    raise RestoreFailed(f"restore of {pid} failed, the half-restored process was "
+                    raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
                                         f"killed: {err}") from err
                 raise
         finally:
-            os.close(pages_fd)
+            for fd, _ in pages.values():
+                os.close(fd)
     result.seconds = time.monotonic() - started
     return result
+
+
+def plan_tree_problems(procs: dict[int, ProcessImage]) -> None:
+    """Pipes and sockets shared between members are not recreated yet: refuse them by name."""
+    from .formats.model import FdKind
+    if len(procs) < 2:
+        return
+    holders: dict[tuple[int, int], list[str]] = {}
+    for p, proc in procs.items():
+        for f in proc.fds:
+            if f.kind in (FdKind.PIPE, FdKind.SOCKET):
+                holders.setdefault((f.dev, f.ino), []).append(f"pid {p} fd {f.fd} ({f.path})")
+    shared = [" and ".join(h) for h in holders.values() if len({x.split()[1] for x in h}) > 1]
+    if shared:
+        raise UnsupportedResource(next(iter(procs)), "pipes and sockets shared inside a process "
+                                  "tree are not restored yet: " + "; ".join(shared))
+
+
+def _create_child(parent, pid: int):
+    """clone3(set_tid=[pid]) inside the parent's stub, before either is rebuilt: the child is
+    a copy of the stub, stopped (the tracer follows forks), and becomes its own process."""
+    with AddressSpace(parent.tgid) as mem:
+        with remote_syscalls(parent, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
+            return threads.create_process_frozen(remote, pid)
 
 
 def _open_pages(fd: int) -> int:
@@ -171,13 +215,13 @@ def _open_pages(fd: int) -> int:
         return os.dup(fd)
 
 
-def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offset: int) -> list[str]:
+def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int):
+    """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     session = Session()
-    session.tasks[stub.pid] = stub.task
-    leader = stub.task
-    inherited = procfs.list_fds(stub.pid)
-    with AddressSpace(stub.pid) as mem:
+    session.tasks[leader.tid] = leader
+    inherited = procfs.list_fds(leader.tgid)
+    with AddressSpace(leader.tgid) as mem:
         with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
             log.info("fix up %d: address space", proc.task.pid)
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
@@ -186,7 +230,7 @@ def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offse
             files.restore_fds_frozen(remote, list(proc.fds), inherited)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
-            warnings += process.restore_rlimits(stub.pid, proc.rlimits)
+            warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
             log.info("fix up %d: threads", proc.task.pid)
             tasks = {proc.task.pid: leader}
@@ -206,7 +250,7 @@ def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offse
             # syscalls run: none may be delivered before the thread's own mask is back.
             for task in tasks.values():
                 task.set_sigmask(signals.ALL_BLOCKED)
-            signals.restore_pending_frozen(remote, stub.vpid, proc.pending)
+            signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
             log.info("resume %d", proc.task.pid)
             gadget = int(remote.gadget)
@@ -216,11 +260,7 @@ def _fix_up(stub: pids.Stub, proc: ProcessImage, runs, pages_fd: int, data_offse
                            step="unmap the gadget")
         for t in proc.threads:
             threads.set_final_state(tasks[t.tid], t)
-    for t in proc.threads:
-        if t.tid != proc.task.pid:
-            tasks[t.tid].detach()
-    leader.detach()
-    return warnings
+    return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
 
 
 def wait_restored(result: RestoreResult) -> int:

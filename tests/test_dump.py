@@ -415,20 +415,3 @@ def test_threads_come_and_go_during_the_freeze(spawn, ptckpt, tmp_path):
             assert set(proc.task.tids) == {t.tid for t in proc.threads}
     target.wait_progress()
     target.assert_ok()
-
-
-def test_children_are_named_not_silently_dropped(spawn, ptckpt, tmp_path):
-    script = idle_script(tmp_path, "parent.py",
-                         "import os, subprocess, time\n"
-                         "child = subprocess.Popen(['sleep', '1000'])\n"
-                         "print('CHILD', child.pid, flush=True)\n")
-    target = spawn(str(script), out=False)
-    child = int(next(line.split()[1] for line in target.preamble if line.startswith("CHILD")))
-    try:
-        res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
-        assert res.returncode == 0, res.stderr
-        assert f"child processes {child}" in res.stdout and "not dumped" in res.stdout
-        with ImageReader(tmp_path / "img") as image:
-            assert any(f"child processes {child}" in u for u in image.inventory.fd_kinds_unsupported)
-    finally:
-        os.kill(child, signal.SIGKILL)

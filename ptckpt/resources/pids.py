@@ -27,6 +27,7 @@ from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
 
 NR_CLONE3 = 435
 CLONE_NEWPID = 0x20000000
+PTRACE_O_TRACEFORK = 0x2
 PTRACE_O_TRACECLONE = 0x8
 PTRACE_O_TRACEEXEC = 0x10
 PTRACE_EVENT_EXEC = 4
@@ -130,7 +131,7 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
 def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
     _wait_stopped(pid)
     task = Task(pid, pid)
-    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEEXEC)
+    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | PTRACE_O_TRACEEXEC)
     os.kill(pid, signal.SIGCONT)
     while True:
         st = task.wait()

@@ -114,6 +114,20 @@ def create_thread_frozen(remote: RemoteSyscalls, tid: int):
     return task
 
 
+def create_process_frozen(remote: RemoteSyscalls, pid: int):
+    """clone3 a child process with pid `pid` (set_tid, exit signal SIGCHLD) from the tracee;
+    the tracer follows forks, so it starts in a ptrace stop.  Returns its Task."""
+    from ..tracee import Task
+    with remote.scratch(struct.pack("<i4x", pid)) as pidp:
+        args = struct.pack("<11Q", 0, 0, 0, 0, 17, 0, 0, 0, int(pidp), 1, 0)    # SIGCHLD
+        with remote.scratch(args) as argp:
+            remote.checked("clone3", int(argp), len(args), step=f"create process {pid}")
+    task = Task(remote.last_clone, remote.last_clone)
+    task.seized = True
+    task.wait_frozen()
+    return task
+
+
 def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) -> None:
     """Per-thread kernel state, set from inside the thread itself; registers last."""
     if thread.rseq_addr:

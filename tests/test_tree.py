@@ -1,0 +1,132 @@
+"""Process trees: the whole tree is dumped, and restored in the same shape with the same pids."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+
+from conftest import idle_script, kill_pids, reap_orphans, wait_until
+from test_restore import _dump_kill, _one_line, _restore
+
+_TREE = r'''
+import os, sys, time
+out = sys.argv[1]
+kids = []
+for i in range(2):
+    pid = os.fork()
+    if pid == 0:
+        me, parent, n = os.getpid(), os.getppid(), 0
+        while True:
+            n += 1
+            if os.getppid() != parent or os.getpid() != me or os.getpgid(0) != os.getpgid(parent):
+                open(out + f".{i}", "w").write("FAIL relation\n")
+                os._exit(4)
+            with open(out + f".{i}", "w") as f:
+                f.write(f"{n:20d} {me} {parent}\n")
+            time.sleep(0.01)
+    kids.append(pid)
+print("KIDS", *kids, flush=True)
+print("READY", os.getpid(), flush=True)
+n = 0
+while True:
+    n += 1
+    with open(out, "w") as f:
+        f.write(f"{n:20d}\n")
+    time.sleep(0.01)
+'''
+
+
+def _line(path) -> list[str]:
+    """The member's state line; its file is rewritten all the time, so a partial read retries."""
+    for _ in range(1000):
+        text = open(path).read()
+        assert not text.startswith("FAIL"), text
+        if text.endswith("\n"):
+            return text.split()
+    raise AssertionError(f"{path} never held a whole line")
+
+
+def _counts(path) -> int:
+    return int(_line(path)[0])
+
+
+def _tree(spawn, tmp_path):
+    script = tmp_path / "tree.py"
+    script.write_text(_TREE)
+    target = spawn(str(script))
+    kids = [int(x) for x in next(line for line in target.preamble if line.startswith("KIDS")).split()[1:]]
+    wait_until(lambda: all(os.path.exists(f"{target.out_path}.{i}") for i in range(2)), 5)
+    return target, kids
+
+
+def _assert_tree_goes_on(target, kids, pid_of=lambda p: p):
+    outs = [str(target.out_path)] + [f"{target.out_path}.{i}" for i in range(2)]
+    before = [_counts(o) for o in outs]
+    wait_until(lambda: all(_counts(o) > b + 5 for o, b in zip(outs, before)), 10,
+               message="every member counts on")
+    for i, kid in enumerate(kids):
+        _n, me, parent = _line(outs[i + 1])
+        assert (int(me), int(parent)) == (kid, target.pid), "getpid/getppid unchanged inside"
+
+
+def test_tree_is_dumped_whole(spawn, ptckpt, tmp_path):
+    target, kids = _tree(spawn, tmp_path)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
+    assert res.returncode == 0, res.stderr
+    assert "3 processes" in res.stdout
+    with ImageReader(tmp_path / "img") as image:
+        assert list(image.inventory.pids) == [target.pid] + sorted(kids)
+        for kid in kids:
+            assert image.process(kid).task.ppid == target.pid
+    _assert_tree_goes_on(target, kids)
+
+
+def test_tree_round_trip_keeps_shape_and_pids(spawn, ptckpt, tmp_path):
+    target, kids = _tree(spawn, tmp_path)
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        for kid in kids:
+            wait_until(lambda: not os.path.exists(f"/proc/{kid}"), 5, message=f"{kid} gone")
+        assert _restore(ptckpt, tmp_path / "img") == target.pid
+        with open(f"/proc/{target.pid}/task/{target.pid}/children") as f:
+            assert sorted(int(x) for x in f.read().split()) == sorted(kids)
+        _assert_tree_goes_on(target, kids)
+    finally:
+        kill_pids(kids)
+        reap_orphans()
+
+
+def test_tree_in_a_fresh_pid_namespace(spawn, ptckpt, tmp_path):
+    target, kids = _tree(spawn, tmp_path)
+    outer = 0
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        outer = _restore(ptckpt, tmp_path / "img", "--pidns")
+        with open(f"/proc/{outer}/status") as f:
+            nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+        assert int(nspid[-1]) == target.pid
+        _assert_tree_goes_on(target, kids)        # the members report their inner pids
+    finally:
+        if outer:
+            with open(f"/proc/{outer}/stat") as f:
+                init = int(f.read().rsplit(")", 1)[1].split()[1])
+            kill_pids([init])                     # ends the namespace
+        kill_pids(kids)
+        reap_orphans()
+
+
+def test_pipe_inside_the_tree_is_refused_by_name(spawn, ptckpt, tmp_path):
+    script = idle_script(tmp_path, "piped.py",
+                         "import os, time\n"
+                         "r, w = os.pipe()\n"
+                         "if os.fork() == 0:\n"
+                         "    os.close(w)\n"
+                         "    while True: time.sleep(1)\n"
+                         "os.close(r)\n")
+    target = spawn(str(script), out=False)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
+              "shared inside a process tree", "pipe:[")
