@@ -20,6 +20,7 @@ as it was: a dump never harms what it dumps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -32,7 +33,7 @@ from .errors import PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSu
 from .formats.image import ImageWriter
 from .formats.model import Inventory, PendingSignal, ProcessImage
 from .resources import files, memory, process, signals, threads
-from .tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls, xstate_header
+from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
 
@@ -211,6 +212,9 @@ def _is_zombie(pid: int) -> bool:
 def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
+    # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
+    # shows in how the freeze found it.
+    group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     vmas = memory.dump_vmas(pid)
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)
@@ -224,6 +228,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
                     sigactions = signals.dump_sigactions_frozen(remote)
                     mm = process.dump_mm_frozen(pid, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], remote)
+                    if group_stopped:
+                        task_record = dataclasses.replace(task_record, state="T")
         pending = signals.dump_pending_frozen(tasks)
         for task in tasks:   # signals we held back while freezing are still pending
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)

@@ -155,16 +155,25 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
                                    warnings=[f"the image left out {u}" for u in left_out])
             created = {root: stub.task}
             try:
+                _restore_session(created[root], procs[root].task)
                 for p in members[1:]:
                     parent = procs[p].task.ppid
                     log.info("create %d (child of %d)", p, parent)
                     created[p] = _create_child(created[parent], p)
+                    _restore_session(created[p], procs[p].task)
+                # Group leaders first, so the groups exist when the others join them.
+                for p in sorted(members, key=lambda p: procs[p].task.pgid != p):
+                    _restore_pgid(created[p], procs[p].task, created)
                 to_detach = []
                 for p in members:
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p])
                     result.warnings += warnings
                     to_detach += tasks
                 log.info("resume %s", " ".join(map(str, members)))
+                for p in members:
+                    if procs[p].task.state == "T":
+                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go.
+                        os.kill(created[p].tgid, signal.SIGSTOP)
                 for task in to_detach:
                     task.detach()
             except BaseException as err:
@@ -199,12 +208,36 @@ def plan_tree_problems(procs: dict[int, ProcessImage]) -> None:
                                   "tree are not restored yet: " + "; ".join(shared))
 
 
+@contextlib.contextmanager
+def _stub_syscalls(task):
+    """Injection into a process that is still the pristine stub (its own gadget and stack)."""
+    with AddressSpace(task.tgid) as mem:
+        with remote_syscalls(task, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
+            yield remote
+
+
+def _restore_session(task, record) -> None:
+    """A session leader gets its own session again (setsid, right after it is created, so the
+    children created after it inherit the session).  Other sessions are the shell job's."""
+    if record.sid == record.pid:
+        with _stub_syscalls(task) as remote:
+            remote.checked("setsid", step=f"new session for {record.pid}")
+
+
+def _restore_pgid(task, record, created) -> None:
+    """Process groups: its own, or that of another member (which leads it by then)."""
+    if record.pgid == record.sid == record.pid:
+        return                                    # setsid made it the group leader
+    if record.pgid == record.pid or record.pgid in created:
+        with _stub_syscalls(task) as remote:
+            remote.checked("setpgid", 0, record.pgid, step=f"process group {record.pgid} for {record.pid}")
+
+
 def _create_child(parent, pid: int):
     """clone3(set_tid=[pid]) inside the parent's stub, before either is rebuilt: the child is
     a copy of the stub, stopped (the tracer follows forks), and becomes its own process."""
-    with AddressSpace(parent.tgid) as mem:
-        with remote_syscalls(parent, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
-            return threads.create_process_frozen(remote, pid)
+    with _stub_syscalls(parent) as remote:
+        return threads.create_process_frozen(remote, pid)
 
 
 def _open_pages(fd: int) -> int:

@@ -130,3 +130,65 @@ def test_pipe_inside_the_tree_is_refused_by_name(spawn, ptckpt, tmp_path):
     _dump_kill(ptckpt, target, tmp_path / "img")
     _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
               "shared inside a process tree", "pipe:[")
+
+
+_SESSIONS = r'''
+import os, signal, sys, time
+def child(fn):
+    pid = os.fork()
+    if pid == 0:
+        fn()
+        while True:
+            time.sleep(0.05)
+    return pid
+def leader():                     # a session of three: A (leader), B (its own group), C (in B's group)
+    os.setsid()
+    b = child(lambda: os.setpgid(0, 0))
+    time.sleep(0.2)
+    child(lambda: os.setpgid(0, b))
+a = child(leader)
+stopped = child(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+time.sleep(0.6)
+print("READY", os.getpid(), flush=True)
+while True:
+    time.sleep(0.05)
+'''
+
+
+def _stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return {"state": fields[0], "ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3])}
+
+
+def _descendants(pid):
+    out = []
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        for c in map(int, f.read().split()):
+            out += [c] + _descendants(c)
+    return out
+
+
+def test_sessions_groups_and_stopped_members_survive(spawn, ptckpt, tmp_path):
+    script = tmp_path / "sessions.py"
+    script.write_text(_SESSIONS)
+    target = spawn(str(script), out=False)
+    members = [target.pid] + _descendants(target.pid)
+    assert len(members) == 5
+    before = {p: _stat(p) for p in members}
+    assert sum(1 for s in before.values() if s["state"] == "T") == 1
+    assert len({s["sid"] for s in before.values()}) == 2          # the spawn's and A's sessions
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5, message=f"{p} gone")
+        _restore(ptckpt, tmp_path / "img")
+        wait_until(lambda: all(_stat(p)["state"] != "t" for p in members), 5)
+        after = {p: _stat(p) for p in members}
+        for p in members:
+            for key in ("ppid", "pgid", "sid"):
+                assert after[p][key] == before[p][key], (p, key, before[p], after[p])
+            assert (after[p]["state"] == "T") == (before[p]["state"] == "T"), (p, after[p])
+    finally:
+        kill_pids(members)
+        reap_orphans()
