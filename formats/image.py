@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import concurrent.futures
+import ctypes
 import mmap
 import os
 import queue
@@ -357,7 +358,6 @@ def _aligned(view: memoryview) -> bool:
     """O_DIRECT needs the buffer address and length page-aligned."""
     if len(view) % PAGE_SIZE or view.readonly:
         return False
-    import ctypes
     addr = ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
     return addr % PAGE_SIZE == 0
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import struct
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
-NR_CLONE3 = 435
 NR_PIDFD_OPEN = 434
 NR_PIDFD_GETFD = 438
 NR_USERFAULTFD = 323
@@ -94,17 +91,13 @@ def _clone3_set_tid() -> bool:
             want = int(f.read()) + 500
         while os.path.exists(f"/proc/{want}"):
             want += 1
-        tid = ctypes.c_int32(want)
-        # struct clone_args: flags, pidfd, child_tid, parent_tid, exit_signal, stack,
-        # stack_size, tls, set_tid, set_tid_size, cgroup (include/uapi/linux/sched.h)
-        args = struct.pack("<11Q", 0, 0, 0, 0, signal.SIGCHLD, 0, 0, 0,
-                           ctypes.addressof(tid), 1, 0)
-        buf = ctypes.create_string_buffer(args, len(args))
-        res = _syscall(NR_CLONE3, ctypes.addressof(buf), len(args))
+        from .resources.pids import clone3_with_pid
+        try:
+            res = clone3_with_pid(want)
+        except OSError:
+            return False
         if res == 0:
             os._exit(0)
-        if res < 0:
-            return False
         os.waitpid(res, 0)
         return res == want
     return _in_child(probe)
@@ -179,15 +172,9 @@ def _soft_dirty() -> bool:
 
 
 def _pagemap_scan() -> bool:
-    try:
-        from .procfs import scan_pages
-        buf = ctypes.create_string_buffer(4096 * 4)
-        addr = ctypes.addressof(buf) & ~4095
-        scan_pages(os.getpid(), addr, addr + 4096)
-        from . import procfs
-        return bool(getattr(procfs, "HAS_PAGEMAP_SCAN", True))
-    except Exception:
-        return False
+    """procfs tries the ioctl on /proc/self/pagemap once, at import."""
+    from . import procfs
+    return procfs.HAS_PAGEMAP_SCAN
 
 
 def _process_vm_readv() -> bool:

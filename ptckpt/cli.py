@@ -86,11 +86,12 @@ def restore(
 
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
+    from .resources.pids import become_subreaper
     from .restore import restore as _restore, wait_restored
     if pidfile and not detach:
         typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
         raise typer.Exit(code=ExitCode.USAGE)
-    _become_subreaper()
+    become_subreaper()
     try:
         result = _restore(directory, pidns=pidns)
     except PtckptError as err:
@@ -105,12 +106,6 @@ def restore(
         return
     typer.echo(result.summary(), err=True)
     raise typer.Exit(code=wait_restored(result))
-
-
-def _become_subreaper() -> None:
-    """Orphans of what we restore come back to us (and --pidns inits are ours to wait for)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(36, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 @app.command()

@@ -126,7 +126,7 @@ def dump(pid: int, directory: str | None = None, *,
         xcr0 = xsize = 0
         for member in pids:
             log.info("capture %d", member)
-            image, runs, stats, xcr0, xsize = _capture_process_frozen(session, member, writer)
+            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer)
             result.threads += len(image.threads)
             result.vmas += len(image.vmas)
             result.pages += stats.pages
@@ -216,6 +216,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
     # shows in how the freeze found it.
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     vmas = memory.dump_vmas(pid)
+    status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)
         thread_records = []
@@ -226,8 +227,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
                 thread_records.append(threads.dump_thread_frozen(task, remote, comm))
                 if task is leader:
                     sigactions = signals.dump_sigactions_frozen(remote)
-                    mm = process.dump_mm_frozen(pid, remote)
-                    task_record = process.dump_task(pid, [t.tid for t in tasks], remote)
+                    mm = process.dump_mm_frozen(pid, stat, remote)
+                    task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         pending = signals.dump_pending_frozen(tasks)
@@ -235,7 +236,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
         image = ProcessImage(
             task=task_record,
-            creds=process.dump_creds(pid),
+            creds=process.dump_creds(status),
             mm=mm,
             rlimits=tuple(process.dump_rlimits(pid)),
             vmas=tuple(vmas),
@@ -250,7 +251,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
             pages.add_run(run.vaddr, run.npages, run.offset)
         pages.close()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
-    return image, runs, stats, xcr0, len(thread_records[0].xstate)
+    return image, stats, xcr0, len(thread_records[0].xstate)
 
 
 def _wait_gone(pid: int, timeout: float = 3.0) -> None:

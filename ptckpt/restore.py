@@ -29,17 +29,16 @@ import contextlib
 import logging
 import os
 import signal
-import struct
 import time
 from dataclasses import dataclass, field
 
 from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, ProcessImage, VmaKind
+from .formats.model import PAGE_SIZE, FdKind, PageRun, ProcessImage, VmaKind
 from .resources import files, memory, pids, process, signals, threads
 from .restorer.stub import gadget_address
-from .tracee import AddressSpace, RemotePtr, Session, probe_task, remote_syscalls, xstate_header
+from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.restore")
 
@@ -59,25 +58,32 @@ class RestoreResult:
 
 # --- plan: refuse before anything exists -------------------------------------------
 
-def host_xfeatures() -> tuple[int, int]:
-    """(XCR0, xstate size) of this machine, read from a throwaway child's NT_X86_XSTATE."""
-    with probe_task() as task:
-        xs = task.get_xstate()
-    return xstate_header(xs)[1], len(xs)
+@dataclass(frozen=True)
+class Host:
+    """What the plan compares an image with: this machine, read once per restore."""
+
+    maps: tuple                 # ptckpt's own mappings (this kernel's vdso layout)
+    xcr0: int                   # xsave features enabled on this CPU
+    xstate_size: int            # bytes of the NT_X86_XSTATE regset here
+
+    @classmethod
+    def probe(cls) -> "Host":
+        """XCR0 and xstate size come from a throwaway child's NT_X86_XSTATE."""
+        with probe_task() as task:
+            xs = task.get_xstate()
+        return cls(tuple(procfs.read_maps(os.getpid())), xstate_header(xs)[1], len(xs))
 
 
-def plan_problems(image: ImageReader, proc: ProcessImage, *, pidns: bool) -> None:
+def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: bool) -> None:
     inv = image.inventory
     if inv.arch != os.uname().machine:
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
     if inv.page_size != PAGE_SIZE:
         raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
-    with open("/proc/self/maps", "rb") as f:
-        own = procfs.read_maps(os.getpid())
-    why = memory.vdso_mismatch(proc.vmas, own)
+    why = memory.vdso_mismatch(proc.vmas, host.maps)
     if why:
         raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
-    xcr0, xsize = host_xfeatures()
+    xcr0, xsize = host.xcr0, host.xstate_size
     for t in proc.threads:
         missing = t.xfeatures & ~xcr0
         if missing:
@@ -97,10 +103,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, *, pidns: bool) -> Non
             bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x}")
     if bad:
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
-    if len(proc.threads) > 1 and not pidns:
-        pids.check_pids_free([proc.task.pid] + [t.tid for t in proc.threads if t.tid != proc.task.pid])
-    elif not pidns:
-        pids.check_pids_free([proc.task.pid])
+    if not pidns:
+        pids.check_pids_free(list(proc.task.tids))
 
 
 def changed_files(proc: ProcessImage) -> list[str]:
@@ -132,7 +136,6 @@ def changed_files(proc: ProcessImage) -> list[str]:
 
 def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt)."""
-    from .formats.model import PageRun
     started = time.monotonic()
     log.info("collect %s", directory)
     with ImageReader(directory) as image:
@@ -141,8 +144,9 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         procs = {p: image.process(p) for p in members}
         log.info("plan %s", " ".join(map(str, members)))
         plan_tree_problems(procs)
+        host = Host.probe()
         for p in members:
-            plan_problems(image, procs[p], pidns=pidns)
+            plan_problems(image, procs[p], host, pidns=pidns)
         left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
         pages = {}
         try:
@@ -194,7 +198,6 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
 
 def plan_tree_problems(procs: dict[int, ProcessImage]) -> None:
     """Pipes and sockets shared between members are not recreated yet: refuse them by name."""
-    from .formats.model import FdKind
     if len(procs) < 2:
         return
     holders: dict[tuple[int, int], list[str]] = {}
@@ -251,8 +254,6 @@ def _open_pages(fd: int) -> int:
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
-    session = Session()
-    session.tasks[leader.tid] = leader
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
         with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
@@ -270,13 +271,12 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for t in proc.threads:
                 if t.tid != proc.task.pid:
                     tasks[t.tid] = threads.create_thread_frozen(remote, t.tid)
-                    session.tasks[tasks[t.tid].tid] = tasks[t.tid]
             for t in proc.threads:
                 task = tasks[t.tid]
                 if task is leader:
                     threads.restore_thread_frozen(task, remote, t)
                 else:
-                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote._sp,
+                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
                                          keep_regs=False) as tremote:
                         threads.restore_thread_frozen(task, tremote, t)
             # Everything blocked while the saved signals are queued and the last

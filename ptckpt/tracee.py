@@ -42,7 +42,6 @@ from ptrace.syscall.linux.x86_64 import SYSCALL_NAMES as _SYSCALL_NAMES
 
 from .errors import (
     AccessDenied,
-    NoSuchProcess,
     RemoteSyscallError,
     TargetVanished,
     TraceeError,
@@ -76,7 +75,6 @@ ERESTARTSYS = 512
 ERESTARTNOINTR = 513
 ERESTARTNOHAND = 514
 ERESTART_RESTARTBLOCK = 516
-NR_RESTART_SYSCALL = 219
 
 # Lowest number wins: the table also lists the x32 entries (512+) under the same names.
 SYSCALL_NUMBERS = {name: nr for nr, name in sorted(_SYSCALL_NAMES.items(), reverse=True)}
@@ -260,30 +258,10 @@ def syscall_restart(regs: Regs) -> tuple[int, int]:
     return 0, nr
 
 
-def restarted_regs(regs: Regs) -> Regs:
-    """The registers the kernel would resume a frozen thread with (the restart fix-up).
-
-    Needed whenever we resume a thread from a syscall stop after injection: the
-    kernel's own restart handling only runs on the signal path, so registers
-    put back verbatim would hand -ERESTARTSYS (-512) to the program.
-    """
-    kind, nr = syscall_restart(regs)
-    out = regs.copy()
-    if kind == 1:
-        out.rax = nr
-        out.rip = regs.rip - 2
-        out.orig_rax = 2**64 - 1
-    elif kind == 2:
-        out.rax = NR_RESTART_SYSCALL
-        out.rip = regs.rip - 2
-        out.orig_rax = 2**64 - 1
-    return out
-
-
 class Task:
     """One kernel thread we have seized."""
 
-    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "_regs_dirty")
+    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals")
 
     def __init__(self, tid: int, tgid: int):
         self.tid = tid
@@ -291,7 +269,6 @@ class Task:
         self.stop: WaitStatus | None = None     # last stop, None while running
         self.seized = False
         self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
-        self._regs_dirty = False
 
     def __repr__(self) -> str:
         return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"
@@ -560,6 +537,11 @@ class RemoteSyscalls:
     def gadget(self) -> RemotePtr | None:
         return self._gadget
 
+    @property
+    def scratch_top(self) -> int:
+        """Where this scope's scratch memory starts (grows down); another thread's scope can share it."""
+        return self._sp
+
     def move_gadget(self, gadget: RemotePtr, scratch_top: int) -> None:
         """Run further syscalls at `gadget`, with scratch memory below `scratch_top`."""
         self._gadget = gadget
@@ -663,9 +645,10 @@ def remote_syscalls(task: Task, mem: AddressSpace, gadget: RemotePtr | None, *,
                     scratch_top: int | None = None, keep_regs: bool = True) -> Iterator[RemoteSyscalls]:
     """``with remote_syscalls(task, mem, gadget) as remote:`` -- the injection scope.
 
-    On exit the thread's registers are what they were (with the kernel's
-    restart fix-up when it was frozen in a syscall) and patched bytes are
-    back, even when an exception unwinds.
+    On exit (with keep_regs) the thread's registers are what they were and it
+    sits in an interrupt stop again, so the kernel restarts a syscall it was
+    frozen in; patched bytes are back, even when an exception unwinds.
+    Without keep_regs (restore) the caller sets the final registers itself.
     """
     remote = RemoteSyscalls(task, mem, gadget, scratch_top, keep_regs)
     remote._enter()

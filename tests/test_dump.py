@@ -15,7 +15,6 @@ import signal
 import stat
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from ptrace.binding import func as ptrace_func

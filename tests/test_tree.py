@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader

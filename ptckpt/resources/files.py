@@ -14,7 +14,7 @@ import socket
 import stat as _stat
 
 from .. import procfs
-from ..errors import PtckptError
+from ..errors import PtckptError, RestoreFailed
 from ..formats.model import Fd, FdKind
 from ..tracee import pidfd_getfd
 
@@ -216,7 +216,8 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int]) -> None:
     for f in sorted(fds, key=lambda f: f.fd):
         if f.fd <= 2 and f.kind in STDIO_KINDS:
             if f.fd not in inherited:
-                raise_missing_stdio(remote, f)
+                raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
+                                    f"restore has no fd {f.fd} of its own to give it")
             if not f.cloexec:
                 continue
             remote.checked("fcntl", f.fd, 2, 1, step=f"set FD_CLOEXEC on fd {f.fd}")   # F_SETFD
@@ -237,8 +238,3 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int]) -> None:
         if f.kind is FdKind.REGULAR and f.pos:
             remote.checked("lseek", f.fd, f.pos, 0, step=step)
 
-
-def raise_missing_stdio(remote, f: Fd) -> None:
-    from ..errors import RestoreFailed
-    raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt restore "
-                        f"has no fd {f.fd} of its own to give it")

@@ -7,7 +7,9 @@ streamed to the image's pages file: no per-page Python work).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import mmap
 import os
 import stat as _stat
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from typing import Iterable, Sequence
 
 from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
-from ..tracee import AddressSpace
+from ..tracee import AddressSpace, RemotePtr
 
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
@@ -321,7 +323,6 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
     remote.checked("mmap", gadget, size, PROT_READ | PROT_WRITE | PROT_EXEC,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="map the gadget")
     mem.write(gadget, b"\x0f\x05\xcc")          # syscall; int3
-    from ..tracee import RemotePtr
     remote.move_gadget(RemotePtr(gadget), gadget + size - 16)
     keep = [(gadget, gadget + size)] + [(m.start, m.end) for m in own
                                         if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
@@ -390,7 +391,6 @@ def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:
     """id() of each VMA that has saved pages (they need PROT_WRITE while being filled)."""
     ordered = sorted(vmas, key=lambda v: v.start)
     starts = [v.start for v in ordered]
-    import bisect
     out: set[int] = set()
     for r in runs:
         lo = r.vaddr
@@ -409,7 +409,6 @@ FILL_BUFFER = 32 * 1024 * 1024
 def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> None:
     """Copy the saved pages into the tracee: big preadv()s from the image into one reused
     buffer, each followed by one process_vm_writev chain over the runs it holds."""
-    import mmap
     buf = mmap.mmap(-1, FILL_BUFFER)
     view = memoryview(buf)
     try:

@@ -21,7 +21,8 @@ import struct
 import time
 from dataclasses import dataclass
 
-from ..errors import PidBusy, TraceeError
+from .. import procfs
+from ..errors import PidBusy, PtckptError, TraceeError
 from ..restorer.stub import stub_memfd
 from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
 
@@ -37,25 +38,15 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def pid_holder(pid: int) -> str | None:
-    """'pid 123 (comm)' of whoever holds `pid` now (as a process or a thread), else None."""
+    """'process 123 (comm)' of whoever holds `pid` now (as a process or a thread), else None."""
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            comm = f.read().strip()
-    except OSError:
+        status = procfs.read_status(pid)
+    except PtckptError:
         return None
-    fields = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-    except OSError:
-        pass
-    tgid = int(fields.get("Tgid", pid))
-    what = "process" if tgid == pid else f"a thread of process {tgid}"
-    if fields.get("State", "").startswith("Z"):
-        return f"zombie {pid} ({comm}), not yet reaped by its parent {fields.get('PPid', '?')}"
-    return f"{what} {pid} ({comm})"
+    if status.state.startswith("Z"):
+        return f"zombie {pid} ({status.name}), not yet reaped by its parent {status.ppid}"
+    what = "process" if status.tgid == pid else f"a thread of process {status.tgid}"
+    return f"{what} {pid} ({status.name})"
 
 
 def check_pids_free(pids: list[int]) -> None:
@@ -65,15 +56,29 @@ def check_pids_free(pids: list[int]) -> None:
             raise PidBusy(pid, holder)
 
 
+def clone_args(set_tid_ptr: int, *, flags: int = 0, exit_signal: int = signal.SIGCHLD) -> bytes:
+    """struct clone_args (include/uapi/linux/sched.h) asking for one pid, read from set_tid_ptr.
+
+    Fields: flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size,
+    tls, set_tid, set_tid_size, cgroup.  No stack: the child starts on its
+    parent's (it never runs before the tracer has set its registers, or it execs).
+    """
+    return struct.pack("<11Q", flags, 0, 0, 0, exit_signal, 0, 0, 0, set_tid_ptr, 1, 0)
+
+
+def become_subreaper() -> None:
+    """PR_SET_CHILD_SUBREAPER: orphans of what we restore (and --pidns inits) come back to us."""
+    _libc.prctl(ctypes.c_int(36), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                ctypes.c_ulong(0))
+
+
 def clone3_with_pid(pid: int) -> int:
     """clone3(set_tid=[pid]) of ptckpt itself: the child's pid in the parent, 0 in the child.
 
     Like fork() but without Python's fork hooks, so the child must only exec or _exit.
     """
     tid = ctypes.c_int32(pid)
-    # struct clone_args (include/uapi/linux/sched.h): flags, pidfd, child_tid,
-    # parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup
-    args = struct.pack("<11Q", 0, 0, 0, 0, signal.SIGCHLD, 0, 0, 0, ctypes.addressof(tid), 1, 0)
+    args = clone_args(ctypes.addressof(tid))
     buf = ctypes.create_string_buffer(args, len(args))
     res = _libc.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
                         ctypes.c_size_t(len(args)))
@@ -114,15 +119,14 @@ class Stub:
 
 
 def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Until /proc/PID/stat shows the group stop (the process need not be our child)."""
+    """Until the process shows its group stop (it need not be our child, so no waitpid)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
+            state = procfs.read_stat(pid).state
+        except PtckptError:
             raise TraceeError(pid, "the new process exited before it reached the restorer stub") from None
-        if state == b"T":
+        if state == "T":
             return
         time.sleep(0.0005)
     raise TraceeError(pid, "the new process did not stop before exec")
@@ -177,9 +181,7 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
     and the init, reparented to ptckpt (a child subreaper), reaps everything in
     the namespace and exits with the restored process's status.
     """
-    prctl = _libc.prctl
-    prctl(ctypes.c_int(36), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
-          ctypes.c_ulong(0))                                   # PR_SET_CHILD_SUBREAPER
+    become_subreaper()
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import struct
 import time
 
 from .. import procfs
@@ -17,9 +19,9 @@ from ..tracee import RemoteSyscalls
 PR_GET_DUMPABLE = 3
 
 
-def dump_task(pid: int, tids: list[int], remote: RemoteSyscalls | None = None) -> Task:
-    status = procfs.read_status(pid)
-    st = procfs.read_stat(pid)
+def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
+              remote: RemoteSyscalls | None = None) -> Task:
+    """`status` and `st` are one reading of /proc/PID/status and stat, shared by the dump halves."""
     dumpable = 1
     if remote is not None:
         dumpable = remote.checked("prctl", PR_GET_DUMPABLE, step="dump task")
@@ -47,8 +49,7 @@ def dump_task(pid: int, tids: list[int], remote: RemoteSyscalls | None = None) -
     )
 
 
-def dump_creds(pid: int) -> Creds:
-    s = procfs.read_status(pid)
+def dump_creds(s: procfs.Status) -> Creds:
     return Creds(
         uids=tuple(s.uids), gids=tuple(s.gids), groups=tuple(s.groups),
         cap_inh=s.cap_inh, cap_prm=s.cap_prm, cap_eff=s.cap_eff,
@@ -61,9 +62,8 @@ def dump_rlimits(pid: int) -> list[Rlimit]:
     return [Rlimit(r.resource, r.cur, r.max) for r in procfs.read_limits(pid)]
 
 
-def dump_mm_frozen(pid: int, remote: RemoteSyscalls) -> Mm:
+def dump_mm_frozen(pid: int, st: procfs.Stat, remote: RemoteSyscalls) -> Mm:
     """mm_struct fields: /proc/PID/stat gives all but brk, which brk(0) returns from inside."""
-    st = procfs.read_stat(pid)
     brk = remote.checked("brk", 0, step="dump mm")
     exe = ""
     with contextlib.suppress(Exception):
@@ -94,7 +94,7 @@ PR_SET_DUMPABLE = 4
 PR_SET_NAME = 15
 PRIO_PROCESS = 0
 AT_FDCWD = -100 & (2**64 - 1)
-_MM_MAP = __import__("struct").Struct("<11QQIi")   # struct prctl_mm_map (include/uapi/linux/prctl.h)
+_MM_MAP = struct.Struct("<11QQIi")   # struct prctl_mm_map (include/uapi/linux/prctl.h)
 
 
 def restore_mm_frozen(remote: RemoteSyscalls, mm: Mm, step: str = "restore mm fields") -> None:
@@ -103,7 +103,6 @@ def restore_mm_frozen(remote: RemoteSyscalls, mm: Mm, step: str = "restore mm fi
     The single-field PR_SET_MM forms need CAP_SYS_RESOURCE, which these
     machines do not grant; the whole-struct form does not.
     """
-    import struct
     auxv = b"".join(struct.pack("<QQ", t, v) for t, v in mm.auxv) + struct.pack("<QQ", 0, 0)
     exe_fd = -1
     if mm.exe_file:
@@ -153,7 +152,6 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
 
 def restore_rlimits(pid: int, rlimits) -> list[str]:
     """prlimit() from outside; a limit that cannot be raised is reported, not fatal."""
-    import resource
     warnings = []
     for r in rlimits:
         inf = resource.RLIM_INFINITY
@@ -169,7 +167,6 @@ def restore_rlimits(pid: int, rlimits) -> list[str]:
 
 def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds) -> list[str]:
     """Groups, gids, uids where permitted (last: after it the process may be unprivileged)."""
-    import struct
     warnings = []
     me = (os.getuid(), os.getgid())
     if creds.uids == (me[0],) * 4 and creds.gids == (me[1],) * 4 and not creds.groups:

@@ -6,10 +6,12 @@ The restore half arrives with the restorer.
 
 from __future__ import annotations
 
+import signal
 import struct
 
 from ..formats.model import Restart, Thread
-from ..tracee import RemoteSyscalls, Task, syscall_restart, xstate_header
+from ..tracee import Regs, RemoteSyscalls, Task, syscall_restart, xstate_header
+from .pids import clone_args
 
 PR_GET_TID_ADDRESS = 40
 PR_SET_NAME = 15
@@ -78,7 +80,6 @@ def resume_regs(thread: Thread):
     relative clock_nanosleep the kernel had already written the remaining
     time to `rem` at the freeze, so that is what the thread sleeps.
     """
-    from ..tracee import Regs
     regs = Regs.from_values(thread.regs)
     if thread.restart is Restart.NONE:
         regs.orig_rax = 2**64 - 1
@@ -100,29 +101,26 @@ def create_thread_frozen(remote: RemoteSyscalls, tid: int):
     The tracer follows clones (PTRACE_O_TRACECLONE), so the new thread starts
     in a ptrace stop; its registers are all set before it runs.
     """
-    from ..tracee import Task
-    tid_buf = struct.pack("<i4x", tid)
-    with remote.scratch(tid_buf) as tidp:
-        args = struct.pack("<11Q", CLONE_THREAD_FLAGS, 0, 0, 0, 0, 0, 0, 0, int(tidp), 1, 0)
-        with remote.scratch(args) as argp:
-            remote.checked("clone3", int(argp), len(args), step=f"create thread {tid}")
-    # clone3 returns the tid in the process's own pid namespace; the clone
-    # event told the tracer the tid in its namespace.
-    task = Task(remote.last_clone, remote.task.tgid)
-    task.seized = True
-    task.wait_frozen()
-    return task
+    return _clone_frozen(remote, tid, CLONE_THREAD_FLAGS, 0, f"create thread {tid}",
+                         remote.task.tgid)
 
 
 def create_process_frozen(remote: RemoteSyscalls, pid: int):
     """clone3 a child process with pid `pid` (set_tid, exit signal SIGCHLD) from the tracee;
     the tracer follows forks, so it starts in a ptrace stop.  Returns its Task."""
-    from ..tracee import Task
-    with remote.scratch(struct.pack("<i4x", pid)) as pidp:
-        args = struct.pack("<11Q", 0, 0, 0, 0, 17, 0, 0, 0, int(pidp), 1, 0)    # SIGCHLD
+    return _clone_frozen(remote, pid, 0, signal.SIGCHLD, f"create process {pid}", None)
+
+
+def _clone_frozen(remote: RemoteSyscalls, tid: int, flags: int, exit_signal: int, step: str,
+                  tgid: int | None):
+    with remote.scratch(struct.pack("<i4x", tid)) as tidp:
+        args = clone_args(int(tidp), flags=flags, exit_signal=exit_signal)
         with remote.scratch(args) as argp:
-            remote.checked("clone3", int(argp), len(args), step=f"create process {pid}")
-    task = Task(remote.last_clone, remote.last_clone)
+            remote.checked("clone3", int(argp), len(args), step=step)
+    # clone3 returns the tid in the process's own pid namespace; the clone or
+    # fork event told the tracer the tid in its namespace.
+    new = remote.last_clone
+    task = Task(new, new if tgid is None else tgid)
     task.seized = True
     task.wait_frozen()
     return task
