@@ -85,12 +85,26 @@ def _ptrace_seize() -> tuple[bool, object]:
         return False, str(err)
 
 
+def free_pid_after(last: int, pid_max: int, taken) -> int:
+    """A pid a little past the last one handed out, wrapping below pid_max the way the
+    kernel does (past the first 300, which it keeps for early daemons), not taken."""
+    span = pid_max - 300
+    want = last + 500
+    while True:
+        if want >= pid_max:
+            want = 300 + (want - pid_max) % span
+        if not taken(want):
+            return want
+        want += 1
+
+
 def _clone3_set_tid() -> bool:
     def probe() -> bool:
         with open("/proc/sys/kernel/ns_last_pid") as f:
-            want = int(f.read()) + 500
-        while os.path.exists(f"/proc/{want}"):
-            want += 1
+            last = int(f.read())
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        want = free_pid_after(last, pid_max, lambda p: os.path.exists(f"/proc/{p}"))
         from .resources.pids import clone3_with_pid
         try:
             res = clone3_with_pid(want)

@@ -46,3 +46,11 @@ def test_show_of_a_non_image(ptckpt, tmp_path):
     res = ptckpt("show", tmp_path / "nothing")
     assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_check_probe_pid_wraps_below_pid_max():
+    from ptckpt.check import free_pid_after
+    assert free_pid_after(1000, 32768, lambda p: False) == 1500
+    assert free_pid_after(32600, 32768, lambda p: False) == 300 + (33100 - 32768)
+    assert free_pid_after(1000, 32768, lambda p: p < 1503) == 1503
+    assert free_pid_after(32767, 32768, lambda p: False) < 32768
