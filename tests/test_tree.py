@@ -191,3 +191,31 @@ def test_sessions_groups_and_stopped_members_survive(spawn, ptckpt, tmp_path):
     finally:
         kill_pids(members)
         reap_orphans()
+
+
+def test_failure_halfway_kills_every_member(spawn, ptckpt, tmp_path):
+    """The child's file became a directory: its reopen fails after the parent was rebuilt, and
+    neither the parent nor the child is left behind."""
+    data = tmp_path / "child.txt"
+    script = idle_script(tmp_path, "halfway.py",
+                         "import os, time\n"
+                         "if os.fork() == 0:\n"
+                         f"    f = open({str(data)!r}, 'w')\n"
+                         "    while True: time.sleep(0.05)\n")
+    target = spawn(str(script), out=False)
+    wait_until(lambda: data.exists(), 5)
+    with open(f"/proc/{target.pid}/task/{target.pid}/children") as f:
+        child = int(f.read().split()[0])
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        wait_until(lambda: not os.path.exists(f"/proc/{child}"), 5)
+        data.unlink()
+        data.mkdir()
+        _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.REMOTE_SYSCALL,
+                  "killed", "openat", "EISDIR", str(data))
+        reap_orphans()
+        wait_until(lambda: not os.path.exists(f"/proc/{target.pid}") and not os.path.exists(f"/proc/{child}"),
+                   5, message="no member left")
+    finally:
+        kill_pids([child])
+        reap_orphans()
