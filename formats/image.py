@@ -29,7 +29,7 @@ import stat
 import tempfile
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ptckpt.errors import (
@@ -48,12 +48,15 @@ from ptckpt.formats.model import (
     Mm,
     PageRun,
     PendingSignal,
+    PipeBuffer,
     ProcessImage,
     Rlimit,
     Sigaction,
     Task,
     Thread,
+    UnixSocket,
     Vma,
+    Zombie,
 )
 from ptckpt.formats.records import (
     FILE_ENTRY_KINDS,
@@ -215,11 +218,12 @@ class ImageWriter:
 
     # --- content ---------------------------------------------------------------
 
-    def write_inventory(self, inventory: Inventory) -> None:
+    def write_inventory(self, inventory: Inventory, shared: Sequence = ()) -> None:
+        """inventory.img: the INVENTORY record and the image-wide ones (zombies, pipes, sockets)."""
         self._require_open()
         if self._inventory is not None:
             raise ValueError("inventory already written")
-        self._write_file(INVENTORY_NAME, build_file(FileKind.INVENTORY, [inventory]))
+        self._write_file(INVENTORY_NAME, build_file(FileKind.INVENTORY, [inventory, *shared]))
         self._inventory = inventory
 
     def write_process(self, proc: ProcessImage) -> None:
@@ -641,6 +645,9 @@ class ImageReader:
         self.path = os.path.abspath(os.fspath(directory))
         self.verify_pages = verify_pages
         self.inventory: Inventory | None = None
+        self.zombies: tuple[Zombie, ...] = ()      # image-wide records of inventory.img
+        self.pipes: tuple[PipeBuffer, ...] = ()
+        self.unix_sockets: tuple[UnixSocket, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -727,6 +734,9 @@ class ImageReader:
         if len(inventories) != 1:
             raise CorruptImage(self._file(INVENTORY_NAME), f"{len(inventories)} INVENTORY entries, expected 1")
         self.inventory = inventories[0]
+        self.zombies = tuple(e for e in entries if isinstance(e, Zombie))
+        self.pipes = tuple(e for e in entries if isinstance(e, PipeBuffer))
+        self.unix_sockets = tuple(e for e in entries if isinstance(e, UnixSocket))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

@@ -120,6 +120,8 @@ class Task:
     tids: tuple[int, ...]     # every thread, the leader first
     cmdline: tuple[str, ...] = ()
     dumpable: int = 1
+    pdeath_signal: int = 0    # prctl(PR_GET_PDEATHSIG), since format 2
+    child_subreaper: bool = False   # prctl(PR_GET_CHILD_SUBREAPER), since format 2
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,8 @@ class Fd:
     size: int                 # st_size at dump
     mtime_ns: int
     details: tuple[tuple[str, str], ...] = field(default=())   # fdinfo extras, socket family/type ...
+    desc: int = 0             # the open file description, numbered across the whole tree
+                              # (fds that share one after dup/fork have the same desc; since format 2)
 
 
 @dataclass(frozen=True)
@@ -257,3 +261,42 @@ class ProcessImage:
     sigactions: tuple[Sigaction, ...]
     pending: tuple[PendingSignal, ...]
     fds: tuple[Fd, ...]
+
+
+# --- image-wide records (inventory.img, since format 2) ------------------------
+
+@dataclass(frozen=True)
+class Zombie:
+    """A child that has exited and waits to be reaped by its parent (a member)."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    wait_status: int          # what waitpid(2) will report (man 5 proc stat field 52)
+
+
+@dataclass(frozen=True)
+class PipeBuffer:
+    """The buffer of a pipe or FIFO held inside the tree: its bytes at the freeze, in order."""
+
+    ino: int
+    capacity: int             # F_GETPIPE_SZ
+    data: bytes
+    path: str = ""            # a FIFO's path; "" for an anonymous pipe
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    """An AF_UNIX socket held inside the tree (sock_diag plus what its fd tells)."""
+
+    ino: int
+    type: int                 # SOCK_STREAM 1, SOCK_DGRAM 2, SOCK_SEQPACKET 5
+    state: int                # TCP_ESTABLISHED 1, TCP_CLOSE 7, TCP_LISTEN 10
+    name: bytes               # bound address: a path, b"\0..." abstract, b"" unbound
+    peer: int                 # inode of the peer socket, 0 for none
+    peer_name: bytes          # the peer's bound address (what getpeername says)
+    backlog: int              # listen() backlog of a listening socket
+    shutdown: int             # RCV_SHUTDOWN 1 | SEND_SHUTDOWN 2
+    queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
+    listener: int = 0         # an accepted socket: inode of the listening socket it came from

@@ -20,7 +20,7 @@ Grammar (every integer little-endian)::
     array   := VarInt count, count items
     bool    := u8 (0 or 1)
 
-    INVENTORY file := INVENTORY
+    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET*     (image-wide records)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
@@ -89,16 +89,19 @@ from ptckpt.formats.model import (
     PageRun,
     PendingSignal,
     Restart,
+    PipeBuffer,
     Rlimit,
     Sigaction,
     Task,
     Thread,
+    UnixSocket,
     Vma,
     VmaKind,
+    Zombie,
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -120,6 +123,9 @@ class EntryKind(enum.IntEnum):
     """
 
     INVENTORY = 1
+    ZOMBIE = 3
+    PIPE = 4
+    UNIX_SOCKET = 5
     TASK = 10
     CREDS = 11
     MM = 12
@@ -292,6 +298,8 @@ TaskRecord = Record(Task, Struct(
     "tids" / PrefixedArray(VarInt, Int32ul),
     "cmdline" / PrefixedArray(VarInt, Text),
     "dumpable" / Int32ul,
+    "pdeath_signal" / Since(2, Int32ul),      # prctl(PR_GET_PDEATHSIG)
+    "child_subreaper" / Since(2, Flag),       # prctl(PR_GET_CHILD_SUBREAPER)
 ))
 
 # --- CREDS -------------------------------------------------------------------
@@ -430,6 +438,46 @@ FdRecord = Record(Fd, Struct(
     "size" / Int64sl,                 # off_t
     "mtime_ns" / Int64sl,
     "details" / PrefixedArray(VarInt, CSequence(Text, Text)),
+    "desc" / Since(2, VarInt),        # open file description number (kcmp(2) KCMP_FILE groups)
+))
+
+# --- ZOMBIE ------------------------------------------------------------------
+# man 5 proc /proc/PID/stat of a zombie: pid, ppid (4), pgrp (5), session (6),
+# exit_code (52, the wait(2) status).
+ZombieRecord = Record(Zombie, Struct(
+    "pid" / Int32ul,
+    "ppid" / Int32ul,
+    "pgid" / Int32ul,
+    "sid" / Int32ul,
+    "wait_status" / Int32ul,
+))
+
+# --- PIPE --------------------------------------------------------------------
+# pipe(7): a pipe's buffer, copied without consuming it by tee(2); capacity from
+# fcntl(F_GETPIPE_SZ).  A FIFO (mkfifo(3)) also carries its path.
+PipeRecord = Record(PipeBuffer, Struct(
+    "ino" / Int64ul,
+    "capacity" / Int32ul,
+    "data" / Blob,
+    "path" / Text,
+))
+
+# --- UNIX_SOCKET -------------------------------------------------------------
+# unix(7); sock_diag(7) NETLINK_SOCK_DIAG unix_diag_msg (include/uapi/linux/
+# unix_diag.h): udiag_ino, udiag_type, udiag_state, UNIX_DIAG_NAME, UNIX_DIAG_PEER,
+# UNIX_DIAG_RQLEN (listen backlog), UNIX_DIAG_SHUTDOWN; the receive queue read
+# with MSG_PEEK and SO_PEEK_OFF (socket(7)).
+UnixSocketRecord = Record(UnixSocket, Struct(
+    "ino" / Int64ul,
+    "type" / Int16ul,
+    "state" / Int16ul,
+    "name" / Blob,
+    "peer" / Int64ul,
+    "peer_name" / Blob,
+    "backlog" / Int32ul,
+    "shutdown" / Int8ul,
+    "queue" / PrefixedArray(VarInt, Blob),
+    "listener" / Int64ul,
 ))
 
 # --- PAGE_RUN ----------------------------------------------------------------
@@ -448,6 +496,9 @@ PageRunRecord = Record(PageRun, Struct(
 
 RECORDS: dict[EntryKind, Record] = {
     EntryKind.INVENTORY: InventoryRecord,
+    EntryKind.ZOMBIE: ZombieRecord,
+    EntryKind.PIPE: PipeRecord,
+    EntryKind.UNIX_SOCKET: UnixSocketRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -463,7 +514,8 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 
 # Which entry kinds each file kind holds.
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
-    FileKind.INVENTORY: frozenset({EntryKind.INVENTORY}),
+    FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
+                                   EntryKind.UNIX_SOCKET}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -495,7 +547,7 @@ _PAGE_RUN = struct.Struct("<QQQ")
 _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
-                  PendingSignal, Fd, PageRun, RawEntry]
+                  PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

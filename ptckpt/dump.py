@@ -29,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 
 from . import __version__, procfs
-from .errors import PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, TargetVanished
+from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
+                     SharedOutside, TargetVanished)
 from .formats.image import ImageWriter
-from .formats.model import Inventory, PendingSignal, ProcessImage
-from .resources import files, memory, process, signals, threads
+from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, Zombie
+from .resources import files, memory, pipes, process, signals, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -120,10 +121,10 @@ def dump(pid: int, directory: str | None = None, *,
             _refuse_if_traced(pid)
             raise
         result.pids = pids
-        result.unsupported += [f"zombie {z} (not dumped: zombies are not supported yet)" for z in zombies]
         frozen_at = time.monotonic()
         realtime, monotonic, boottime = process.current_clocks()
         xcr0 = xsize = 0
+        images = {}
         for member in pids:
             log.info("capture %d", member)
             image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer)
@@ -132,8 +133,13 @@ def dump(pid: int, directory: str | None = None, *,
             result.pages += stats.pages
             result.bytes += stats.bytes
             result.unsupported += [f"pid {member} " + u for u in files.unsupported_fds(list(image.fds))]
+            images[member] = image
+        log.info("capture what the tree shares")
+        images, shared = capture_sharing_frozen(pid, images)
+        shared += [_zombie(z) for z in zombies]
+        for member in pids:
             log.info("write %d", member)
-            writer.write_process(image)
+            writer.write_process(images[member])
         writer.write_inventory(Inventory(
             ptckpt_version=__version__,
             kernel_release=os.uname().release,
@@ -148,7 +154,7 @@ def dump(pid: int, directory: str | None = None, *,
             boottime_ns=boottime,
             hostname=socket.gethostname(),
             fd_kinds_unsupported=tuple(result.unsupported),
-        ))
+        ), shared)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -200,6 +206,52 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
                 continue              # a child that exited meanwhile
             frozen.add(member)
             order.append(member)
+
+
+def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
+    """What the members of a frozen tree share: (images with fd descriptions numbered,
+    image-wide records of the pipes and sockets inside the tree).
+
+    A pipe or socket that a process outside the tree also holds is refused,
+    naming both ends, unless it is the root's stdio (fds 0-2: the shell job's
+    terminal or pipe, which a restore takes from ptckpt restore).  A FIFO held
+    outside too is left to its name: the restore reopens it by path, and its
+    bytes stay in the kernel as long as the outside end keeps it open.
+    """
+    fds = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
+    images = {p: dataclasses.replace(im, fds=tuple(fds[p])) for p, im in images.items()}
+    stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
+    objects: dict[str, list[tuple[int, Fd]]] = {}
+    for p, flist in fds.items():
+        for f in flist:
+            if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
+                objects.setdefault(f.path, []).append((p, f))
+    outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
+    internal_pipes = []
+    for link, holders in objects.items():
+        if all(f.desc in stdio for _p, f in holders):
+            continue                      # the shell job's stdio: ptckpt restore gives its own
+        if link in outside:
+            if holders[0][1].kind is FdKind.FIFO:
+                continue                  # named: the restore reopens it and meets the outside end
+            p, f = next((p, f) for p, f in holders if f.desc not in stdio)
+            q, n = outside[link][0]
+            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({_comm(q)}) holds it too")
+        if holders[0][1].kind in pipes.PIPE_KINDS:
+            internal_pipes.append(holders[0][1].ino)
+    return images, pipes.dump_pipes(fds, internal_pipes)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return procfs.read_comm(pid)
+    except PtckptError:
+        return "?"
+
+
+def _zombie(pid: int) -> Zombie:
+    st = procfs.read_stat(pid)
+    return Zombie(pid=pid, ppid=st.ppid, pgid=st.pgrp, sid=st.session, wait_status=st.exit_code)
 
 
 def _is_zombie(pid: int) -> bool:

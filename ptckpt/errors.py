@@ -202,6 +202,20 @@ class UnsupportedResource(PtckptError):
         self.what = what
 
 
+class SharedOutside(PtckptError):
+    """A member shares a pipe or socket with a process outside the dumped tree (dump)."""
+
+    exit_code = ExitCode.UNSUPPORTED_RESOURCE
+
+    def __init__(self, pid: int, fd: int, what: str, peer: str):
+        super().__init__(f"process {pid} fd {fd} ({what}) is connected outside the tree: {peer}; "
+                         f"dump the common ancestor, or end the connection first")
+        self.pid = pid
+        self.fd = fd
+        self.what = what
+        self.peer = peer
+
+
 class PidBusy(PtckptError):
     """A pid the image needs is held by another process (restore)."""
 

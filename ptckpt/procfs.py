@@ -1391,3 +1391,30 @@ def read_wchan(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> st
 def read_sessionid(pid: int, *, procfs: str = "/proc") -> int:
     """The audit session id; 4294967295 (AUDIT_SID_UNSET) when none."""
     return int(_read(f"{procfs}/{pid}/sessionid"))
+
+
+def fd_holders(links: set[str], exclude: set[int], *, procfs: str = "/proc") -> dict[str, list[tuple[int, int]]]:
+    """{link: [(pid, fd) ...]} for every process outside `exclude` with an fd whose
+    /proc/PID/fd link is one of `links` ("pipe:[123]", "socket:[456]", a FIFO's path).
+
+    Processes that exit or deny access during the scan are skipped.
+    """
+    out: dict[str, list[tuple[int, int]]] = {}
+    if not links:
+        return out
+    for name in os.listdir(procfs):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        pid = int(name)
+        try:
+            fds = os.listdir(f"{procfs}/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"{procfs}/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link in links:
+                out.setdefault(link, []).append((pid, int(fd)))
+    return out

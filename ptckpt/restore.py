@@ -26,6 +26,7 @@ step (an injected syscall's name, errno and arguments included).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -35,8 +36,8 @@ from dataclasses import dataclass, field
 from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, FdKind, PageRun, ProcessImage, VmaKind
-from .resources import files, memory, pids, process, signals, threads
+from .formats.model import PAGE_SIZE, Fd, FdKind, PageRun, ProcessImage, VmaKind
+from .resources import files, memory, pids, pipes, process, signals, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -74,7 +75,8 @@ class Host:
         return cls(tuple(procfs.read_maps(os.getpid())), xstate_header(xs)[1], len(xs))
 
 
-def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: bool) -> None:
+def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: bool,
+                  handed: dict[int, Fd] | None = None) -> None:
     inv = image.inventory
     if inv.arch != os.uname().machine:
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
@@ -95,7 +97,7 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     changed = changed_files(proc)
     if changed:
         raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
-    bad = files.restore_plan_problems(list(proc.fds))
+    bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
         if v.file_deleted and v.kind not in (VmaKind.ANON_SHARED,):
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
@@ -143,34 +145,32 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         members = list(image.inventory.pids)
         procs = {p: image.process(p) for p in members}
         log.info("plan %s", " ".join(map(str, members)))
-        plan_tree_problems(procs)
+        handoff = plan_handoff(image, procs)
         host = Host.probe()
         for p in members:
-            plan_problems(image, procs[p], host, pidns=pidns)
+            plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
+        helpers = group_helpers(procs, image.zombies)
+        if not pidns:
+            pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
         left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
         pages = {}
+        handed: dict[int, int] = {}
         try:
             for p in members:
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
                 pages[p] = (_open_pages(fd), data_offset)
+            handed = build_handoff(image, procs, handoff)
             log.info("create %d", root)
             stub = pids.start_stub(root, pidns=pidns)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid,
                                    warnings=[f"the image left out {u}" for u in left_out])
             created = {root: stub.task}
             try:
-                _restore_session(created[root], procs[root].task)
-                for p in members[1:]:
-                    parent = procs[p].task.ppid
-                    log.info("create %d (child of %d)", p, parent)
-                    created[p] = _create_child(created[parent], p)
-                    _restore_session(created[p], procs[p].task)
-                # Group leaders first, so the groups exist when the others join them.
-                for p in sorted(members, key=lambda p: procs[p].task.pgid != p):
-                    _restore_pgid(created[p], procs[p].task, created)
+                _create_tree(procs, image.zombies, helpers, created)
                 to_detach = []
                 for p in members:
-                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p])
+                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
+                                              handed)
                     result.warnings += warnings
                     to_detach += tasks
                 log.info("resume %s", " ".join(map(str, members)))
@@ -192,23 +192,136 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         finally:
             for fd, _ in pages.values():
                 os.close(fd)
+            for fd in handed.values():
+                os.close(fd)
     result.seconds = time.monotonic() - started
     return result
 
 
-def plan_tree_problems(procs: dict[int, ProcessImage]) -> None:
-    """Pipes and sockets shared between members are not recreated yet: refuse them by name."""
-    if len(procs) < 2:
-        return
-    holders: dict[tuple[int, int], list[str]] = {}
-    for p, proc in procs.items():
+def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict) -> None:
+    """Every member, zombie and group helper as a stub, children cloned inside their parent's
+    stub; then sessions and process groups; then the zombies and helpers end."""
+    members = list(procs)
+    records = {p: procs[p].task for p in members}
+    records.update({z.pid: z for z in zombies})
+    root = members[0]
+    _restore_session(created[root], records[root])
+    for p in members[1:] + [z.pid for z in zombies]:
+        record = records[p]
+        log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
+        created[p] = _create_child(created[record.ppid], p)
+        _restore_session(created[p], record)
+    for h in helpers:
+        log.info("create %d (stand-in leader of process group %d, whose leader exited)", h.pid, h.pgid)
+        created[h.pid] = _create_child(created[h.ppid], h.pid)
+        records[h.pid] = h
+    # Group leaders first, so the groups exist when the others join them.
+    for p in sorted(records, key=lambda p: records[p].pgid != p):
+        _restore_pgid(created[p], records[p], created)
+    gadget = gadget_address()
+    for z in zombies:
+        pids.end_stub(created.pop(z.pid), gadget, z.wait_status)
+    for h in helpers:
+        pids.end_stub(created.pop(h.pid), gadget, 0)
+        with _stub_syscalls(created[h.ppid]) as remote:      # reap it: nobody may see it
+            remote.checked("wait4", h.pid, 0, WALL, 0, step=f"reap group helper {h.pid}")
+
+
+WALL = 0x40000000
+
+
+@dataclass(frozen=True)
+class GroupHelper:
+    """A process that exists only during the restore, to recreate a process group whose
+    leader had exited: it takes the group's pid and leads it while the members join,
+    then ends and is reaped by the member that created it."""
+
+    pid: int
+    ppid: int          # the member that creates it (one in the group's session)
+    pgid: int
+    sid: int
+
+
+def group_helpers(procs: dict[int, ProcessImage], zombies) -> list[GroupHelper]:
+    """A helper for each process group whose leader is neither a member nor a zombie.
+
+    The root's own group, when led from outside the tree, is the shell job's:
+    the restored tree joins ptckpt restore's group instead, as a single process does.
+    """
+    root = next(iter(procs.values())).task
+    present = set(procs) | {z.pid for z in zombies}
+    out: dict[int, GroupHelper] = {}
+    for proc in procs.values():
+        t = proc.task
+        if t.pgid in present or t.pgid == root.pgid or t.pgid in out:
+            continue
+        creator = next((p.task.pid for p in procs.values() if p.task.sid == t.sid), t.pid)
+        out[t.pgid] = GroupHelper(pid=t.pgid, ppid=creator, pgid=t.pgid, sid=t.sid)
+    return list(out.values())
+
+
+def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int, Fd]:
+    """The open file descriptions ptckpt makes itself and hands to the stubs ({desc: an fd of it}):
+
+    * the pipes and FIFOs of the tree (from their PIPE records, with their bytes);
+    * the root's stdio (fds 0-2 on a terminal, pipe or socket): ptckpt restore's own,
+      also for the members that share them;
+    * files whose description several fds share (after dup or fork).
+    """
+    root = procs[image.inventory.root_pid]
+    uses: dict[int, int] = {}
+    rep: dict[int, Fd] = {f.desc: f for f in root.fds if f.desc}
+    for proc in procs.values():
         for f in proc.fds:
-            if f.kind in (FdKind.PIPE, FdKind.SOCKET):
-                holders.setdefault((f.dev, f.ino), []).append(f"pid {p} fd {f.fd} ({f.path})")
-    shared = [" and ".join(h) for h in holders.values() if len({x.split()[1] for x in h}) > 1]
-    if shared:
-        raise UnsupportedResource(next(iter(procs)), "pipes and sockets shared inside a process "
-                                  "tree are not restored yet: " + "; ".join(shared))
+            if f.desc:
+                uses[f.desc] = uses.get(f.desc, 0) + 1
+                rep.setdefault(f.desc, f)
+    stdio = _root_stdio(root)
+    pipe_inos = {b.ino for b in image.pipes}
+    out = {}
+    for d, f in rep.items():
+        if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
+            out[d] = f
+        elif d in stdio:
+            out[d] = f
+        elif uses[d] > 1 and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
+            out[d] = f
+    return out
+
+
+def _root_stdio(root: ProcessImage) -> set[int]:
+    return {f.desc for f in root.fds if f.desc and f.fd <= 2 and f.kind in files.STDIO_KINDS}
+
+
+def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd]) -> dict[int, int]:
+    """Open what `plan` names, in ptckpt, inheritable and above every fd number of the image
+    (so the stubs inherit them where no fd of theirs lands): {desc: fd number}."""
+    stdio = _root_stdio(procs[image.inventory.root_pid])
+    pipe_descs = {d: f for d, f in plan.items()
+                  if f.kind in pipes.PIPE_KINDS and f.ino in {b.ino for b in image.pipes}}
+    opened: dict[int, int] = {}
+    try:
+        opened.update(pipes.create_pipes(image.pipes, pipe_descs))
+        for d, f in plan.items():
+            if d in opened:
+                continue
+            if d in stdio:
+                try:
+                    opened[d] = os.dup(f.fd)
+                except OSError:
+                    raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
+                                        f"restore has no fd {f.fd} of its own to give it") from None
+            else:
+                opened[d] = files.open_description(f)
+        base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
+        for d, fd in list(opened.items()):
+            opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
+            os.close(fd)
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+    return opened
 
 
 @contextlib.contextmanager
@@ -251,7 +364,8 @@ def _open_pages(fd: int) -> int:
         return os.dup(fd)
 
 
-def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int):
+def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
+            handed: dict[int, int]):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
@@ -261,7 +375,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset)
             log.info("fix up %d: files and task state", proc.task.pid)
-            files.restore_fds_frozen(remote, list(proc.fds), inherited)
+            files.restore_fds_frozen(remote, list(proc.fds), inherited, handed)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
@@ -285,6 +399,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 task.set_sigmask(signals.ALL_BLOCKED)
             signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
+            process.restore_pdeath_signal_frozen(remote, proc.task)
             log.info("resume %d", proc.task.pid)
             gadget = int(remote.gadget)
             # The last injected syscall removes the gadget it runs from; the

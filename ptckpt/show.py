@@ -102,6 +102,9 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "format_version": reader.version,
             "inventory": record_to_json(reader.inventory),
             "processes": [_process_json(reader, pid) for pid in reader.pids],
+            "zombies": [record_to_json(z) for z in reader.zombies],
+            "pipes": [record_to_json(p) for p in reader.pipes],
+            "unix_sockets": [record_to_json(u) for u in reader.unix_sockets],
         }
 
 

@@ -784,3 +784,14 @@ def pidfd_getfd(pid: int, fd: int) -> int:
     if res < 0:
         raise _translate_errno(-res, pid, f"pidfd_getfd of fd {fd}")
     return res
+
+
+KCMP_FILE = 0
+
+
+def same_open_file(pid1: int, fd1: int, pid2: int, fd2: int) -> bool:
+    """kcmp(KCMP_FILE): do the two fds refer to one open file description (dup, fork)?"""
+    res = _host_syscall(SYSCALL_NUMBERS["kcmp"], pid1, pid2, KCMP_FILE, fd1, fd2)
+    if res < 0:
+        raise _translate_errno(-res, pid1, f"kcmp of fd {fd1} and pid {pid2} fd {fd2}")
+    return res == 0

@@ -35,14 +35,17 @@ from ptckpt.formats.model import (
     Mm,
     PageRun,
     PendingSignal,
+    PipeBuffer,
     ProcessImage,
     Restart,
     Rlimit,
     Sigaction,
     Task,
     Thread,
+    UnixSocket,
     Vma,
     VmaKind,
+    Zombie,
 )
 from ptckpt.formats.records import (
     FORMAT_VERSION,
@@ -85,7 +88,8 @@ def make_task(pid=100, tids=(100, 101)) -> Task:
         pid=pid, ppid=1, pgid=pid, sid=1, comm="wörker\udcfe", state="S", exe="/usr/bin/app",
         cwd=ODD_PATH, root="/", umask=0o022, personality=0x0040000, nice=-20,
         sched_policy=0x40000000, rt_priority=0, oom_score_adj=-1000, timerslack_ns=50_000,
-        exit_signal=-1, tids=tuple(tids), cmdline=("app", "--x=\udcff", ""), dumpable=2)
+        exit_signal=-1, tids=tuple(tids), cmdline=("app", "--x=\udcff", ""), dumpable=2,
+        pdeath_signal=15, child_subreaper=True)
 
 
 def make_creds() -> Creds:
@@ -129,14 +133,18 @@ def make_process(pid=100) -> ProcessImage:
                 mnt_id=25, dev=0x19, ino=6, mode=0o20620, rdev=0x8803, size=0, mtime_ns=1),
              Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
                 cloexec=True, mnt_id=30, dev=0x10302, ino=99, mode=0o100644, rdev=0, size=-1,
-                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")))),
+                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3)),
     )
 
 
 def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
-            *proc.sigactions, *proc.pending, *proc.fds, PageRun(0x7f0000000000, 4, 8192)]
+            *proc.sigactions, *proc.pending, *proc.fds, PageRun(0x7f0000000000, 4, 8192),
+            Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
+            PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
+            UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
+                       backlog=0, shutdown=2, queue=(b"one", b"", b"three" * 1000), listener=76)]
 
 
 SAMPLES = sample_records()
@@ -261,7 +269,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0100" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0200" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
@@ -275,7 +283,12 @@ def test_golden_bytes():
         "012f" "012f"                                       # cwd, root
         "12000000" "00000400" "ecffffff" "00000040"        # umask personality nice policy
         "00000000" "18fcffff" "50c3000000000000"            # rt_priority oom_score_adj timerslack_ns
-        "ffffffff" "0105000000" "010178" "02000000")       # exit_signal tids cmdline dumpable
+        "ffffffff" "0105000000" "010178" "02000000"        # exit_signal tids cmdline dumpable
+        "0f000000" "01")                                    # pdeath_signal child_subreaper (format 2)
+    # A format-1 image has no format-2 fields: they take their defaults.
+    old = parse_record(EntryKind.TASK, build_record(task)[:-5], version=1)
+    assert (old.pdeath_signal, old.child_subreaper) == (0, False)
+    assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
 
 
 def test_header_parse_round_trip():

@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from ptckpt.errors import CorruptImage, NotAnImage
+from ptckpt.formats.records import FORMAT_VERSION
 from ptckpt.formats.image import ImageWriter
 from ptckpt.formats.model import (
     GP_REG_NAMES,
@@ -99,7 +100,8 @@ def image_dir(tmp_path):
 def test_json_holds_every_record(image_dir):
     data = image_to_json(image_dir)
     json.loads(json.dumps(data))                       # JSON-able as is
-    assert data["format_version"] == 1
+    assert data["format_version"] == FORMAT_VERSION
+    assert data["zombies"] == data["pipes"] == data["unix_sockets"] == []
     assert data["inventory"]["pids"] == [PID] and data["inventory"]["hostname"] == "box"
     [proc] = data["processes"]
     assert proc["pid"] == PID

@@ -117,18 +117,19 @@ def test_tree_in_a_fresh_pid_namespace(spawn, ptckpt, tmp_path):
         reap_orphans()
 
 
-def test_pipe_inside_the_tree_is_refused_by_name(spawn, ptckpt, tmp_path):
-    script = idle_script(tmp_path, "piped.py",
-                         "import os, time\n"
-                         "r, w = os.pipe()\n"
-                         "if os.fork() == 0:\n"
-                         "    os.close(w)\n"
-                         "    while True: time.sleep(1)\n"
-                         "os.close(r)\n")
-    target = spawn(str(script), out=False)
-    _dump_kill(ptckpt, target, tmp_path / "img")
-    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
-              "shared inside a process tree", "pipe:[")
+def test_pipe_shared_with_a_process_outside_the_tree_is_refused_naming_both_ends(spawn, ptckpt, tmp_path):
+    holder = spawn(str(idle_script(tmp_path, "holder.py", "import os, time\nr, w = os.pipe()\n"
+                                   "open(__file__ + '.fds', 'w').write(f'{r} {w}')\n")), out=False)
+    r, w = map(int, open(tmp_path / "holder.py.fds").read().split())
+    # The writer opens the holder's pipe through /proc: one pipe, two processes, no common tree.
+    writer = spawn(str(idle_script(tmp_path, "writer.py", "import os, time\n"
+                                   f"w = os.open('/proc/{holder.pid}/fd/{w}', os.O_WRONLY)\n")), out=False)
+    res = ptckpt("dump", writer.pid, "-D", tmp_path / "img")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {writer.pid} fd", "pipe:[",
+              "outside the tree", f"pid {holder.pid} fd")
+    assert not (tmp_path / "img").exists()
+    with open(f"/proc/{writer.pid}/status") as f:
+        assert "TracerPid:\t0" in f.read(), "the writer runs on, untraced"
 
 
 _SESSIONS = r'''

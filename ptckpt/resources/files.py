@@ -4,19 +4,28 @@ Dump half: :func:`dump_fds`.  Kinds are decided by :func:`classify_fd` from
 the /proc/PID/fd link text and the stat of the open file; the table
 ``RESTORABLE_KINDS`` says which kinds the restore side can recreate, and
 :func:`unsupported_fds` names the others (they are recorded, never dropped).
+:func:`number_descriptions` gives fds that share one open file description
+(dup, fork) one number across the tree, found with kcmp(2).
+
+Restore half: a description held by several fds (or a pipe or socket, which
+ptckpt builds itself) is opened once in ptckpt (:func:`open_description`) and
+handed to the stubs, each of which dup3()s it to its fd numbers; every other fd
+is reopened by path inside its process (:func:`restore_fds_frozen`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import stat as _stat
+from collections.abc import Mapping
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed
 from ..formats.model import Fd, FdKind
-from ..tracee import pidfd_getfd
+from ..tracee import pidfd_getfd, same_open_file
 
 O_PATH = 0o10000000
 O_CLOEXEC = 0o2000000
@@ -165,6 +174,29 @@ def dump_fds(pid: int) -> list[Fd]:
     return out
 
 
+def number_descriptions(fds: dict[int, list[Fd]]) -> dict[int, list[Fd]]:
+    """The same fds with `desc` set: one number (from 1) per open file description in the tree.
+
+    Only fds of one file (st_dev, st_ino) can share a description, so kcmp(2)
+    compares each fd with the descriptions already seen for its file.
+    """
+    seen: dict[tuple[int, int, str], list[tuple[int, int, int]]] = {}   # file -> [(pid, fd, desc)]
+    count = 0
+    out: dict[int, list[Fd]] = {}
+    for pid, flist in fds.items():
+        out[pid] = []
+        for f in flist:
+            key = (f.dev, f.ino, f.path if not f.ino else "")
+            reps = seen.setdefault(key, [])
+            desc = next((d for p, n, d in reps if same_open_file(p, n, pid, f.fd)), 0)
+            if not desc:
+                count += 1
+                desc = count
+                reps.append((pid, f.fd, desc))
+            out[pid].append(dataclasses.replace(f, desc=desc))
+    return out
+
+
 def unsupported_fds(fds: list[Fd]) -> list[str]:
     """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd the restore cannot recreate yet."""
     return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
@@ -184,15 +216,16 @@ O_NONBLOCK = 0o4000
 F_SETFL = 4
 
 
-def restore_plan_problems(fds: list[Fd]) -> list[str]:
+def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list[str]:
     """Fds this version cannot recreate, as 'fd N -> target (kind)' (checked before anything starts).
 
+    `handed` are the descriptions ptckpt opens itself (pipes, sockets, shared files).
     fds 0-2 that were a terminal, pipe or socket are shell-job stdio: they get
     ptckpt restore's own.  Everything else must be reopened by path.
     """
     out = []
     for f in fds:
-        if f.fd <= 2 and f.kind in STDIO_KINDS:
+        if f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
             continue
         if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
@@ -203,17 +236,37 @@ def restore_plan_problems(fds: list[Fd]) -> list[str]:
     return out
 
 
-def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int]) -> None:
+def open_description(f: Fd) -> int:
+    """Open, in ptckpt, the file description an fd had: its path, flags and offset."""
+    flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
+    try:
+        fd = os.open(f.path, flags)
+    except OSError as err:
+        raise RestoreFailed(f"cannot reopen {f.path} (fd {f.fd}, shared): {err.strerror}") from None
+    if f.kind is FdKind.REGULAR and f.pos:
+        os.lseek(fd, f.pos, os.SEEK_SET)
+    return fd
+
+
+def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}) -> None:
     """Install every fd at its number: files by path at their offset, stdio from ptckpt restore.
 
-    `inherited` are the fds the stub has (ptckpt restore's stdio); those the
-    image does not have are closed.
+    `handed` maps descriptions ptckpt opened to the fd number the stub
+    inherited them at: those are dup3()ed into place.  `inherited` are the fds
+    the stub has (ptckpt restore's stdio and the handed ones); those the image
+    does not have are closed.
     """
     wanted = {f.fd for f in fds}
+    for f in fds:
+        if f.desc in handed:
+            remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0,
+                           step=f"install fd {f.fd} ({f.path})")
     for fd in inherited:
         if fd not in wanted:
             remote.checked("close", fd, step=f"close inherited fd {fd}")
     for f in sorted(fds, key=lambda f: f.fd):
+        if f.desc in handed:
+            continue
         if f.fd <= 2 and f.kind in STDIO_KINDS:
             if f.fd not in inherited:
                 raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "

@@ -16,13 +16,14 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import signal
 import struct
 import time
 from dataclasses import dataclass
 
 from .. import procfs
-from ..errors import PidBusy, PtckptError, TraceeError
+from ..errors import PidBusy, PtckptError, TargetVanished, TraceeError
 from ..restorer.stub import stub_memfd
 from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
 
@@ -86,6 +87,37 @@ def clone3_with_pid(pid: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return res
+
+
+NR_EXIT_GROUP = 231
+
+
+def end_stub(task: Task, gadget: int, wait_status: int) -> None:
+    """Make a stub that is not rebuilt (a zombie-to-be, a helper) end, so that its parent's
+    wait(2) reports `wait_status`: exit_group(code) at the gadget, or death by the signal.
+
+    The stub stays its parent's zombie: the tracer's wait only detaches it.
+    A signal death dumps no core (RLIMIT_CORE 0), so WCOREDUMP is never set.
+    """
+    sig = 0
+    if os.WIFSIGNALED(wait_status):
+        sig = os.WTERMSIG(wait_status)
+        resource.prlimit(task.tgid, resource.RLIMIT_CORE, (0, 0))
+        os.kill(task.tgid, sig)
+    else:
+        regs = task.get_regs()
+        regs.rip = gadget
+        regs.rax = NR_EXIT_GROUP
+        regs.orig_rax = 2**64 - 1
+        regs.rdi = os.WEXITSTATUS(wait_status)
+        task.set_regs(regs)
+    task.resume(0)
+    try:
+        while True:
+            st = task.wait()
+            task.resume(st.signo if st.kind is StopKind.SIGNAL and st.signo == sig else 0)
+    except TargetVanished:
+        return                                   # it has exited: the parent can reap it now
 
 
 def _exec_stub_stopped(stub_fd: int) -> None:
@@ -241,8 +273,9 @@ def _minimal_init(pid: int, stub_fd: int, report_fd: int) -> None:
             os.close(report_fd)
             _exec_stub_stopped(stub_fd)
         os.write(report_fd, b"C\n")
-        os.close(report_fd)
-        os.close(stub_fd)
+        # The init keeps nothing of ptckpt's: not the report pipe, not the stub, and
+        # not the objects handed to the stub (a pipe end held here would never see EOF).
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         # The init needs none of ptckpt's stdio (the restored process has its own copies).
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):

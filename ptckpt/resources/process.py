@@ -17,14 +17,25 @@ from ..formats.model import Creds, Mm, Rlimit, Task
 from ..tracee import RemoteSyscalls
 
 PR_GET_DUMPABLE = 3
+PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def _prctl_get_int(remote: RemoteSyscalls, option: int, step: str) -> int:
+    """prctl(option, &int) inside the tracee: the int it wrote."""
+    with remote.scratch(8) as buf:
+        remote.checked("prctl", option, int(buf), step=step)
+        return struct.unpack("<i", remote.mem.read(buf, 4))[0]
 
 
 def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
               remote: RemoteSyscalls | None = None) -> Task:
     """`status` and `st` are one reading of /proc/PID/status and stat, shared by the dump halves."""
-    dumpable = 1
+    dumpable, pdeath, subreaper = 1, 0, 0
     if remote is not None:
         dumpable = remote.checked("prctl", PR_GET_DUMPABLE, step="dump task")
+        pdeath = _prctl_get_int(remote, PR_GET_PDEATHSIG, "dump task: pdeath_signal")
+        subreaper = _prctl_get_int(remote, PR_GET_CHILD_SUBREAPER, "dump task: child subreaper")
     return Task(
         pid=pid,
         ppid=st.ppid,
@@ -46,6 +57,8 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
         tids=tuple(tids),
         cmdline=tuple(procfs.read_cmdline(pid)),
         dumpable=dumpable,
+        pdeath_signal=pdeath,
+        child_subreaper=bool(subreaper),
     )
 
 
@@ -134,6 +147,8 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
     remote.checked("umask", task.umask, step="umask")
     remote.checked("personality", task.personality, step="personality")
     remote.checked("prctl", PR_SET_DUMPABLE, task.dumpable, step="dumpable")
+    if task.child_subreaper:
+        remote.checked("prctl", PR_SET_CHILD_SUBREAPER, 1, step="child subreaper")
     with remote.scratch(task.comm.encode()[:15] + b"\0") as p:
         remote.checked("prctl", PR_SET_NAME, int(p), step="comm")
     for name, value in (("oom_score_adj", str(task.oom_score_adj)),
@@ -163,6 +178,12 @@ def restore_rlimits(pid: int, rlimits) -> list[str]:
             warnings.append(f"rlimit {r.resource} ({cur}, {mx}) cannot be set "
                             f"(raising a hard limit needs CAP_SYS_RESOURCE): {err}")
     return warnings
+
+
+def restore_pdeath_signal_frozen(remote: RemoteSyscalls, task: Task) -> None:
+    """After the credentials: changing them clears the parent-death signal (prctl(2))."""
+    if task.pdeath_signal:
+        remote.checked("prctl", PR_SET_PDEATHSIG, task.pdeath_signal, step="pdeath_signal")
 
 
 def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds) -> list[str]:

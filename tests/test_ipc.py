@@ -1,0 +1,229 @@
+"""What the members of a tree share survives a round trip: pipes with their bytes, shared
+descriptions, zombies, unix sockets, shared memory, SysV IPC."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+
+from conftest import kill_pids, reap_orphans, wait_until
+from test_restore import _dump_kill, _one_line, _restore
+
+PRODUCER = r'''
+import sys
+n = 0
+out = sys.stdout.buffer
+while True:
+    n += 1
+    out.write(b"%d\n" % n)
+    if n % 64 == 0:
+        out.flush()
+'''
+
+CONSUMER = r'''
+import sys, time
+log = sys.argv[1]
+expect = 1
+for line in sys.stdin.buffer:
+    n = int(line)
+    if n != expect:
+        open(log, "w").write(f"FAIL got {n} expected {expect}\n")
+        sys.exit(3)
+    expect += 1
+    if n % 2000 == 0:
+        with open(log + ".tmp", "w") as f:
+            f.write(f"{n}\n")
+        import os; os.replace(log + ".tmp", log)
+        time.sleep(0.02)          # slower than the producer: the pipes stay full
+'''
+
+
+def _tree_of(pid: int) -> list[int]:
+    out = [pid]
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        for c in map(int, f.read().split()):
+            out += _tree_of(c)
+    return out
+
+
+def _stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return {"state": fields[0], "ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3])}
+
+
+def _seen(log) -> int:
+    try:
+        text = open(log).read()
+    except FileNotFoundError:
+        return 0
+    assert not text.startswith("FAIL"), text
+    return int(text) if text.strip() else 0
+
+
+def test_shell_pipeline_loses_and_repeats_nothing(spawn, ptckpt, tmp_path):
+    """bash -c 'producer | cat | consumer': the pipes are full at the dump; after the round
+    trip the consumer goes on seeing 1, 2, 3 ... with no number lost or repeated."""
+    (tmp_path / "producer.py").write_text(PRODUCER)
+    (tmp_path / "consumer.py").write_text(CONSUMER)
+    log = tmp_path / "seen"
+    py = shutil.which("python3")
+    bash = spawn(shutil.which("bash"), "-c",
+                 f"{py} {tmp_path}/producer.py | cat | {py} {tmp_path}/consumer.py {log}",
+                 out=False, ready=False)
+    wait_until(lambda: _seen(log) >= 20000, 20, message="the pipeline runs")
+    members = _tree_of(bash.pid)
+    assert len(members) == 4
+    before = {p: _stat(p) for p in members}
+    try:
+        _dump_kill(ptckpt, bash, tmp_path / "img")
+        with ImageReader(tmp_path / "img") as image:
+            buffered = sum(len(p.data) for p in image.pipes)
+            assert len(image.pipes) == 2 and buffered > 4096, [len(p.data) for p in image.pipes]
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5, message=f"{p} gone")
+        at_dump = _seen(log)
+        _restore(ptckpt, tmp_path / "img")
+        wait_until(lambda: _seen(log) >= at_dump + 40000, 30, message="the consumer goes on")
+        for p in members:
+            after = _stat(p)
+            assert {k: after[k] for k in ("ppid", "pgid", "sid")} == \
+                   {k: before[p][k] for k in ("ppid", "pgid", "sid")}, p
+    finally:
+        kill_pids(members)
+        reap_orphans()
+
+
+FAMILY = r'''
+import ctypes, os, signal, sys, time
+libc = ctypes.CDLL(None)
+out = sys.argv[1]
+def prctl_int(option):
+    v = ctypes.c_int(0)
+    libc.prctl(option, ctypes.byref(v), 0, 0, 0)
+    return v.value
+def report(name, text):
+    with open(out + "." + name + ".tmp", "w") as f:
+        f.write(text + "\n")
+    os.replace(out + "." + name + ".tmp", out + "." + name)
+libc.prctl(36, 1, 0, 0, 0)                       # PR_SET_CHILD_SUBREAPER
+zombie = os.fork()
+if zombie == 0:
+    os._exit(7)
+killed = os.fork()
+if killed == 0:
+    while True: time.sleep(1)
+os.kill(killed, signal.SIGTERM)
+stopped = os.fork()
+if stopped == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    while True: time.sleep(1)
+child = os.fork()
+if child == 0:
+    libc.prctl(1, signal.SIGUSR1, 0, 0, 0)       # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGUSR2, lambda *a: report("child", f"{prctl_int(2)} {os.getppid()}"))
+    while True: time.sleep(0.05)
+def on_usr2(*a):
+    got = [os.waitpid(z, os.WNOHANG) for z in (zombie, killed)]
+    report("parent", f"{prctl_int(37)} {got[0][1]} {got[1][1]}")
+signal.signal(signal.SIGUSR2, on_usr2)
+while os.waitid(os.P_PID, killed, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+    time.sleep(0.01)
+print("KIDS", zombie, killed, stopped, child, flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+'''
+
+
+def test_zombies_stopped_children_subreaper_and_pdeath_survive(spawn, ptckpt, tmp_path):
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    parent = spawn(str(script))
+    zombie, killed, stopped, child = (int(x) for x in next(
+        line for line in parent.preamble if line.startswith("KIDS")).split()[1:])
+    wait_until(lambda: _stat(stopped)["state"] == "T", 5)
+    members = [parent.pid, zombie, killed, stopped, child]
+    try:
+        res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        assert "3 processes" in res.stdout and "not dumped" not in res.stdout
+        with ImageReader(tmp_path / "img") as image:
+            assert {(z.pid, z.wait_status) for z in image.zombies} == {(zombie, 7 << 8),
+                                                                        (killed, signal.SIGTERM)}
+            assert image.process(parent.pid).task.child_subreaper
+            assert image.process(child).task.pdeath_signal == signal.SIGUSR1
+        parent.wait_exit(10)
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5, message=f"{p} gone")
+        _restore(ptckpt, tmp_path / "img")
+        assert _stat(zombie)["state"] == "Z" and _stat(killed)["state"] == "Z"
+        assert _stat(zombie)["ppid"] == parent.pid
+        wait_until(lambda: _stat(stopped)["state"] == "T", 5, message="the stopped child stops again")
+        os.kill(child, signal.SIGUSR2)
+        os.kill(parent.pid, signal.SIGUSR2)
+        report = lambda name: open(f"{parent.out_path}.{name}").read().split()
+        wait_until(lambda: os.path.exists(f"{parent.out_path}.parent") and
+                   os.path.exists(f"{parent.out_path}.child"), 5)
+        subreaper, zstatus, kstatus = map(int, report("parent"))
+        assert (subreaper, zstatus, kstatus) == (1, 7 << 8, signal.SIGTERM), "the parent reaps both as before"
+        assert list(map(int, report("child"))) == [signal.SIGUSR1, parent.pid]
+        assert not os.path.exists(f"/proc/{zombie}")
+    finally:
+        kill_pids(members)
+        reap_orphans()
+
+
+SHARED_OFFSET = r'''
+import os, sys, time
+out = sys.argv[1]
+fd = os.open(out + ".data", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+dup = os.dup(fd)                               # one description: parent's two fds, the child's
+child = os.fork()
+me = b"c" if child == 0 else b"p"
+use = fd if child == 0 else dup
+n = 0
+print("READY", os.getpid(), flush=True) if child else None
+while True:
+    os.write(use, me)
+    n += 1
+    with open(f"{out}.{me.decode()}.tmp", "w") as f:
+        f.write(f"{n}\n")
+    os.replace(f"{out}.{me.decode()}.tmp", f"{out}.{me.decode()}")
+    time.sleep(0.002)
+'''
+
+
+def test_fds_sharing_one_description_share_it_again_offset_included(spawn, ptckpt, tmp_path):
+    """Parent (through a dup) and child write through one open file description: with the
+    offset shared, no write lands on another and the file holds every byte written."""
+    script = tmp_path / "shared.py"
+    script.write_text(SHARED_OFFSET)
+    parent = spawn(str(script))
+    wait_until(lambda: os.path.exists(f"{parent.out_path}.c"), 5)
+    members = _tree_of(parent.pid)
+    data = f"{parent.out_path}.data"
+    try:
+        _dump_kill(ptckpt, parent, tmp_path / "img")
+        with ImageReader(tmp_path / "img") as image:
+            descs = {f.desc for p in members for f in image.process(p).fds if f.path == data}
+            assert len(descs) == 1
+        size_at_dump = os.path.getsize(data)
+        _restore(ptckpt, tmp_path / "img")
+        wait_until(lambda: os.path.getsize(data) > size_at_dump + 200, 10, message="both write on")
+        for p in members:
+            os.kill(p, signal.SIGSTOP)
+        wait_until(lambda: all(_stat(p)["state"] == "T" for p in members), 5)
+        counts = sum(int(open(f"{parent.out_path}.{w}").read()) for w in "pc")
+        content = open(data, "rb").read()
+        assert set(content) == {ord("p"), ord("c")}
+        # each process's count is written after its byte: at most one byte each ahead
+        assert counts <= len(content) <= counts + 2, (counts, len(content))
+    finally:
+        kill_pids(members)
+        reap_orphans()
