@@ -220,3 +220,40 @@ def test_failure_halfway_kills_every_member(spawn, ptckpt, tmp_path):
     finally:
         kill_pids([child])
         reap_orphans()
+
+
+_ORPHANED_GROUP = r'''
+import ctypes, os, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)           # subreaper: the grandchild comes back to us
+r, w = os.pipe()
+leader = os.fork()
+if leader == 0:
+    os.setpgid(0, 0)
+    if os.fork() == 0:                            # stays in the group after its leader exits
+        while True: time.sleep(0.05)
+    os._exit(0)
+os.waitpid(leader, 0)
+print("LEADER", leader, flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+'''
+
+
+def test_process_group_whose_leader_exited_is_recreated(spawn, ptckpt, tmp_path):
+    script = tmp_path / "orphaned.py"
+    script.write_text(_ORPHANED_GROUP)
+    target = spawn(str(script), out=False)
+    leader = int(next(line for line in target.preamble if line.startswith("LEADER")).split()[1])
+    [member] = _descendants(target.pid)
+    assert _stat(member)["pgid"] == leader and not os.path.exists(f"/proc/{leader}")
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        wait_until(lambda: not os.path.exists(f"/proc/{member}"), 5)
+        _restore(ptckpt, tmp_path / "img")
+        after = _stat(member)
+        assert (after["ppid"], after["pgid"], after["sid"]) == (target.pid, leader, _stat(target.pid)["sid"])
+        assert not os.path.exists(f"/proc/{leader}"), "the stand-in leader is gone, and reaped"
+        assert _descendants(target.pid) == [member]
+    finally:
+        kill_pids([member])
+        reap_orphans()
