@@ -99,7 +99,7 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
-        if v.file_deleted and v.kind not in (VmaKind.ANON_SHARED,):
+        if v.file_deleted and memory.shared_object_key(v) is None and v.kind is not VmaKind.ANON_SHARED:
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
         if v.path.startswith("/SYSV"):
             bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x}")
@@ -154,7 +154,7 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
             pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
         left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
         pages = {}
-        handed: dict[int, int] = {}
+        handed: dict = {}
         try:
             for p in members:
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
@@ -293,9 +293,10 @@ def _root_stdio(root: ProcessImage) -> set[int]:
     return {f.desc for f in root.fds if f.desc and f.fd <= 2 and f.kind in files.STDIO_KINDS}
 
 
-def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd]) -> dict[int, int]:
-    """Open what `plan` names, in ptckpt, inheritable and above every fd number of the image
-    (so the stubs inherit them where no fd of theirs lands): {desc: fd number}."""
+def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd]) -> dict:
+    """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
+    and above every fd number of the image (so the stubs inherit them where no fd of
+    theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
     stdio = _root_stdio(procs[image.inventory.root_pid])
     pipe_descs = {d: f for d, f in plan.items()
                   if f.kind in pipes.PIPE_KINDS and f.ino in {b.ino for b in image.pipes}}
@@ -313,6 +314,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                                         f"restore has no fd {f.fd} of its own to give it") from None
             else:
                 opened[d] = files.open_description(f)
+        opened.update(memory.create_shared_objects(v for proc in procs.values() for v in proc.vmas))
         base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
         for d, fd in list(opened.items()):
             opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
@@ -365,7 +367,7 @@ def _open_pages(fd: int) -> int:
 
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
-            handed: dict[int, int]):
+            handed: dict):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
@@ -373,7 +375,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
         with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
             log.info("fix up %d: address space", proc.task.pid)
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
-            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset)
+            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             files.restore_fds_frozen(remote, list(proc.fds), inherited, handed)
             warnings += process.restore_task_frozen(remote, proc.task)

@@ -227,3 +227,45 @@ def test_fds_sharing_one_description_share_it_again_offset_included(spawn, ptckp
     finally:
         kill_pids(members)
         reap_orphans()
+
+
+def _totals(target) -> tuple[int, int]:
+    text = open(target.out_path).read()
+    assert not text.startswith("FAIL"), text
+    return tuple(map(int, text.split()))
+
+
+def _objects(pid: int, addr: int) -> str:
+    """The maps line's device and inode of the mapping at `addr`: which object it shows."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi:
+                return " ".join(fields[3:5] + fields[5:6])
+    raise AssertionError(f"{addr:#x} not mapped in {pid}")
+
+
+def test_forking_server_counts_in_one_shared_object_again(spawn, ptckpt, tmp_path):
+    """MAP_SHARED|MAP_ANONYMOUS and memfd mappings inherited across fork: after the round
+    trip every worker maps the same object as the parent, and the totals go on."""
+    server = spawn("forkserver")
+    workers = [int(line.split()[2]) for line in server.preamble if line.startswith("WORKER")]
+    shared, board = server.symbols["shared"], server.symbols["board"]
+    members = [server.pid] + workers
+    wait_until(lambda: _totals(server)[0] > 100, 5)
+    try:
+        _dump_kill(ptckpt, server, tmp_path / "img")
+        for p in workers:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        _restore(ptckpt, tmp_path / "img")
+        for addr, name in ((shared, "/dev/zero"), (board, "/memfd:board")):
+            objs = {_objects(p, addr) for p in members}
+            assert len(objs) == 1 and name in objs.pop(), "one object, shared by all"
+        at_restore = _totals(server)
+        wait_until(lambda: all(t > a + 300 for t, a in zip(_totals(server), at_restore)), 10,
+                   message="the parent sees the workers count on")
+        server.assert_ok()
+    finally:
+        kill_pids(members)
+        reap_orphans()

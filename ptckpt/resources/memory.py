@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
-from ..tracee import AddressSpace, RemotePtr
+from ..tracee import AddressSpace, RemotePtr, page_align
 
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
@@ -76,12 +76,17 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     Anonymous memory: pages present or swapped, except those still mapping
     the shared zero page (never written).  Private file mappings: only the
     pages that became anonymous copies (written, or never backed by the
-    file); the rest is read again from the file.  Shared anonymous and shmem
-    mappings: every present page.  Never-touched pages are absent from the
-    page tables and so are never saved.
+    file); the rest is read again from the file.  Shared anonymous memory and
+    memfd mappings: every page of the object that holds data, mapped here or
+    not (another process may have written it).  Never-touched pages are
+    absent from the page tables and so are never saved.
     """
     if vma.kind in _NO_PAGES or not vma.prot & 1 and vma.kind is VmaKind.OTHER:
         return []
+    if vma.kind in SHARED_OBJECT_KINDS and vma.inode and vma.prot & 1:
+        ranges = shared_object_ranges(pid, vma)
+        if ranges is not None:
+            return ranges
     want_file_pages = vma.kind in (VmaKind.ANON_SHARED, VmaKind.SHMEM)
     runs = procfs.scan_pages(pid, vma.start, vma.end, skip_zero=True,
                              skip_file=not want_file_pages)
@@ -91,6 +96,48 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], run.end)
         else:
             out.append((run.start, run.end))
+    return out
+
+
+SHARED_OBJECT_KINDS = frozenset({VmaKind.ANON_SHARED, VmaKind.SHMEM})
+
+
+def shared_object_key(vma: Vma) -> tuple[int, int, int] | None:
+    """Which memory object a MAP_SHARED anonymous or memfd mapping shows (the same in every
+    process that shares it), or None for any other mapping."""
+    if vma.kind is VmaKind.ANON_SHARED and vma.inode and vma.path.startswith("/dev/zero"):
+        return (vma.dev_major, vma.dev_minor, vma.inode)
+    if vma.kind is VmaKind.SHMEM and vma.shared and vma.path.startswith("/memfd:"):
+        return (vma.dev_major, vma.dev_minor, vma.inode)
+    return None
+
+
+def shared_object_ranges(pid: int, vma: Vma) -> list[tuple[int, int]] | None:
+    """The parts of `vma` whose object holds data (lseek SEEK_DATA/SEEK_HOLE on the object,
+    opened through /proc/PID/map_files), as address ranges; None if it cannot be opened."""
+    if shared_object_key(vma) is None:
+        return None
+    try:
+        fd = os.open(f"/proc/{pid}/map_files/{vma.start:x}-{vma.end:x}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    out: list[tuple[int, int]] = []
+    try:
+        pos, end = vma.pgoff, vma.pgoff + (vma.end - vma.start)
+        while pos < end:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:            # ENXIO: no data after pos
+                break
+            if data >= end:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            lo = vma.start + (data - vma.pgoff) // PAGE_SIZE * PAGE_SIZE
+            hi = vma.start + page_align(hole - vma.pgoff)
+            out.append((lo, min(hi, vma.end)))
+            pos = hole
+    finally:
+        os.close(fd)
     return out
 
 
@@ -351,12 +398,63 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
                        step=f"move {name}")
 
 
+_libc_mm = ctypes.CDLL(None, use_errno=True)
+_libc_mm.mmap.restype = ctypes.c_void_p
+_libc_mm.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+_libc_mm.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def create_shared_objects(vmas: Iterable[Vma]) -> dict[tuple[int, int, int], int]:
+    """In ptckpt: one memory object per shared anonymous or memfd object of the image, sized to
+    cover every mapping of it; {shared_object_key: fd}.  The caller owns the fds.
+
+    A MAP_SHARED|MAP_ANONYMOUS object is made the way the kernel makes one (an anonymous
+    shared mapping, opened through /proc/self/map_files, then unmapped), so the restored
+    mappings show "/dev/zero (deleted)" again; a memfd is made with its name.
+    """
+    sizes: dict[tuple[int, int, int], int] = {}
+    names: dict[tuple[int, int, int], str] = {}
+    for v in vmas:
+        key = shared_object_key(v)
+        if key is not None:
+            sizes[key] = max(sizes.get(key, 0), v.pgoff + (v.end - v.start), v.file_size)
+            names[key] = v.path
+    out: dict[tuple[int, int, int], int] = {}
+    try:
+        for key, size in sizes.items():
+            out[key] = _new_object(names[key], page_align(size))
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    return out
+
+
+def _new_object(path: str, size: int) -> int:
+    if path.startswith("/memfd:"):
+        name = path[len("/memfd:"):].removesuffix(" (deleted)")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return fd
+    addr = _libc_mm.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+    if addr in (None, 2**64 - 1):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a {size}-byte shared object: {os.strerror(err)}")
+    try:
+        return os.open(f"/proc/self/map_files/{addr:x}-{addr + size:x}", os.O_RDWR | os.O_CLOEXEC)
+    finally:
+        _libc_mm.munmap(addr, size)
+
+
 def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
-                        pages_fd: int, data_offset: int) -> None:
+                        pages_fd: int, data_offset: int, shared: dict | None = None) -> None:
     """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
 
     `pages_fd` reads the image's pages file, whose page data starts at `data_offset`.
+    `shared` maps shared_object_key()s to the fd (in the tracee) of the object to map.
     """
+    shared = shared or {}
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
     for vma in vmas:
@@ -370,7 +468,10 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
             flags |= MAP_GROWSDOWN
         if "nr" in vma.vmflags.split():
             flags |= MAP_NORESERVE
-        if vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
+        if shared_object_key(vma) in shared:
+            remote.checked("mmap", vma.start, length, prot, flags, shared[shared_object_key(vma)],
+                           vma.pgoff, step=step)
+        elif vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
             remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
                            step=step)
         elif vma.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED, VmaKind.SHMEM, VmaKind.DEVICE):
