@@ -46,11 +46,14 @@ from ptckpt.formats.model import (
     Fd,
     Inventory,
     Mm,
+    MsgImage,
     PageRun,
     PendingSignal,
     PipeBuffer,
     ProcessImage,
     Rlimit,
+    SemImage,
+    ShmImage,
     Sigaction,
     Task,
     Thread,
@@ -648,6 +651,7 @@ class ImageReader:
         self.zombies: tuple[Zombie, ...] = ()      # image-wide records of inventory.img
         self.pipes: tuple[PipeBuffer, ...] = ()
         self.unix_sockets: tuple[UnixSocket, ...] = ()
+        self.sysv: tuple[ShmImage | SemImage | MsgImage, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -737,6 +741,7 @@ class ImageReader:
         self.zombies = tuple(e for e in entries if isinstance(e, Zombie))
         self.pipes = tuple(e for e in entries if isinstance(e, PipeBuffer))
         self.unix_sockets = tuple(e for e in entries if isinstance(e, UnixSocket))
+        self.sysv = tuple(e for e in entries if isinstance(e, (ShmImage, SemImage, MsgImage)))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

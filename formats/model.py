@@ -300,3 +300,75 @@ class UnixSocket:
     shutdown: int             # RCV_SHUTDOWN 1 | SEND_SHUTDOWN 2
     queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
+
+
+# --- System V IPC objects the tree uses (inventory.img, since format 2) --------
+
+@dataclass(frozen=True, slots=True)
+class ShmImage:
+    """A dumped shared memory segment.
+
+    ``perms`` holds the permission bits only; SHM_DEST and SHM_LOCKED are
+    ``destroyed`` and ``locked``.  A destroyed segment has key IPC_PRIVATE
+    (the kernel drops the key at IPC_RMID).  cpid, lpid, nattch and the
+    times are as before the dump's own attach, for information.
+    """
+
+    key: int
+    shmid: int
+    perms: int
+    size: int
+    uid: int
+    gid: int
+    cuid: int
+    cgid: int
+    cpid: int
+    lpid: int
+    nattch: int
+    atime: int
+    dtime: int
+    ctime: int
+    destroyed: bool
+    locked: bool
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SemImage:
+    """A dumped semaphore set: one value (and last-operator pid) per semaphore."""
+
+    key: int
+    semid: int
+    perms: int
+    uid: int
+    gid: int
+    cuid: int
+    cgid: int
+    values: tuple[int, ...]
+    pids: tuple[int, ...]       # sempid per semaphore, for information
+    otime: int = 0
+    ctime: int = 0
+
+    @property
+    def nsems(self) -> int:
+        return len(self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class MsgImage:
+    """A dumped message queue: its messages (mtype, text) in queue order."""
+
+    key: int
+    msqid: int
+    perms: int
+    uid: int
+    gid: int
+    cuid: int
+    cgid: int
+    qbytes: int                 # the queue's byte limit (msg_qbytes)
+    messages: tuple[tuple[int, bytes], ...]
+    lspid: int = 0
+    lrpid: int = 0
+    stime: int = 0
+    rtime: int = 0
+    ctime: int = 0

@@ -20,7 +20,8 @@ Grammar (every integer little-endian)::
     array   := VarInt count, count items
     bool    := u8 (0 or 1)
 
-    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET*     (image-wide records)
+    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG*
+                                                 (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
@@ -86,11 +87,14 @@ from ptckpt.formats.model import (
     FdKind,
     Inventory,
     Mm,
+    MsgImage,
     PageRun,
     PendingSignal,
     Restart,
     PipeBuffer,
     Rlimit,
+    SemImage,
+    ShmImage,
     Sigaction,
     Task,
     Thread,
@@ -126,6 +130,9 @@ class EntryKind(enum.IntEnum):
     ZOMBIE = 3
     PIPE = 4
     UNIX_SOCKET = 5
+    SYSV_SHM = 6
+    SYSV_SEM = 7
+    SYSV_MSG = 8
     TASK = 10
     CREDS = 11
     MM = 12
@@ -492,6 +499,52 @@ PageRunRecord = Record(PageRun, Struct(
 ))
 
 
+# --- SYSV_SHM, SYSV_SEM, SYSV_MSG -------------------------------------------------
+# svipc(7); shmctl(2)/semctl(2)/msgctl(2) IPC_STAT (struct ipc64_perm, shmid64_ds,
+# semid64_ds, msqid64_ds), /proc/sysvipc/{shm,sem,msg}; segment bytes read through
+# a read-only shmat, semaphore values by semctl(GETALL), messages by msgrcv(MSG_COPY).
+_IPC_OWNER = ("uid" / Int32ul, "gid" / Int32ul, "cuid" / Int32ul, "cgid" / Int32ul)
+ShmImageRecord = Record(ShmImage, Struct(
+    "key" / Int32sl,
+    "shmid" / Int32ul,
+    "perms" / Int32ul,
+    "size" / Int64ul,
+    *_IPC_OWNER,
+    "cpid" / Int32ul,
+    "lpid" / Int32ul,
+    "nattch" / Int64ul,
+    "atime" / Int64sl,
+    "dtime" / Int64sl,
+    "ctime" / Int64sl,
+    "destroyed" / Flag,
+    "locked" / Flag,
+    "data" / Blob,
+))
+SemImageRecord = Record(SemImage, Struct(
+    "key" / Int32sl,
+    "semid" / Int32ul,
+    "perms" / Int32ul,
+    *_IPC_OWNER,
+    "values" / PrefixedArray(VarInt, Int16ul),     # semval is an unsigned short
+    "pids" / PrefixedArray(VarInt, Int32ul),
+    "otime" / Int64sl,
+    "ctime" / Int64sl,
+))
+MsgImageRecord = Record(MsgImage, Struct(
+    "key" / Int32sl,
+    "msqid" / Int32ul,
+    "perms" / Int32ul,
+    *_IPC_OWNER,
+    "qbytes" / Int64ul,
+    "messages" / PrefixedArray(VarInt, CSequence(Int64sl, Blob)),   # (mtype, text)
+    "lspid" / Int32ul,
+    "lrpid" / Int32ul,
+    "stime" / Int64sl,
+    "rtime" / Int64sl,
+    "ctime" / Int64sl,
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -499,6 +552,9 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.ZOMBIE: ZombieRecord,
     EntryKind.PIPE: PipeRecord,
     EntryKind.UNIX_SOCKET: UnixSocketRecord,
+    EntryKind.SYSV_SHM: ShmImageRecord,
+    EntryKind.SYSV_SEM: SemImageRecord,
+    EntryKind.SYSV_MSG: MsgImageRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -515,7 +571,8 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 # Which entry kinds each file kind holds.
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
-                                   EntryKind.UNIX_SOCKET}),
+                                   EntryKind.UNIX_SOCKET, EntryKind.SYSV_SHM, EntryKind.SYSV_SEM,
+                                   EntryKind.SYSV_MSG}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -547,7 +604,8 @@ _PAGE_RUN = struct.Struct("<QQQ")
 _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
-                  PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, RawEntry]
+                  PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
+                  SemImage, MsgImage, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

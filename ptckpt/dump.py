@@ -33,7 +33,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      SharedOutside, TargetVanished)
 from .formats.image import ImageWriter
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, Zombie
-from .resources import files, memory, pipes, process, signals, threads
+from .resources import files, memory, pipes, process, signals, sysvipc, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -136,6 +136,7 @@ def dump(pid: int, directory: str | None = None, *,
             images[member] = image
         log.info("capture what the tree shares")
         images, shared = capture_sharing_frozen(pid, images)
+        shared += capture_sysv_frozen(images)
         shared += [_zombie(z) for z in zombies]
         for member in pids:
             log.info("write %d", member)
@@ -240,6 +241,15 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     return images, pipes.dump_pipes(fds, internal_pipes)
+
+
+def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
+    """The System V IPC objects the tree uses: segments it has attached or made, semaphore
+    sets and message queues it operated on last (sysvipc.used_by), with their contents."""
+    shmids = {v.inode for im in images.values() for v in im.vmas if v.path.startswith("/SYSV")}
+    shms, sems, msgs = sysvipc.used_by(set(images), shmids)     # before our own attach changes lpid
+    return ([sysvipc.dump_shm(s) for s in shms] + [sysvipc.dump_sem(s) for s in sems]
+            + [sysvipc.dump_msg(q) for q in msgs])
 
 
 def _comm(pid: int) -> str:

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, Fd, FdKind, PageRun, ProcessImage, VmaKind
-from .resources import files, memory, pids, pipes, process, signals, threads
+from .formats.model import PAGE_SIZE, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
+from .resources import files, memory, pids, pipes, process, signals, sysvipc, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -99,10 +99,11 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
-        if v.file_deleted and memory.shared_object_key(v) is None and v.kind is not VmaKind.ANON_SHARED:
+        if (v.file_deleted and memory.shared_object_key(v) is None and not memory.is_sysv(v)
+                and v.kind is not VmaKind.ANON_SHARED):
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
-        if v.path.startswith("/SYSV"):
-            bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x}")
+        if memory.is_sysv(v) and v.inode not in {o.shmid for o in image.sysv if isinstance(o, ShmImage)}:
+            bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x} (its segment is not in the image)")
     if bad:
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
     if not pidns:
@@ -165,7 +166,9 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid,
                                    warnings=[f"the image left out {u}" for u in left_out])
             created = {root: stub.task}
+            ipc_made: list = []
             try:
+                ipc_made = restore_sysv(image.sysv)
                 _create_tree(procs, image.zombies, helpers, created)
                 to_detach = []
                 for p in members:
@@ -178,9 +181,15 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
                     if procs[p].task.state == "T":
                         # It was stopped (SIGSTOP & co): it stops again as soon as it is let go.
                         os.kill(created[p].tgid, signal.SIGSTOP)
+                for obj in image.sysv:
+                    if isinstance(obj, ShmImage) and obj.destroyed:
+                        sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
                 for task in to_detach:
                     task.detach()
             except BaseException as err:
+                for kind, ipc_id in ipc_made:
+                    with contextlib.suppress(PtckptError):
+                        sysvipc.remove_object(kind, ipc_id)
                 for task in created.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(task.tgid, signal.SIGKILL)
@@ -196,6 +205,30 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
                 os.close(fd)
     result.seconds = time.monotonic() - started
     return result
+
+
+def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
+    """Make the image's SysV objects exist again (same ids, keys, contents); returns those
+    that were made anew (a failed restore removes them; the others existed already)."""
+    kinds = {ShmImage: (sysvipc.IpcKind.SHM, sysvipc.restore_shm, "shmid"),
+             SemImage: (sysvipc.IpcKind.SEM, sysvipc.restore_sem, "semid"),
+             MsgImage: (sysvipc.IpcKind.MSG, sysvipc.restore_msg, "msqid")}
+    existing = ({(sysvipc.IpcKind.SHM, s.shmid) for s in sysvipc.list_shm()}
+                | {(sysvipc.IpcKind.SEM, s.semid) for s in sysvipc.list_sem()}
+                | {(sysvipc.IpcKind.MSG, q.msqid) for q in sysvipc.list_msg()}) if objects else set()
+    made: list[tuple[sysvipc.IpcKind, int]] = []
+    try:
+        for obj in objects:
+            kind, make, id_field = kinds[type(obj)]
+            make(obj)
+            if (kind, getattr(obj, id_field)) not in existing:
+                made.append((kind, getattr(obj, id_field)))
+    except BaseException:
+        for kind, ipc_id in made:
+            with contextlib.suppress(PtckptError):
+                sysvipc.remove_object(kind, ipc_id)
+        raise
+    return made
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict) -> None:

@@ -33,12 +33,15 @@ from ptckpt.formats.model import (
     FdKind,
     Inventory,
     Mm,
+    MsgImage,
     PageRun,
     PendingSignal,
     PipeBuffer,
     ProcessImage,
     Restart,
     Rlimit,
+    SemImage,
+    ShmImage,
     Sigaction,
     Task,
     Thread,
@@ -144,7 +147,15 @@ def sample_records() -> list:
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
-                       backlog=0, shutdown=2, queue=(b"one", b"", b"three" * 1000), listener=76)]
+                       backlog=0, shutdown=2, queue=(b"one", b"", b"three" * 1000), listener=76),
+            ShmImage(key=0x1234, shmid=32769, perms=0o600, size=8192, uid=1000, gid=100, cuid=0, cgid=0,
+                     cpid=100, lpid=101, nattch=2, atime=1, dtime=0, ctime=-1, destroyed=True, locked=False,
+                     data=b"\x01" * 8192),
+            SemImage(key=0, semid=5, perms=0o666, uid=0, gid=0, cuid=0, cgid=0, values=(0, 1, 65535),
+                     pids=(100, 0, 101), otime=3, ctime=4),
+            MsgImage(key=-1, msqid=7, perms=0o640, uid=1, gid=2, cuid=3, cgid=4, qbytes=16384,
+                     messages=((1, b"hello"), (2**62, b""), (3, bytes(range(256)))), lspid=100, lrpid=0,
+                     stime=5, rtime=6, ctime=7)]
 
 
 SAMPLES = sample_records()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 
 import pytest
 
@@ -269,3 +270,101 @@ def test_forking_server_counts_in_one_shared_object_again(spawn, ptckpt, tmp_pat
     finally:
         kill_pids(members)
         reap_orphans()
+
+
+SYSV = r'''
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+out = sys.argv[1]
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+shmid = libc.shmget(IPC_PRIVATE, 8192, IPC_CREAT | 0o600)
+semid = libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600)
+class sembuf(ctypes.Structure):
+    _fields_ = [("num", ctypes.c_ushort), ("op", ctypes.c_short), ("flg", ctypes.c_short)]
+def sem(op):
+    b = sembuf(0, op, 0)
+    while libc.semop(semid, ctypes.byref(b), 1) != 0:
+        assert ctypes.get_errno() == 4            # EINTR: a ptrace stop, retry
+libc.semctl(semid, 0, 16, 1)                     # SETVAL 1: a mutex
+base = libc.shmat(shmid, None, 0)
+counter = ctypes.c_uint64.from_address(base)
+per = (ctypes.c_uint64 * 2).from_address(base + 8)
+msqid = libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600)
+for mtype, text in ((1, b"first"), (2, b"second"), (1, b"third")):
+    msg = ctypes.create_string_buffer(8 + len(text))
+    ctypes.c_long.from_buffer(msg).value = mtype
+    msg[8:8 + len(text)] = text
+    assert libc.msgsnd(msqid, msg, len(text), 0) == 0
+print("IDS", shmid, semid, msqid, flush=True)
+child = os.fork()
+me = 1 if child == 0 else 0
+if child:
+    print("READY", os.getpid(), flush=True)
+written = 0
+while True:
+    sem(-1)
+    value = counter.value                         # only the holder of the semaphore may be here
+    time.sleep(0.0005)
+    if counter.value != value:
+        open(out, "w").write("FAIL two processes inside the critical section\n")
+        os._exit(4)
+    counter.value = value + 1
+    per[me] += 1
+    sem(1)
+    if me == 0 and counter.value >= written + 50:
+        written = counter.value
+        with open(out + ".tmp", "w") as f:
+            f.write(f"{counter.value} {per[0]} {per[1]}\n")
+        os.replace(out + ".tmp", out)
+    time.sleep(0.0005)
+'''
+
+
+def test_sysv_segment_semaphore_and_queue_shared_by_two_processes(spawn, ptckpt, tmp_path):
+    """A SysV segment holds a counter guarded by a SysV semaphore; two processes take turns.
+    The objects are removed after the dump, so the restore must make them again, with the
+    same ids, the segment's bytes, the semaphore's value and the queued messages."""
+    target = spawn(str(_write(tmp_path, "sysv.py", SYSV)))
+    shmid, semid, msqid = (int(x) for x in next(l for l in target.preamble if l.startswith("IDS")).split()[1:])
+    members = _tree_of(target.pid)
+    state = lambda: list(map(int, _text(target.out_path).split()))
+    try:
+        wait_until(lambda: os.path.exists(target.out_path) and state()[0] > 100, 10)
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        with ImageReader(tmp_path / "img") as image:
+            kinds = sorted(type(o).__name__ for o in image.sysv)
+            assert kinds == ["MsgImage", "SemImage", "ShmImage"], kinds
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        count, *_ = state()
+        _ipcrm(shmid, semid, msqid)
+        _restore(ptckpt, tmp_path / "img")
+        assert f" {shmid} " in open("/proc/sysvipc/shm").read()
+        [queue] = [line.split() for line in open("/proc/sysvipc/msg") if line.split()[1] == str(msqid)]
+        assert queue[3:5] == [str(len(b"firstsecondthird")), "3"], queue     # cbytes, qnum
+        wait_until(lambda: state()[0] > count + 200, 10, message="both go on counting")
+        total, a, b = state()
+        assert a > 0 and b > 0 and total >= a + b - 1
+        target.assert_ok()
+    finally:
+        kill_pids(members)
+        reap_orphans()
+        _ipcrm(shmid, semid, msqid)
+
+
+def _write(directory, name, text):
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def _text(path) -> str:
+    text = open(path).read()
+    assert not text.startswith("FAIL"), text
+    return text
+
+
+def _ipcrm(shmid: int, semid: int, msqid: int) -> None:
+    for flag, ipc_id in (("-m", shmid), ("-s", semid), ("-q", msqid)):
+        subprocess.run(["ipcrm", flag, str(ipc_id)], capture_output=True)

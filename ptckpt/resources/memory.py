@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
+from . import sysvipc
 
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
@@ -83,6 +84,8 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     """
     if vma.kind in _NO_PAGES or not vma.prot & 1 and vma.kind is VmaKind.OTHER:
         return []
+    if is_sysv(vma):
+        return []                      # the segment's bytes are in its SYSV_SHM record
     if vma.kind in SHARED_OBJECT_KINDS and vma.inode and vma.prot & 1:
         ranges = shared_object_ranges(pid, vma)
         if ranges is not None:
@@ -100,6 +103,11 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
 
 
 SHARED_OBJECT_KINDS = frozenset({VmaKind.ANON_SHARED, VmaKind.SHMEM})
+
+
+def is_sysv(vma: Vma) -> bool:
+    """A SysV shared memory attach ("/SYSV<key> (deleted)"; the inode column is the shmid)."""
+    return vma.kind is VmaKind.SHMEM and vma.path.startswith("/SYSV")
 
 
 def shared_object_key(vma: Vma) -> tuple[int, int, int] | None:
@@ -455,6 +463,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     `shared` maps shared_object_key()s to the fd (in the tracee) of the object to map.
     """
     shared = shared or {}
+    attached: set[tuple[int, int]] = set()
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
     for vma in vmas:
@@ -468,7 +477,16 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
             flags |= MAP_GROWSDOWN
         if "nr" in vma.vmflags.split():
             flags |= MAP_NORESERVE
-        if shared_object_key(vma) in shared:
+        if is_sysv(vma):
+            base = vma.start - vma.pgoff          # shmat maps the whole segment from there
+            given = PROT_READ | (vma.prot & (PROT_WRITE | PROT_EXEC))
+            if (vma.inode, base) not in attached:
+                sysvipc.attach_shm_frozen(remote, vma.inode, base, readonly=not vma.prot & PROT_WRITE,
+                                          executable=bool(vma.prot & PROT_EXEC))
+                attached.add((vma.inode, base))
+            if vma.prot != given:
+                remote.checked("mprotect", vma.start, length, vma.prot, step=step)
+        elif shared_object_key(vma) in shared:
             remote.checked("mmap", vma.start, length, prot, flags, shared[shared_object_key(vma)],
                            vma.pgoff, step=step)
         elif vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
