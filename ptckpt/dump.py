@@ -33,7 +33,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      SharedOutside, TargetVanished)
 from .formats.image import ImageWriter
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, Zombie
-from .resources import files, memory, pipes, process, signals, sysvipc, threads
+from .resources import files, memory, pipes, process, signals, sockets, sysvipc, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -240,7 +240,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
             raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({_comm(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
-    return images, pipes.dump_pipes(fds, internal_pipes)
+    return images, pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:

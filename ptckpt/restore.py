@@ -37,7 +37,7 @@ from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
 from .formats.model import PAGE_SIZE, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import files, memory, pids, pipes, process, signals, sysvipc, threads
+from .resources import files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -297,6 +297,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     """The open file descriptions ptckpt makes itself and hands to the stubs ({desc: an fd of it}):
 
     * the pipes and FIFOs of the tree (from their PIPE records, with their bytes);
+    * its unix sockets (from their UNIX_SOCKET records: names, connections, queues);
     * the root's stdio (fds 0-2 on a terminal, pipe or socket): ptckpt restore's own,
       also for the members that share them;
     * files whose description several fds share (after dup or fork).
@@ -311,9 +312,12 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
                 rep.setdefault(f.desc, f)
     stdio = _root_stdio(root)
     pipe_inos = {b.ino for b in image.pipes}
+    socket_inos = {u.ino for u in image.unix_sockets}
     out = {}
     for d, f in rep.items():
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
+            out[d] = f
+        elif f.kind is FdKind.SOCKET and f.ino in socket_inos:
             out[d] = f
         elif d in stdio:
             out[d] = f
@@ -336,6 +340,11 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     opened: dict[int, int] = {}
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
+        socket_inos = {u.ino for u in image.unix_sockets}
+        cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
+        opened.update(sockets.create_unix_sockets(
+            image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
+            cwd_of))
         for d, f in plan.items():
             if d in opened:
                 continue

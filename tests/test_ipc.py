@@ -353,6 +353,13 @@ def test_sysv_segment_semaphore_and_queue_shared_by_two_processes(spawn, ptckpt,
         _ipcrm(shmid, semid, msqid)
 
 
+def _lines(path) -> list[str]:
+    try:
+        return open(path).read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
 def _write(directory, name, text):
     path = directory / name
     path.write_text(text)
@@ -368,3 +375,103 @@ def _text(path) -> str:
 def _ipcrm(shmid: int, semid: int, msqid: int) -> None:
     for flag, ipc_id in (("-m", shmid), ("-s", semid), ("-q", msqid)):
         subprocess.run(["ipcrm", flag, str(ipc_id)], capture_output=True)
+
+
+SOCKETS = r'''
+import os, signal, socket, sys, time
+out, where = sys.argv[1], sys.argv[2]
+def log(text):
+    with open(out, "a") as f:
+        f.write(text + "\n")
+TYPES = (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET)
+pairs = {t: socket.socketpair(socket.AF_UNIX, t) for t in TYPES}
+path = os.path.join(where, "server.sock")
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(path)
+listener.listen(4)
+abstract = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+abstract.bind(b"\0ptckpt-test-%d" % os.getpid())
+client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+client.connect(path)
+served, _ = listener.accept()
+child = os.fork()
+if child == 0:
+    for a, b in pairs.values():
+        a.close()
+    for s in (listener, served, abstract):
+        s.close()
+    for t, (a, b) in pairs.items():
+        b.send(b"from child %d" % t)
+    client.send(b"hello server")
+    os.kill(os.getpid(), signal.SIGSTOP)        # until the test has restored us
+    for t, (a, b) in pairs.items():
+        got = [b.recv(100)] if t == socket.SOCK_STREAM else [b.recv(100) for _ in range(3)]
+        log(f"child {t} {got!r}")
+    log(f"child client {client.recv(100)!r} {client.getpeername()!r}")
+    while True: time.sleep(0.05)
+client.close()
+for t, (a, b) in pairs.items():
+    b.close()
+    a.send(b"from parent %d" % t)
+    if t != socket.SOCK_STREAM:
+        a.send(b"")                             # a zero-length message keeps its place
+        a.send(b"second %d" % t)
+served.send(b"hello client")
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+    sender.sendto(b"to the abstract name", abstract.getsockname())
+print("CHILD", child, flush=True)
+print("READY", os.getpid(), flush=True)
+while not os.path.exists(out + ".go"):
+    time.sleep(0.02)
+for t, (a, b) in pairs.items():
+    log(f"parent {t} {a.recv(100)!r}")
+log(f"parent served {served.recv(100)!r} {served.getsockname()!r}")
+log(f"parent abstract {abstract.recv(100)!r}")
+c2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c2.connect(path)
+s2, _ = listener.accept()
+c2.send(b"new connection")
+log(f"parent listener {s2.recv(100)!r}")
+while True: time.sleep(0.05)
+'''
+
+
+def test_unix_sockets_keep_names_connections_and_queued_data(spawn, ptckpt, tmp_path):
+    '''Socketpairs of the three types with data queued both ways (zero-length datagrams
+    included), a listener bound to a path with an accepted connection, a datagram socket
+    bound to an abstract name: after the round trip every message arrives once, in order.'''
+    where = tmp_path / "sockets"
+    where.mkdir()
+    target = spawn(str(_write(tmp_path, "sockets.py", SOCKETS)), where)
+    child = int(next(l for l in target.preamble if l.startswith("CHILD")).split()[1])
+    wait_until(lambda: _stat(child)["state"] == "T", 5)
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        with ImageReader(tmp_path / "img") as image:
+            queued = sorted(m for u in image.unix_sockets for m in u.queue)
+        assert queued == sorted([b"from child 1", b"from child 2", b"from child 5", b"from parent 1",
+                                 b"from parent 2", b"", b"second 2", b"from parent 5", b"", b"second 5",
+                                 b"hello server", b"hello client", b"to the abstract name"])
+        wait_until(lambda: not os.path.exists(f"/proc/{child}"), 5)
+        _restore(ptckpt, tmp_path / "img")
+        open(f"{target.out_path}.go", "w").close()
+        os.kill(child, signal.SIGCONT)
+        wait_until(lambda: len(_lines(target.out_path)) == 10, 10,
+                   message=lambda: "\n".join(_lines(target.out_path)))
+        lines = set(_lines(target.out_path))
+        path = str(where / "server.sock")
+        assert lines == {
+            "child 1 [b'from parent 1']",
+            "child 2 [b'from parent 2', b'', b'second 2']",
+            "child 5 [b'from parent 5', b'', b'second 5']",
+            f"child client b'hello client' {path!r}",
+            "parent 1 b'from child 1'",
+            "parent 2 b'from child 2'",
+            "parent 5 b'from child 5'",
+            f"parent served b'hello server' {path!r}",
+            "parent abstract b'to the abstract name'",
+            "parent listener b'new connection'",
+        }, lines
+    finally:
+        kill_pids([target.pid, child])
+        reap_orphans()
