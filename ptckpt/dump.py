@@ -205,6 +205,11 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
                 if member == root:
                     raise
                 continue              # a child that exited meanwhile
+            except AccessDenied:
+                if member == root or not _becomes_zombie(member):
+                    raise
+                zombies.append(member)    # it was exiting: seize refuses a task in exit
+                continue
             frozen.add(member)
             order.append(member)
 
@@ -262,6 +267,16 @@ def _comm(pid: int) -> str:
 def _zombie(pid: int) -> Zombie:
     st = procfs.read_stat(pid)
     return Zombie(pid=pid, ppid=st.ppid, pgid=st.pgrp, sid=st.session, wait_status=st.exit_code)
+
+
+def _becomes_zombie(pid: int, timeout: float = 0.2) -> bool:
+    """A task refused to PTRACE_SEIZE because it is in exit shows as a zombie a moment later."""
+    deadline = time.monotonic() + timeout
+    while not _is_zombie(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def _is_zombie(pid: int) -> bool:

@@ -3,6 +3,7 @@ descriptions, zombies, unix sockets, shared memory, SysV IPC."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -68,9 +69,11 @@ def _seen(log) -> int:
     return int(text) if text.strip() else 0
 
 
-def test_shell_pipeline_loses_and_repeats_nothing(spawn, ptckpt, tmp_path):
+@pytest.mark.parametrize("pidns", [False, True], ids=["same-pids", "pidns"])
+def test_shell_pipeline_loses_and_repeats_nothing(spawn, ptckpt, tmp_path, pidns):
     """bash -c 'producer | cat | consumer': the pipes are full at the dump; after the round
-    trip the consumer goes on seeing 1, 2, 3 ... with no number lost or repeated."""
+    trip the consumer goes on seeing 1, 2, 3 ... with no number lost or repeated (also in a
+    fresh pid namespace, where the members keep their pids inside)."""
     (tmp_path / "producer.py").write_text(PRODUCER)
     (tmp_path / "consumer.py").write_text(CONSUMER)
     log = tmp_path / "seen"
@@ -82,6 +85,7 @@ def test_shell_pipeline_loses_and_repeats_nothing(spawn, ptckpt, tmp_path):
     members = _tree_of(bash.pid)
     assert len(members) == 4
     before = {p: _stat(p) for p in members}
+    before_pids = list(members)
     try:
         _dump_kill(ptckpt, bash, tmp_path / "img")
         with ImageReader(tmp_path / "img") as image:
@@ -90,8 +94,16 @@ def test_shell_pipeline_loses_and_repeats_nothing(spawn, ptckpt, tmp_path):
         for p in members:
             wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5, message=f"{p} gone")
         at_dump = _seen(log)
-        _restore(ptckpt, tmp_path / "img")
+        outer = _restore(ptckpt, tmp_path / "img", *(["--pidns"] if pidns else []))
         wait_until(lambda: _seen(log) >= at_dump + 40000, 30, message="the consumer goes on")
+        if pidns:
+            members = _tree_of(outer)
+            assert len(members) == 4
+            init = _stat(outer)["ppid"]
+            members.append(init)
+            with open(f"/proc/{members[-2]}/status") as f:
+                assert next(l for l in f if l.startswith("NSpid:")).split()[-1] == str(before_pids[-1])
+            return
         for p in members:
             after = _stat(p)
             assert {k: after[k] for k in ("ppid", "pgid", "sid")} == \
@@ -128,6 +140,8 @@ if stopped == 0:
 child = os.fork()
 if child == 0:
     libc.prctl(1, signal.SIGUSR1, 0, 0, 0)       # PR_SET_PDEATHSIG
+    import threading                             # a member with a second thread
+    threading.Thread(target=lambda: [time.sleep(0.01) for _ in iter(int, 1)], daemon=True).start()
     signal.signal(signal.SIGUSR2, lambda *a: report("child", f"{prctl_int(2)} {os.getppid()}"))
     while True: time.sleep(0.05)
 def on_usr2(*a):
@@ -151,6 +165,8 @@ def test_zombies_stopped_children_subreaper_and_pdeath_survive(spawn, ptckpt, tm
     wait_until(lambda: _stat(stopped)["state"] == "T", 5)
     members = [parent.pid, zombie, killed, stopped, child]
     try:
+        wait_until(lambda: len(os.listdir(f"/proc/{child}/task")) == 2, 5)
+        tids = sorted(os.listdir(f"/proc/{child}/task"))
         res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill")
         assert res.returncode == 0, res.stderr
         assert "3 processes" in res.stdout and "not dumped" not in res.stdout
@@ -175,6 +191,7 @@ def test_zombies_stopped_children_subreaper_and_pdeath_survive(spawn, ptckpt, tm
         assert (subreaper, zstatus, kstatus) == (1, 7 << 8, signal.SIGTERM), "the parent reaps both as before"
         assert list(map(int, report("child"))) == [signal.SIGUSR1, parent.pid]
         assert not os.path.exists(f"/proc/{zombie}")
+        assert sorted(os.listdir(f"/proc/{child}/task")) == tids, "the child's thread, same tid"
     finally:
         kill_pids(members)
         reap_orphans()
@@ -475,3 +492,68 @@ def test_unix_sockets_keep_names_connections_and_queued_data(spawn, ptckpt, tmp_
     finally:
         kill_pids([target.pid, child])
         reap_orphans()
+
+
+def test_socket_connected_outside_the_tree_is_refused_naming_both_ends(spawn, ptckpt, tmp_path):
+    path = tmp_path / "outside.sock"
+    server = spawn(str(_write(tmp_path, "server.py",
+                              "import os, socket, time\n"
+                              f"l = socket.socket(socket.AF_UNIX); l.bind({str(path)!r}); l.listen(1)\n"
+                              "print('READY', os.getpid(), flush=True)\n"
+                              "s, _ = l.accept()\n"
+                              "while True: time.sleep(1)\n")), out=False)
+    client = spawn(str(_write(tmp_path, "client.py",
+                              "import os, socket, time\n"
+                              f"c = socket.socket(socket.AF_UNIX); c.connect({str(path)!r})\n"
+                              "print('READY', os.getpid(), flush=True)\n"
+                              "while True: time.sleep(1)\n")), out=False)
+    wait_until(lambda: len([f for f in os.listdir(f"/proc/{server.pid}/fd")
+                            if os.readlink(f"/proc/{server.pid}/fd/{f}").startswith("socket:")]) == 2, 5)
+    res = ptckpt("dump", client.pid, "-D", tmp_path / "img")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {client.pid} fd", "socket:[",
+              "outside the tree", f"held by pid {server.pid} fd")
+    assert not (tmp_path / "img").exists()
+    with open(f"/proc/{client.pid}/status") as f:
+        assert "TracerPid:\t0" in f.read()
+
+
+POSIX_SHM = r'''
+import mmap, os, sys, time
+from multiprocessing import shared_memory
+out = sys.argv[1]
+shm = shared_memory.SharedMemory(create=True, size=4096)
+print("SHM", shm.name, flush=True)
+child = os.fork()
+if child == 0:
+    n = 0
+    while True:
+        n += 1
+        shm.buf[0:8] = n.to_bytes(8, "little")
+        time.sleep(0.002)
+print("READY", os.getpid(), flush=True)
+while True:
+    with open(out + ".tmp", "w") as f:
+        f.write(f"{int.from_bytes(shm.buf[0:8], 'little')}\n")
+    os.replace(out + ".tmp", out)
+    time.sleep(0.01)
+'''
+
+
+def test_posix_shm_under_dev_shm_is_shared_again(spawn, ptckpt, tmp_path):
+    target = spawn(str(_write(tmp_path, "pshm.py", POSIX_SHM)))
+    name = next(l for l in target.preamble if l.startswith("SHM")).split()[1]
+    members = _tree_of(target.pid)
+    seen = lambda: int(_text(target.out_path) or 0)
+    try:
+        wait_until(lambda: os.path.exists(target.out_path) and seen() > 20, 5)
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        at_dump = seen()
+        _restore(ptckpt, tmp_path / "img")
+        wait_until(lambda: seen() > at_dump + 100, 10, message="the parent sees the child count on")
+    finally:
+        kill_pids(members)
+        reap_orphans()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
@@ -257,3 +258,42 @@ def test_process_group_whose_leader_exited_is_recreated(spawn, ptckpt, tmp_path)
     finally:
         kill_pids([member])
         reap_orphans()
+
+
+_FORKER = r'''
+import os, time
+print("READY", os.getpid(), flush=True)
+while True:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.02)
+        os._exit(3)
+    while True:
+        try:
+            got, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if not got:
+            break
+    time.sleep(0.001)
+'''
+
+
+def test_a_tree_forking_during_the_freeze_is_dumped_whole(spawn, ptckpt, tmp_path):
+    """Forks racing the freeze: every dump holds a closed tree (each member's parent is in it,
+    zombies are recorded with their parent) and the forker runs on."""
+    script = tmp_path / "forker.py"
+    script.write_text(_FORKER)
+    target = spawn(str(script), out=False)
+    for i in range(5):
+        image_dir = tmp_path / f"img{i}"
+        res = ptckpt("dump", target.pid, "-D", image_dir)
+        assert res.returncode == 0, res.stderr
+        with ImageReader(image_dir) as image:
+            pids = set(image.inventory.pids)
+            for p in image.inventory.pids[1:]:
+                assert image.process(p).task.ppid in pids
+            assert all(z.ppid in pids for z in image.zombies)
+    time.sleep(0.1)
+    assert _stat(target.pid)["state"] in "RS"
+    reap_orphans()
