@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ def changed_files(proc: ProcessImage) -> list[str]:
 def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt)."""
     started = time.monotonic()
+    _raise_nofile()
     log.info("collect %s", directory)
     with ImageReader(directory) as image:
         root = image.inventory.root_pid
@@ -229,6 +231,15 @@ def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
                 sysvipc.remove_object(kind, ipc_id)
         raise
     return made
+
+
+def _raise_nofile() -> None:
+    """ptckpt holds every fd the tree shares at once, above the image's own fd numbers, and the
+    stubs inherit its limit: take the hard RLIMIT_NOFILE as the soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict) -> None:

@@ -186,6 +186,27 @@ def _process_tables(proc: ProcessImage, runs: list[PageRun]) -> list[str]:
     ]
 
 
+def _shared_table(reader: ImageReader) -> str:
+    """One row per image-wide record: zombies, pipes, unix sockets, SysV objects."""
+    rows = []
+    for z in reader.zombies:
+        rows.append(["zombie", z.pid, f"child of {z.ppid}, wait status {z.wait_status:#x}"])
+    for p in reader.pipes:
+        rows.append(["fifo" if p.path else "pipe", p.ino,
+                     f"{len(p.data)} bytes buffered of {p.capacity}" + (f", {_printable(p.path)}" if p.path else "")])
+    for u in reader.unix_sockets:
+        kind = {1: "stream", 2: "dgram", 5: "seqpacket"}.get(u.type, str(u.type))
+        name = _printable(os.fsdecode(u.name.replace(b"\0", b"@", 1))) if u.name else "unnamed"
+        what = "listening" if u.state == 10 else f"peer {u.peer}" if u.peer else "unconnected"
+        rows.append([f"unix {kind}", u.ino, f"{name}, {what}, {sum(map(len, u.queue))} bytes "
+                     f"in {len(u.queue)} queued"])
+    for o in reader.sysv:
+        kind = type(o).__name__.removesuffix("Image").lower()
+        ident = getattr(o, "shmid", getattr(o, "semid", getattr(o, "msqid", 0)))
+        rows.append([f"sysv {kind}", ident, f"key {o.key:#x}"])
+    return _table(["KIND", "ID", "WHAT"], rows, right=(1,)) if rows else ""
+
+
 def image_summary(directory: str | os.PathLike) -> str:
     """Human-readable tables of an image: tasks, then threads, VMAs and fds per process.
 
@@ -195,6 +216,7 @@ def image_summary(directory: str | os.PathLike) -> str:
         inv = reader.inventory
         procs = [reader.process(pid) for pid in reader.pids]
         runs = {pid: reader.page_runs(pid) for pid in reader.pids}
+        shared = _shared_table(reader)
     when = datetime.fromtimestamp(inv.realtime_ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
     head = (f"image {_printable(str(directory))}: format {reader.version}, ptckpt {inv.ptckpt_version}, "
             f"dumped {when} on {_printable(inv.hostname)} ({_printable(inv.kernel_release)} {inv.arch}), "
@@ -205,6 +227,8 @@ def image_summary(directory: str | os.PathLike) -> str:
          for p in procs],
         right=(0, 1, 3))
     parts = [head, _section("tasks:", tasks)]
+    if shared:
+        parts.append(_section("shared by the tree:", shared))
     if inv.fd_kinds_unsupported:
         parts.append(_section("not restorable:", "\n".join("  " + _printable(s) for s in inv.fd_kinds_unsupported)))
     for proc in procs:

@@ -200,3 +200,27 @@ def test_show_reports_image_errors(tmp_path, image_dir):
     core.write_bytes(bytes(raw))
     with pytest.raises(CorruptImage, match="checksum mismatch"):
         image_summary(image_dir)
+
+
+def test_summary_lists_what_the_tree_shares(tmp_path):
+    from ptckpt.formats.model import PipeBuffer, UnixSocket, Zombie
+    target = tmp_path / "img"
+    with ImageWriter(target) as image:
+        image.write_inventory(Inventory(
+            ptckpt_version="0.1.0", kernel_release="6.8.0", arch="x86_64", page_size=PAGE_SIZE, xfeatures=3,
+            xstate_size=576, root_pid=PID, pids=(PID,), realtime_ns=1_700_000_000 * 10**9, monotonic_ns=1,
+            boottime_ns=2, hostname="box"), [
+                Zombie(pid=PID + 5, ppid=PID, pgid=PID, sid=1, wait_status=7 << 8),
+                PipeBuffer(ino=99, capacity=65536, data=b"abc"),
+                UnixSocket(ino=77, type=1, state=10, name=b"\0srv", peer=0, peer_name=b"", backlog=4,
+                           shutdown=0, queue=())])
+        image.write_process(PROC)
+        with image.pages_writer(PID) as pages:
+            pages.add_run(HEAP, 2, pages.write(HEAP_PAGES))
+    rows = _table_after(image_summary(target), "shared by the tree:")
+    assert rows[0].split() == ["KIND", "ID", "WHAT"]
+    assert rows[1].split()[:2] == ["zombie", str(PID + 5)] and "0x700" in rows[1]
+    assert rows[2].split()[:2] == ["pipe", "99"] and "3 bytes buffered" in rows[2]
+    assert "unix stream" in rows[3] and "@srv, listening" in rows[3]
+    data = image_to_json(target)
+    assert data["zombies"][0]["wait_status"] == 7 << 8 and data["pipes"][0]["data"] == "616263"
