@@ -82,14 +82,17 @@ HEAP_PAGES = b"H" * (2 * PAGE_SIZE)          # 2 of the 3 heap pages
 STACK_PAGES = b"S" * (2 * PAGE_SIZE)
 
 
+INVENTORY = Inventory(
+    ptckpt_version="0.1.0", kernel_release="6.8.0", arch="x86_64", page_size=PAGE_SIZE, xfeatures=3,
+    xstate_size=576, root_pid=PID, pids=(PID,), realtime_ns=1_700_000_000 * 10**9, monotonic_ns=1,
+    boottime_ns=2, hostname="box")
+
+
 @pytest.fixture
 def image_dir(tmp_path):
     target = tmp_path / "img"
     with ImageWriter(target) as image:
-        image.write_inventory(Inventory(
-            ptckpt_version="0.1.0", kernel_release="6.8.0", arch="x86_64", page_size=PAGE_SIZE, xfeatures=3,
-            xstate_size=576, root_pid=PID, pids=(PID,), realtime_ns=1_700_000_000 * 10**9, monotonic_ns=1,
-            boottime_ns=2, hostname="box"))
+        image.write_inventory(INVENTORY)
         image.write_process(PROC)
         with image.pages_writer(PID) as pages:
             pages.add_run(HEAP, 2, pages.write(HEAP_PAGES))
@@ -206,10 +209,7 @@ def test_summary_lists_what_the_tree_shares(tmp_path):
     from ptckpt.formats.model import PipeBuffer, UnixSocket, Zombie
     target = tmp_path / "img"
     with ImageWriter(target) as image:
-        image.write_inventory(Inventory(
-            ptckpt_version="0.1.0", kernel_release="6.8.0", arch="x86_64", page_size=PAGE_SIZE, xfeatures=3,
-            xstate_size=576, root_pid=PID, pids=(PID,), realtime_ns=1_700_000_000 * 10**9, monotonic_ns=1,
-            boottime_ns=2, hostname="box"), [
+        image.write_inventory(INVENTORY, [
                 Zombie(pid=PID + 5, ppid=PID, pgid=PID, sid=1, wait_status=7 << 8),
                 PipeBuffer(ino=99, capacity=65536, data=b"abc"),
                 UnixSocket(ino=77, type=1, state=10, name=b"\0srv", peer=0, peer_name=b"", backlog=4,

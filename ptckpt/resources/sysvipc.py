@@ -133,8 +133,8 @@ def _errno_text(err: int) -> str:
     return f"{_errno.errorcode.get(err, str(err))} ({os.strerror(err)})"
 
 
-class SysvIpcError(PtckptError):
-    """A System V IPC object could not be listed or read (dump side)."""
+class _NamesObject:
+    """What every SysV IPC error carries: the object (kind, id, key) and the errno."""
 
     def __init__(self, kind: IpcKind, ipc_id: int | None, key: int | None, message: str,
                  err: int | None = None):
@@ -143,6 +143,10 @@ class SysvIpcError(PtckptError):
         self.ipc_id = ipc_id
         self.key = key
         self.errno = err
+
+
+class SysvIpcError(_NamesObject, PtckptError):
+    """A System V IPC object could not be listed or read (dump side)."""
 
 
 class IpcObjectGone(SysvIpcError):
@@ -157,16 +161,8 @@ class IpcAccessDenied(SysvIpcError):
     exit_code = ExitCode.ACCESS_DENIED
 
 
-class IpcRestoreFailed(RestoreFailed):
+class IpcRestoreFailed(_NamesObject, RestoreFailed):
     """Re-creating or refilling an object failed."""
-
-    def __init__(self, kind: IpcKind, ipc_id: int, key: int, message: str,
-                 err: int | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.ipc_id = ipc_id
-        self.key = key
-        self.errno = err
 
 
 class IpcIdTaken(IpcRestoreFailed):
