@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -557,3 +558,19 @@ def test_posix_shm_under_dev_shm_is_shared_again(spawn, ptckpt, tmp_path):
         reap_orphans()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_socket_path_still_bound_by_the_original_is_refused_at_restore(spawn, ptckpt, tmp_path):
+    """dump --leave-running, then restore while the original still listens: the restore must
+    not steal its path; it fails naming the path, and kills what it built."""
+    path = tmp_path / "live.sock"
+    target = spawn(str(_write(tmp_path, "live.py",
+                              "import os, socket, time\n"
+                              f"l = socket.socket(socket.AF_UNIX); l.bind({str(path)!r}); l.listen(1)\n"
+                              "print('READY', os.getpid(), flush=True)\n"
+                              "while True: time.sleep(1)\n")), out=False)
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img").returncode == 0
+    res = ptckpt("restore", "-D", tmp_path / "img", "--pidns", "--detach")
+    _one_line(res, ExitCode.REMOTE_SYSCALL, str(path), "bound by a live socket")
+    with socket.socket(socket.AF_UNIX) as c:
+        c.connect(str(path))                        # the original still owns its path

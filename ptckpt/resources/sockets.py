@@ -219,12 +219,18 @@ def _new(r: UnixSocket, cwd: str | None) -> socket.socket:
 
 def _bind(s: socket.socket, name: bytes, cwd: str | None) -> None:
     """Bind to the image's name.  A path still holding the dead original's socket file is
-    unlinked first; a relative name is bound from the directory it was bound in."""
+    unlinked first (one a live socket is bound to is refused); a relative name is bound
+    from the directory it was bound in."""
     with _in_directory(cwd if _is_path(name) and not name.startswith(b"/") else None):
         if _is_path(name):
             with contextlib.suppress(FileNotFoundError):
-                if _stat.S_ISSOCK(os.lstat(name).st_mode):
-                    os.unlink(name)
+                st = os.lstat(name)
+                if _stat.S_ISSOCK(st.st_mode):
+                    if any(d.vfs_ino == st.st_ino and d.vfs_dev == st.st_dev
+                           for d in sockdiag.unix_sockets().values()):
+                        raise RestoreFailed(f"unix socket: {_show(name)} is bound by a live socket "
+                                            f"(is the original still running?)")
+                    os.unlink(name)           # the dead original's socket file
         _call(f"bind to {_show(name)}", s.bind, _addr(name))
 
 
