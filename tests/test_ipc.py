@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -574,3 +575,54 @@ def test_a_socket_path_still_bound_by_the_original_is_refused_at_restore(spawn, 
     _one_line(res, ExitCode.REMOTE_SYSCALL, str(path), "bound by a live socket")
     with socket.socket(socket.AF_UNIX) as c:
         c.connect(str(path))                        # the original still owns its path
+
+
+FIFO = r'''
+import os, sys, time
+out = sys.argv[1]
+fifo = out + ".fifo"
+os.mkfifo(fifo)
+r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+child = os.fork()
+if child == 0:
+    w = os.open(fifo, os.O_WRONLY)
+    for i in range(1, 101):
+        os.write(w, b"%d\n" % i)
+    while True: time.sleep(0.05)
+print("READY", os.getpid(), flush=True)
+while not os.path.exists(out + ".go"):
+    time.sleep(0.02)
+data = b""
+while True:
+    try:
+        chunk = os.read(r, 65536)
+    except BlockingIOError:
+        break
+    data += chunk
+with open(out + ".got", "w") as f:
+    f.write(data.decode())
+while True: time.sleep(0.05)
+'''
+
+
+def test_fifo_between_members_keeps_its_bytes(spawn, ptckpt, tmp_path):
+    target = spawn(str(_write(tmp_path, "fifo.py", FIFO)))
+    members = _tree_of(target.pid)
+    fifo = f"{target.out_path}.fifo"
+    try:
+        wait_until(lambda: len(members) == 2 and any(
+            os.readlink(f"/proc/{members[1]}/fd/{n}") == fifo for n in os.listdir(f"/proc/{members[1]}/fd")), 5)
+        time.sleep(0.2)                                  # the child has written its 100 lines
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        with ImageReader(tmp_path / "img") as image:
+            [buf] = image.pipes
+            assert buf.path == fifo and buf.data == b"".join(b"%d\n" % i for i in range(1, 101))
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        _restore(ptckpt, tmp_path / "img")
+        open(f"{target.out_path}.go", "w").close()
+        wait_until(lambda: os.path.exists(f"{target.out_path}.got"), 5)
+        assert open(f"{target.out_path}.got").read().split() == [str(i) for i in range(1, 101)]
+    finally:
+        kill_pids(members)
+        reap_orphans()
