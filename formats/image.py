@@ -44,6 +44,7 @@ from ptckpt.formats.model import (
     PAGE_SIZE,
     Creds,
     Fd,
+    GhostFile,
     Inventory,
     Mm,
     MsgImage,
@@ -652,6 +653,7 @@ class ImageReader:
         self.pipes: tuple[PipeBuffer, ...] = ()
         self.unix_sockets: tuple[UnixSocket, ...] = ()
         self.sysv: tuple[ShmImage | SemImage | MsgImage, ...] = ()
+        self.ghost_files: tuple[GhostFile, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -742,6 +744,7 @@ class ImageReader:
         self.pipes = tuple(e for e in entries if isinstance(e, PipeBuffer))
         self.unix_sockets = tuple(e for e in entries if isinstance(e, UnixSocket))
         self.sysv = tuple(e for e in entries if isinstance(e, (ShmImage, SemImage, MsgImage)))
+        self.ghost_files = tuple(e for e in entries if isinstance(e, GhostFile))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

@@ -302,6 +302,19 @@ class UnixSocket:
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
 
 
+@dataclass(frozen=True)
+class GhostFile:
+    """A file deleted while the tree still had it open or mapped: its bytes go into the image."""
+
+    dev: int                  # st_dev, st_ino of the deleted file (fds and VMAs name it so)
+    ino: int
+    path: str                 # where it was, without " (deleted)"
+    mode: int                 # st_mode
+    uid: int
+    gid: int
+    data: bytes = field(repr=False)
+
+
 # --- System V IPC objects the tree uses (inventory.img, since format 2) --------
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ Grammar (every integer little-endian)::
     array   := VarInt count, count items
     bool    := u8 (0 or 1)
 
-    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG*
+    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
     PAGEMAP file   := PAGE_RUN*
@@ -85,6 +85,7 @@ from ptckpt.formats.model import (
     Creds,
     Fd,
     FdKind,
+    GhostFile,
     Inventory,
     Mm,
     MsgImage,
@@ -133,6 +134,7 @@ class EntryKind(enum.IntEnum):
     SYSV_SHM = 6
     SYSV_SEM = 7
     SYSV_MSG = 8
+    GHOST_FILE = 9
     TASK = 10
     CREDS = 11
     MM = 12
@@ -545,6 +547,20 @@ MsgImageRecord = Record(MsgImage, Struct(
 ))
 
 
+# --- GHOST_FILE --------------------------------------------------------------
+# A deleted file still open or mapped (/proc/PID/fd/N or map_files link ending in
+# " (deleted)"): fstat(2) identity, mode and owner, and its whole contents.
+GhostFileRecord = Record(GhostFile, Struct(
+    "dev" / Int64ul,
+    "ino" / Int64ul,
+    "path" / Text,
+    "mode" / Int32ul,
+    "uid" / Int32ul,
+    "gid" / Int32ul,
+    "data" / Blob,
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -555,6 +571,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.SYSV_SHM: ShmImageRecord,
     EntryKind.SYSV_SEM: SemImageRecord,
     EntryKind.SYSV_MSG: MsgImageRecord,
+    EntryKind.GHOST_FILE: GhostFileRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -572,7 +589,7 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
                                    EntryKind.UNIX_SOCKET, EntryKind.SYSV_SHM, EntryKind.SYSV_SEM,
-                                   EntryKind.SYSV_MSG}),
+                                   EntryKind.SYSV_MSG, EntryKind.GHOST_FILE}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -605,7 +622,7 @@ _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
-                  SemImage, MsgImage, RawEntry]
+                  SemImage, MsgImage, GhostFile, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

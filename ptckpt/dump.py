@@ -245,7 +245,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
             raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({_comm(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
-    return images, pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
+    return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
+                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:

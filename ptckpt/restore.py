@@ -98,10 +98,11 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     changed = changed_files(proc)
     if changed:
         raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
+    ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
         if (v.file_deleted and memory.shared_object_key(v) is None and not memory.is_sysv(v)
-                and v.kind is not VmaKind.ANON_SHARED):
+                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts):
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
         if memory.is_sysv(v) and v.inode not in {o.shmid for o in image.sysv if isinstance(o, ShmImage)}:
             bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x} (its segment is not in the image)")
@@ -324,6 +325,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     stdio = _root_stdio(root)
     pipe_inos = {b.ino for b in image.pipes}
     socket_inos = {u.ino for u in image.unix_sockets}
+    ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     out = {}
     for d, f in rep.items():
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
@@ -331,6 +333,8 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
         elif f.kind is FdKind.SOCKET and f.ino in socket_inos:
             out[d] = f
         elif d in stdio:
+            out[d] = f
+        elif files.ghost_key(f) in ghosts:
             out[d] = f
         elif uses[d] > 1 and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f
@@ -348,9 +352,13 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     stdio = _root_stdio(procs[image.inventory.root_pid])
     pipe_descs = {d: f for d, f in plan.items()
                   if f.kind in pipes.PIPE_KINDS and f.ino in {b.ino for b in image.pipes}}
-    opened: dict[int, int] = {}
+    opened: dict = {}
+    ghost_paths: dict = {}
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
+        ghost_paths = files.create_ghost_files(list(image.ghost_files))
+        for key, path in ghost_paths.items():          # what the deleted mappings map
+            opened[key] = files.open_description(_ghost_fd(key), path)
         socket_inos = {u.ino for u in image.unix_sockets}
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
@@ -366,17 +374,25 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                     raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
                                         f"restore has no fd {f.fd} of its own to give it") from None
             else:
-                opened[d] = files.open_description(f)
+                opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
+        files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
         opened.update(memory.create_shared_objects(v for proc in procs.values() for v in proc.vmas))
         base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
         for d, fd in list(opened.items()):
             opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
             os.close(fd)
     except BaseException:
+        files.remove_ghost_files(ghost_paths)
         for fd in opened.values():
             os.close(fd)
         raise
     return opened
+
+
+def _ghost_fd(key) -> Fd:
+    """The open of a deleted file that a mapping needs (read-write: a shared mapping may write)."""
+    return Fd(fd=-1, kind=FdKind.REGULAR, path=f"deleted file {key[1]:#x}:{key[2]}", flags=os.O_RDWR,
+              pos=0, cloexec=True, mnt_id=0, dev=key[1], ino=key[2], mode=0, rdev=0, size=0, mtime_ns=0)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from ptckpt.formats.model import (
     Creds,
     Fd,
     FdKind,
+    GhostFile,
     Inventory,
     Mm,
     MsgImage,
@@ -155,7 +156,9 @@ def sample_records() -> list:
                      pids=(100, 0, 101), otime=3, ctime=4),
             MsgImage(key=-1, msqid=7, perms=0o640, uid=1, gid=2, cuid=3, cgid=4, qbytes=16384,
                      messages=((1, b"hello"), (2**62, b""), (3, bytes(range(256)))), lspid=100, lrpid=0,
-                     stime=5, rtime=6, ctime=7)]
+                     stime=5, rtime=6, ctime=7),
+            GhostFile(dev=0x10302, ino=99, path=ODD_PATH, mode=0o100600, uid=1000, gid=100,
+                      data=b"ghost" * 1000)]
 
 
 SAMPLES = sample_records()

@@ -414,14 +414,15 @@ def test_busy_pid(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
-def test_deleted_open_file_is_refused_before_anything_starts(spawn, ptckpt, tmp_path):
+def test_deleted_file_above_the_ghost_limit_is_refused_at_dump(spawn, ptckpt, tmp_path):
+    big = tmp_path / "big.bin"
     script = idle_script(tmp_path, "ghost.py",
-                         "import os, time\nf = open('ghost.txt', 'w'); os.unlink('ghost.txt')\n")
+                         f"import os, time\nf = open({str(big)!r}, 'wb')\nf.truncate((64 << 20) + 1)\n"
+                         f"os.unlink({str(big)!r})\n")
     target = spawn(str(script), out=False)
-    _dump_kill(ptckpt, target, tmp_path / "img")
-    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
-              "ghost.txt (deleted)", "not restored yet")
-    assert not pid_alive(target.pid)
+    _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
+              f"{big} (deleted)", "67108865 bytes", "64 MiB at most")
+    assert pid_alive(target.pid) and not (tmp_path / "img").exists()
 
 
 def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):

@@ -23,8 +23,8 @@ import stat as _stat
 from collections.abc import Mapping
 
 from .. import procfs
-from ..errors import PtckptError, RestoreFailed
-from ..formats.model import Fd, FdKind
+from ..errors import PtckptError, RestoreFailed, UnsupportedResource
+from ..formats.model import Fd, FdKind, GhostFile, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
 
 O_PATH = 0o10000000
@@ -197,6 +197,63 @@ def number_descriptions(fds: dict[int, list[Fd]]) -> dict[int, list[Fd]]:
     return out
 
 
+DELETED = " (deleted)"
+GHOST_LIMIT = 64 << 20          # bytes of one deleted file the image takes at most
+
+
+def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
+    """("ghost", st_dev, st_ino) of a deleted regular file an fd or a file mapping refers to."""
+    if isinstance(what, Fd):
+        if what.kind is FdKind.REGULAR and what.path.endswith(DELETED):
+            return ("ghost", what.dev, what.ino)
+        return None
+    if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
+            and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))):
+        return ("ghost", os.makedev(what.dev_major, what.dev_minor), what.inode)
+    return None
+
+
+def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]]) -> list[GhostFile]:
+    """The contents of every deleted file the tree holds open or mapped (once per file)."""
+    out: dict[tuple, GhostFile] = {}
+    for pid, flist in fds.items():
+        for f in flist:
+            key = ghost_key(f)
+            if key and key not in out:
+                out[key] = _read_ghost(pid, f"/proc/{pid}/fd/{f.fd}", f.path, f"fd {f.fd}")
+    for pid, vlist in vmas.items():
+        for v in vlist:
+            key = ghost_key(v)
+            if key and key not in out:
+                out[key] = _read_ghost(pid, f"/proc/{pid}/map_files/{v.start:x}-{v.end:x}", v.path,
+                                       f"mapping {v.start:#x}-{v.end:#x}")
+    return list(out.values())
+
+
+def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
+    try:
+        fd = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise UnsupportedResource(pid, f"{what} -> {path}: the deleted file cannot be read "
+                                       f"({err.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_size > GHOST_LIMIT:
+            raise UnsupportedResource(pid, f"{what} -> {path}: a deleted file of {st.st_size} bytes "
+                                           f"(the image takes {GHOST_LIMIT >> 20} MiB at most)")
+        chunks, size = [], st.st_size
+        while size > 0:
+            chunk = os.read(fd, min(size, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+    finally:
+        os.close(fd)
+    return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
+                     uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks))
+
+
 def unsupported_fds(fds: list[Fd]) -> list[str]:
     """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd the restore cannot recreate yet."""
     return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
@@ -236,16 +293,56 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
     return out
 
 
-def open_description(f: Fd) -> int:
-    """Open, in ptckpt, the file description an fd had: its path, flags and offset."""
+def open_description(f: Fd, path: str | None = None) -> int:
+    """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset."""
     flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
     try:
-        fd = os.open(f.path, flags)
+        fd = os.open(path or f.path, flags)
     except OSError as err:
-        raise RestoreFailed(f"cannot reopen {f.path} (fd {f.fd}, shared): {err.strerror}") from None
-    if f.kind is FdKind.REGULAR and f.pos:
+        raise RestoreFailed(f"cannot reopen {f.path} (fd {f.fd}): {err.strerror}") from None
+    if f.kind in (FdKind.REGULAR, FdKind.DIRECTORY) and f.pos:
         os.lseek(fd, f.pos, os.SEEK_SET)
     return fd
+
+
+def create_ghost_files(ghosts: list[GhostFile]) -> dict[tuple, str]:
+    """Make each deleted file again, with its bytes, mode and owner, where it was (or beside it
+    when that name is taken now): {ghost_key: path}.  The caller opens what it needs, then
+    unlinks them all (remove_ghost_files), so they are deleted-but-open again."""
+    out: dict[tuple, str] = {}
+    try:
+        for n, g in enumerate(ghosts):
+            path = g.path
+            for attempt in range(100):
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, g.mode & 0o7777)
+                    break
+                except FileExistsError:
+                    path = f"{g.path}.ptckpt-ghost-{os.getpid()}-{n}-{attempt}"
+                except OSError as err:
+                    raise RestoreFailed(f"cannot recreate the deleted file {g.path}: {err.strerror}") from None
+            else:
+                raise RestoreFailed(f"cannot recreate the deleted file {g.path}: every name is taken")
+            out[("ghost", g.dev, g.ino)] = path
+            try:
+                view = memoryview(g.data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, g.mode & 0o7777)
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, g.uid, g.gid)
+            finally:
+                os.close(fd)
+    except BaseException:
+        remove_ghost_files(out)
+        raise
+    return out
+
+
+def remove_ghost_files(paths: dict[tuple, str]) -> None:
+    for path in paths.values():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}) -> None:
@@ -288,6 +385,6 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
         if got != f.fd:
             remote.checked("dup3", got, f.fd, O_CLOEXEC if f.cloexec else 0, step=step)
             remote.checked("close", got, step=step)
-        if f.kind is FdKind.REGULAR and f.pos:
+        if f.kind in (FdKind.REGULAR, FdKind.DIRECTORY) and f.pos:
             remote.checked("lseek", f.fd, f.pos, 0, step=step)
 

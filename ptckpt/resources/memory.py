@@ -19,6 +19,7 @@ from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
 from . import sysvipc
+from .files import ghost_key
 
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
@@ -486,6 +487,9 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
                 attached.add((vma.inode, base))
             if vma.prot != given:
                 remote.checked("mprotect", vma.start, length, vma.prot, step=step)
+        elif ghost_key(vma) in shared:               # a deleted file, made again by ptckpt
+            remote.checked("mmap", vma.start, length, prot, flags, shared[ghost_key(vma)], vma.pgoff,
+                           step=step)
         elif shared_object_key(vma) in shared:
             remote.checked("mmap", vma.start, length, prot, flags, shared[shared_object_key(vma)],
                            vma.pgoff, step=step)
