@@ -53,6 +53,7 @@ from ptckpt.formats.model import (
     PipeBuffer,
     ProcessImage,
     Rlimit,
+    SavedFile,
     SemImage,
     ShmImage,
     Sigaction,
@@ -654,6 +655,7 @@ class ImageReader:
         self.unix_sockets: tuple[UnixSocket, ...] = ()
         self.sysv: tuple[ShmImage | SemImage | MsgImage, ...] = ()
         self.ghost_files: tuple[GhostFile, ...] = ()
+        self.saved_files: tuple[SavedFile, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -745,6 +747,7 @@ class ImageReader:
         self.unix_sockets = tuple(e for e in entries if isinstance(e, UnixSocket))
         self.sysv = tuple(e for e in entries if isinstance(e, (ShmImage, SemImage, MsgImage)))
         self.ghost_files = tuple(e for e in entries if isinstance(e, GhostFile))
+        self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

@@ -180,6 +180,7 @@ class Vma:
     file_size: int = 0        # st_size of the mapped file at dump (0 if none)
     file_mtime_ns: int = 0
     file_deleted: bool = False
+    build_id: str = ""        # GNU build-id of a mapped ELF file, hex (since format 3)
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ class Fd:
     details: tuple[tuple[str, str], ...] = field(default=())   # fdinfo extras, socket family/type ...
     desc: int = 0             # the open file description, numbered across the whole tree
                               # (fds that share one after dup/fork have the same desc; since format 2)
+    skipped: bool = False     # dump --skip-file: recorded, not reopened at restore (since format 3)
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,18 @@ class GhostFile:
     mode: int                 # st_mode
     uid: int
     gid: int
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SavedFile:
+    """dump --save-file: a file's contents kept in the image and put back before a restore."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
     data: bytes = field(repr=False)
 
 

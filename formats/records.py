@@ -21,6 +21,7 @@ Grammar (every integer little-endian)::
     bool    := u8 (0 or 1)
 
     INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
+                      SAVED_FILE*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
     PAGEMAP file   := PAGE_RUN*
@@ -94,6 +95,7 @@ from ptckpt.formats.model import (
     Restart,
     PipeBuffer,
     Rlimit,
+    SavedFile,
     SemImage,
     ShmImage,
     Sigaction,
@@ -106,7 +108,8 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 2                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 3                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+                                   # 3: files (build-ids, skipped fds, saved files)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -123,8 +126,8 @@ class FileKind(enum.IntEnum):
 class EntryKind(enum.IntEnum):
     """Entry kinds; the numbers are unique across all file kinds and never reused.
 
-    Gaps are deliberate: 2-9 for more image-wide records (e.g. PLUGIN=2),
-    19 and 21+ for more per-process ones.
+    Gaps are deliberate: 2 is kept for PLUGIN, 19 and 21-29 for more per-process
+    records, 30 and up for more image-wide ones.
     """
 
     INVENTORY = 1
@@ -135,6 +138,7 @@ class EntryKind(enum.IntEnum):
     SYSV_SEM = 7
     SYSV_MSG = 8
     GHOST_FILE = 9
+    SAVED_FILE = 30
     TASK = 10
     CREDS = 11
     MM = 12
@@ -377,6 +381,7 @@ VmaRecord = Record(Vma, Struct(
     "file_size" / Int64ul,
     "file_mtime_ns" / Int64sl,
     "file_deleted" / Flag,
+    "build_id" / Since(3, Utf8),      # NT_GNU_BUILD_ID of the mapped ELF file (elf(5)), hex
 ))
 
 # --- THREAD ------------------------------------------------------------------
@@ -448,6 +453,7 @@ FdRecord = Record(Fd, Struct(
     "mtime_ns" / Int64sl,
     "details" / PrefixedArray(VarInt, CSequence(Text, Text)),
     "desc" / Since(2, VarInt),        # open file description number (kcmp(2) KCMP_FILE groups)
+    "skipped" / Since(3, Flag),       # dump --skip-file
 ))
 
 # --- ZOMBIE ------------------------------------------------------------------
@@ -561,6 +567,18 @@ GhostFileRecord = Record(GhostFile, Struct(
 ))
 
 
+# --- SAVED_FILE --------------------------------------------------------------
+# dump --save-file PATTERN: stat(2) mode, owner, mtime and the contents of a file.
+SavedFileRecord = Record(SavedFile, Struct(
+    "path" / Text,
+    "mode" / Int32ul,
+    "uid" / Int32ul,
+    "gid" / Int32ul,
+    "mtime_ns" / Int64sl,
+    "data" / Blob,
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -572,6 +590,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.SYSV_SEM: SemImageRecord,
     EntryKind.SYSV_MSG: MsgImageRecord,
     EntryKind.GHOST_FILE: GhostFileRecord,
+    EntryKind.SAVED_FILE: SavedFileRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -589,7 +608,7 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
                                    EntryKind.UNIX_SOCKET, EntryKind.SYSV_SHM, EntryKind.SYSV_SEM,
-                                   EntryKind.SYSV_MSG, EntryKind.GHOST_FILE}),
+                                   EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -622,7 +641,7 @@ _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
-                  SemImage, MsgImage, GhostFile, RawEntry]
+                  SemImage, MsgImage, GhostFile, SavedFile, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -59,14 +59,19 @@ def dump(
                                                      help="Image directory (default ./ckpt-PID); must not exist or be empty.")] = None,
     leave_running: Annotated[bool, typer.Option("--leave-running/--kill",
                                                 help="Resume the target after the dump (default), or kill it once the image is on disk.")] = True,
+    save_file: Annotated[Optional[list[str]], typer.Option("--save-file", metavar="PATTERN",
+                                                           help="Store the contents of the open or mapped files matching PATTERN (an absolute path glob; ** spans directories; DIR/ means all under DIR) in the image; restore puts them back. Repeatable.")] = None,
+    skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
+                                                           help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
-    Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill
+    Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
     """
     from .dump import DumpMode, dump as _dump
     try:
-        result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL)
+        result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
+                       save_files=save_file or (), skip_files=skip_file or ())
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(result.directory)
@@ -79,6 +84,8 @@ def restore(
     pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
+    file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY",
+                                                             help="What a file changed since the dump (size, mtime, inode, build-id) does: strict (refuse, the default), warn or ignore; PATTERN=POLICY for the paths matching PATTERN (first match wins). Repeatable.")] = None,
 ) -> None:
     """Recreate the checkpointed process so that it continues where it was frozen.
 
@@ -91,9 +98,15 @@ def restore(
     if pidfile and not detach:
         typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
         raise typer.Exit(code=ExitCode.USAGE)
+    from .resources.filepolicy import parse_policy
+    try:
+        policy = parse_policy(file_policy or [])
+    except ValueError as err:
+        typer.echo(f"ptckpt: error: {err}", err=True)
+        raise typer.Exit(code=ExitCode.USAGE) from None
     become_subreaper()
     try:
-        result = _restore(directory, pidns=pidns)
+        result = _restore(directory, pidns=pidns, file_policy=policy)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:

@@ -26,19 +26,23 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import __version__, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
-                     SharedOutside, TargetVanished)
+                     SharedOutside, TargetVanished, UsageError)
 from .formats.image import ImageWriter
-from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, Zombie
-from .resources import files, memory, pipes, process, signals, sockets, sysvipc, threads
+from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
+from .resources import filepolicy, files, memory, pipes, process, signals, sockets, sysvipc, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
 
 PF_KTHREAD = 0x00200000
+
+
+_BUILD_IDS: dict = {}          # (st_dev, st_ino, mtime) -> build-id, shared by the processes of a dump
 
 
 class DumpMode(enum.Enum):
@@ -102,8 +106,20 @@ def _refuse_if_traced(pid: int) -> None:
 
 
 def dump(pid: int, directory: str | None = None, *,
-         mode: DumpMode = DumpMode.LEAVE_RUNNING) -> DumpResult:
-    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID)."""
+         mode: DumpMode = DumpMode.LEAVE_RUNNING,
+         save_files: Sequence[str] = (), skip_files: Sequence[str] = ()) -> DumpResult:
+    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
+
+    `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
+    contents go into the image, to be put back by the restore; fds of files matching
+    `skip_files` are recorded but not reopened by a restore.
+    """
+    for pattern in (*save_files, *skip_files):
+        try:
+            filepolicy.check_pattern(pattern)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    _BUILD_IDS.clear()
     started = time.monotonic()
     directory = directory or f"ckpt-{pid}"
     log.info("check %d", pid)
@@ -135,7 +151,10 @@ def dump(pid: int, directory: str | None = None, *,
             result.unsupported += [f"pid {member} " + u for u in files.unsupported_fds(list(image.fds))]
             images[member] = image
         log.info("capture what the tree shares")
+        images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
         images, shared = capture_sharing_frozen(pid, images)
+        if save_files:
+            shared += files.dump_saved_files(_file_holders(images), save_files)
         shared += capture_sysv_frozen(images)
         shared += [_zombie(z) for z in zombies]
         for member in pids:
@@ -258,6 +277,26 @@ def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
             + [sysvipc.dump_msg(q) for q in msgs])
 
 
+def _mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:
+    fds = tuple(dataclasses.replace(f, skipped=True)
+                if f.kind is FdKind.REGULAR and any(filepolicy.path_matches(p, f.path) for p in patterns)
+                else f for f in image.fds)
+    return dataclasses.replace(image, fds=fds)
+
+
+def _file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
+    """{path: a pid holding it} of every regular file open or mapped in the tree (not deleted)."""
+    out: dict[str, int] = {}
+    for p, im in images.items():
+        for f in im.fds:
+            if f.kind is FdKind.REGULAR and not f.path.endswith(files.DELETED):
+                out.setdefault(f.path, p)
+        for v in im.vmas:
+            if v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and not v.file_deleted:
+                out.setdefault(v.path, p)
+    return out
+
+
 def _comm(pid: int) -> str:
     try:
         return procfs.read_comm(pid)
@@ -293,7 +332,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
     # shows in how the freeze found it.
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
-    vmas = memory.dump_vmas(pid)
+    vmas = memory.dump_vmas(pid, _BUILD_IDS)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)

@@ -48,6 +48,12 @@ class PtckptError(Exception):
         return self.message
 
 
+class UsageError(PtckptError):
+    """A bad argument given to the library (the CLI's usage errors, exit 2)."""
+
+    exit_code = ExitCode.USAGE
+
+
 # --- tracee errors ---------------------------------------------------------
 
 class ProcessError(PtckptError):

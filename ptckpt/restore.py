@@ -38,7 +38,7 @@ from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
 from .formats.model import PAGE_SIZE, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
+from .resources import filepolicy, files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -95,9 +95,6 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         if len(t.xstate) != xsize:
             raise Incompatible(f"thread {t.tid} has a {len(t.xstate)}-byte xstate area, this CPU "
                                f"{xsize} bytes")
-    changed = changed_files(proc)
-    if changed:
-        raise Incompatible("mapped files changed since the dump: " + "; ".join(changed))
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
@@ -112,35 +109,33 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         pids.check_pids_free(list(proc.task.tids))
 
 
-def changed_files(proc: ProcessImage) -> list[str]:
-    """'path: what changed' for every mapped file that is missing or differs from the dump."""
-    out: list[str] = []
-    seen: set[str] = set()
-    for v in proc.vmas:
-        if v.kind not in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) or v.file_deleted or v.path in seen:
-            continue
-        seen.add(v.path)
-        try:
-            st = os.stat(v.path)
-        except OSError as err:
-            out.append(f"{v.path}: {err.strerror.lower()}")
-            continue
-        what = []
-        if v.file_size and st.st_size != v.file_size:
-            what.append(f"size {v.file_size} -> {st.st_size}")
-        if v.file_mtime_ns and st.st_mtime_ns != v.file_mtime_ns:
-            what.append("mtime changed")
-        if v.inode and st.st_ino != v.inode:
-            what.append(f"inode {v.inode} -> {st.st_ino}")
-        if what:
-            out.append(f"{v.path}: " + ", ".join(what))
+def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[filepolicy.FileIdentity]:
+    """What the image recorded of every file a restore reopens by path: mapped files (with
+    their build-id) and regular files open as fds; not the deleted, skipped or saved ones."""
+    out = []
+    for proc in procs.values():
+        for v in proc.vmas:
+            if (v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and not v.file_deleted
+                    and v.path.startswith("/") and v.path not in saved):
+                out.append(filepolicy.FileIdentity(v.path, v.file_size, v.file_mtime_ns, v.inode,
+                                                   os.makedev(v.dev_major, v.dev_minor), v.build_id))
+        for f in proc.fds:
+            if (f.kind is FdKind.REGULAR and not f.skipped and files.ghost_key(f) is None
+                    and f.path not in saved):
+                out.append(filepolicy.FileIdentity(f.path, f.size, f.mtime_ns, f.ino, f.dev))
     return out
 
 
 # --- create, fix up, resume ---------------------------------------------------------
 
-def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
-    """Recreate the processes of image `directory`; returns once they run (detached from ptckpt)."""
+def restore(directory: str, *, pidns: bool = False,
+            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy()) -> RestoreResult:
+    """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
+
+    Every file reopened by path is compared with what the image recorded (size, mtime,
+    inode; build-id of mapped ELF files); `file_policy` says, per path, whether a change
+    refuses the restore (FilesChanged), warns, or is ignored.
+    """
     started = time.monotonic()
     _raise_nofile()
     log.info("collect %s", directory)
@@ -153,6 +148,10 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
         host = Host.probe()
         for p in members:
             plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
+        saved = {f.path for f in image.saved_files}
+        verdict = filepolicy.evaluate(file_identities(procs, saved), file_policy)
+        if verdict.refused:
+            raise filepolicy.FilesChanged(verdict.refused)
         helpers = group_helpers(procs, image.zombies)
         if not pidns:
             pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
@@ -163,11 +162,13 @@ def restore(directory: str, *, pidns: bool = False) -> RestoreResult:
             for p in members:
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
                 pages[p] = (_open_pages(fd), data_offset)
+            files.put_back_saved_files(list(image.saved_files))
             handed = build_handoff(image, procs, handoff)
             log.info("create %d", root)
             stub = pids.start_stub(root, pidns=pidns)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid,
-                                   warnings=[f"the image left out {u}" for u in left_out])
+                                   warnings=[f"the image left out {u}" for u in left_out]
+                                   + [f"changed since the dump: {w}" for w in verdict.warnings])
             created = {root: stub.task}
             ipc_made: list = []
             try:
@@ -328,6 +329,8 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     out = {}
     for d, f in rep.items():
+        if f.skipped:
+            continue
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
             out[d] = f
         elif f.kind is FdKind.SOCKET and f.ino in socket_inos:

@@ -379,10 +379,10 @@ def test_target_exits_mid_dump(spawn, tmp_path, monkeypatch):
     target = spawn("counter")
     real = memory.dump_vmas
 
-    def dying(pid):
+    def dying(pid, *args):
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
-        return real(pid)
+        return real(pid, *args)
 
     monkeypatch.setattr(memory, "dump_vmas", dying)
     with pytest.raises(Exception) as err:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
+from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
-from test_restore import _dump_kill, _restore
+from conftest import idle_script
+from test_restore import _dump_kill, _one_line, _restore
 
 
 def test_every_file_state_at_once(spawn, ptckpt, tmp_path):
@@ -30,3 +33,90 @@ def test_every_file_state_at_once(spawn, ptckpt, tmp_path):
     target.assert_ok()
     assert not (where / "ghost").exists(), "the ghost is unlinked again"
     assert os.readlink(f"/proc/{target.pid}/cwd") == str(where / "sub")
+
+
+def _holder(spawn, tmp_path, *paths):
+    """A python3 target holding each of `paths` open for reading and writing (fds 3, 4 ...)."""
+    opens = "".join(f"fds.append(os.open({str(p)!r}, os.O_RDWR))\n" for p in paths)
+    return spawn(str(idle_script(tmp_path, "holder.py", "import os, time\nfds = []\n" + opens)), out=False)
+
+
+def test_changed_file_policy_strict_warn_ignore(spawn, ptckpt, tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 100)
+    target = _holder(spawn, tmp_path, data)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with open(data, "ab") as f:
+        f.write(b"more")
+    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.INCOMPATIBLE,
+              "files changed since the dump", f"{data}: size 100 -> 104, mtime changed", "--file-policy")
+    assert not os.path.exists(f"/proc/{target.pid}")
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--file-policy", "warn")
+    assert res.returncode == 0, res.stderr
+    assert f"ptckpt: warning: changed since the dump: {data}: size 100 -> 104" in res.stderr
+    target.kill()
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--file-policy", f"{tmp_path}/=ignore")
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+    assert os.readlink(f"/proc/{target.pid}/fd/3") == str(data)
+    target.kill()
+    res = ptckpt("restore", "-D", tmp_path / "img", "--file-policy", "sometimes")
+    assert res.returncode == ExitCode.USAGE and "sometimes" in res.stderr
+
+
+LIB = "int lib_value(void) { return %d; }\n"
+MAIN = r'''
+#include <stdio.h>
+#include <unistd.h>
+int lib_value(void);
+int main(void) {
+    printf("READY %d\n", getpid());
+    fflush(stdout);
+    for (;;) { if (lib_value() < 0) return 1; sleep(1); }
+}
+'''
+
+
+def test_replaced_library_is_refused_by_its_build_id(spawn, ptckpt, tmp_path):
+    """The library is rebuilt with other code and given back its old size and mtime: only its
+    build-id tells, and the refusal names it."""
+    lib, src = tmp_path / "libv.so", tmp_path / "lib.c"
+    src.write_text(LIB % 1)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", lib, src], check=True)
+    (tmp_path / "main.c").write_text(MAIN)
+    subprocess.run(["gcc", "-o", tmp_path / "main", tmp_path / "main.c", f"-L{tmp_path}", "-lv",
+                    f"-Wl,-rpath,{tmp_path}"], check=True)
+    target = spawn(str(tmp_path / "main"), out=False)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        [vma] = [v for v in image.process(target.pid).vmas if v.path == str(lib)][:1]
+        old_id = vma.build_id
+    assert len(old_id) == 40
+    st = lib.stat()
+    src.write_text(LIB % 2)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "new.so", src], check=True)
+    assert (tmp_path / "new.so").stat().st_size == st.st_size
+    with open(lib, "r+b") as f:                     # same inode, same size, same mtime
+        f.write((tmp_path / "new.so").read_bytes())
+    os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.INCOMPATIBLE,
+              f"{lib}: build-id {old_id[:12]}")
+
+
+def test_save_file_puts_contents_back_and_skip_file_leaves_the_fd_closed(spawn, ptckpt, tmp_path):
+    (tmp_path / "slot3").mkdir()
+    state, scratch = tmp_path / "slot3" / "state.bin", tmp_path / "scratch.log"
+    state.write_bytes(b"checkpointed state")
+    scratch.write_text("scratch")
+    target = _holder(spawn, tmp_path, state, scratch)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill",
+                 "--save-file", f"{tmp_path}/slot3/**", "--skip-file", str(scratch))
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    state.write_bytes(b"what the run after the checkpoint wrote")
+    scratch.write_text("changed, but nobody reopens it")
+    _restore(ptckpt, tmp_path / "img")
+    assert state.read_bytes() == b"checkpointed state"
+    assert os.readlink(f"/proc/{target.pid}/fd/3") == str(state)
+    assert not os.path.exists(f"/proc/{target.pid}/fd/4"), "the skipped file is not reopened"
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img2", "--save-file", "relative/*")
+    assert res.returncode == ExitCode.USAGE and "relative" in res.stderr

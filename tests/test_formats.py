@@ -41,6 +41,7 @@ from ptckpt.formats.model import (
     ProcessImage,
     Restart,
     Rlimit,
+    SavedFile,
     SemImage,
     ShmImage,
     Sigaction,
@@ -112,7 +113,8 @@ def make_mm() -> Mm:
 def make_vma(start=0x7f0000000000, npages=4, kind=VmaKind.FILE_PRIVATE, path=ODD_PATH, shared=False) -> Vma:
     return Vma(start=start, end=start + npages * PAGE_SIZE, prot=5, shared=shared, kind=kind,
                pgoff=0x2000, dev_major=259, dev_minor=2, inode=1234567, path=path,
-               vmflags="rd ex mr mw me", file_size=123456, file_mtime_ns=-5, file_deleted=True)
+               vmflags="rd ex mr mw me", file_size=123456, file_mtime_ns=-5, file_deleted=True,
+               build_id="1a2b3c" if kind == VmaKind.FILE_PRIVATE else "")
 
 
 def make_thread(tid=100, restart=Restart.REEXECUTE) -> Thread:
@@ -137,7 +139,7 @@ def make_process(pid=100) -> ProcessImage:
                 mnt_id=25, dev=0x19, ino=6, mode=0o20620, rdev=0x8803, size=0, mtime_ns=1),
              Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
                 cloexec=True, mnt_id=30, dev=0x10302, ino=99, mode=0o100644, rdev=0, size=-1,
-                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3)),
+                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3, skipped=True)),
     )
 
 
@@ -158,7 +160,8 @@ def sample_records() -> list:
                      messages=((1, b"hello"), (2**62, b""), (3, bytes(range(256)))), lspid=100, lrpid=0,
                      stime=5, rtime=6, ctime=7),
             GhostFile(dev=0x10302, ino=99, path=ODD_PATH, mode=0o100600, uid=1000, gid=100,
-                      data=b"ghost" * 1000)]
+                      data=b"ghost" * 1000),
+            SavedFile(path="/slot3/state.bin", mode=0o100644, uid=0, gid=0, mtime_ns=-7, data=b"\0\1")]
 
 
 SAMPLES = sample_records()
@@ -283,7 +286,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0200" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0300" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(

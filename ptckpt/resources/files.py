@@ -24,8 +24,9 @@ from collections.abc import Mapping
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import Fd, FdKind, GhostFile, Vma, VmaKind
+from ..formats.model import Fd, FdKind, GhostFile, SavedFile, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
+from .filepolicy import path_matches
 
 O_PATH = 0o10000000
 O_CLOEXEC = 0o2000000
@@ -282,7 +283,7 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
     """
     out = []
     for f in fds:
-        if f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
+        if f.skipped or f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
             continue
         if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
@@ -339,6 +340,38 @@ def create_ghost_files(ghosts: list[GhostFile]) -> dict[tuple, str]:
     return out
 
 
+def dump_saved_files(pid_of: dict[str, int], patterns) -> list[SavedFile]:
+    """dump --save-file: the contents of each file of the tree (open or mapped) whose path
+    matches one of `patterns` ({path: a pid that holds it})."""
+    out = []
+    for path, pid in sorted(pid_of.items()):
+        if any(path_matches(p, path) for p in patterns):
+            g = _read_ghost(pid, path, path, f"--save-file {path}")
+            st = os.stat(path)
+            out.append(SavedFile(path=path, mode=g.mode, uid=g.uid, gid=g.gid, mtime_ns=st.st_mtime_ns,
+                                 data=g.data))
+    return out
+
+
+def put_back_saved_files(saved: list[SavedFile]) -> None:
+    """Write each saved file back (contents, mode, owner, mtime) before anything reopens it."""
+    for s in saved:
+        try:
+            fd = os.open(s.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_CLOEXEC, s.mode & 0o7777)
+            try:
+                view = memoryview(s.data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, s.mode & 0o7777)
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, s.uid, s.gid)
+            finally:
+                os.close(fd)
+            os.utime(s.path, ns=(s.mtime_ns, s.mtime_ns))
+        except OSError as err:
+            raise RestoreFailed(f"cannot put back the saved file {s.path}: {err.strerror}") from None
+
+
 def remove_ghost_files(paths: dict[tuple, str]) -> None:
     for path in paths.values():
         with contextlib.suppress(FileNotFoundError):
@@ -353,16 +386,16 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
     the stub has (ptckpt restore's stdio and the handed ones); those the image
     does not have are closed.
     """
-    wanted = {f.fd for f in fds}
+    wanted = {f.fd for f in fds if not f.skipped}
     for f in fds:
-        if f.desc in handed:
+        if f.desc in handed and not f.skipped:
             remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0,
                            step=f"install fd {f.fd} ({f.path})")
     for fd in inherited:
         if fd not in wanted:
             remote.checked("close", fd, step=f"close inherited fd {fd}")
     for f in sorted(fds, key=lambda f: f.fd):
-        if f.desc in handed:
+        if f.desc in handed or f.skipped:          # skipped: dump --skip-file, left closed
             continue
         if f.fd <= 2 and f.kind in STDIO_KINDS:
             if f.fd not in inherited:

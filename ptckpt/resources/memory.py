@@ -20,6 +20,7 @@ from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
 from . import sysvipc
 from .files import ghost_key
+from .filepolicy import build_id
 
 _SPECIAL = {
     "[heap]": VmaKind.HEAP,
@@ -55,12 +56,20 @@ def classify_vma(path: str, shared: bool, inode: int, st: os.stat_result | None)
     return VmaKind.FILE_SHARED if shared else VmaKind.FILE_PRIVATE
 
 
-def dump_vmas(pid: int) -> list[Vma]:
-    """Every VMA of `pid` from /proc/PID/smaps, with the mapped file's size and mtime."""
+def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
+    """Every VMA of `pid` from /proc/PID/smaps, with the mapped file's size, mtime and, for an
+    ELF file, its build-id (`build_ids` caches them across the processes of a dump)."""
+    build_ids = {} if build_ids is None else build_ids
     out: list[Vma] = []
     for e in procfs.read_smaps(pid):
         st = procfs.stat_map_file(pid, e.start, e.end) if e.inode else None
         kind = classify_vma(e.path, e.shared, e.inode, st)
+        bid = ""
+        if kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and st is not None and not e.deleted:
+            key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+            if key not in build_ids:
+                build_ids[key] = _build_id_of(pid, e.start, e.end)
+            bid = build_ids[key]
         out.append(Vma(
             start=e.start, end=e.end, prot=e.prot, shared=e.shared, kind=kind,
             pgoff=e.offset, dev_major=e.dev_major, dev_minor=e.dev_minor,
@@ -68,8 +77,15 @@ def dump_vmas(pid: int) -> list[Vma]:
             file_size=st.st_size if st else 0,
             file_mtime_ns=st.st_mtime_ns if st else 0,
             file_deleted=e.deleted,
+            build_id=bid,
         ))
     return out
+
+
+def _build_id_of(pid: int, start: int, end: int) -> str:
+    """The build-id of the file mapped at start-end, read through /proc/PID/map_files (the
+    very file the process maps, whatever its path now names)."""
+    return build_id(f"/proc/{pid}/map_files/{start:x}-{end:x}") or ""
 
 
 def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:

@@ -1,0 +1,633 @@
+"""Terminals: a process's tty (termios, window size, job control), and a tty again at restore.
+
+Two cases are served:
+
+* a shell job -- a process whose stdio is the terminal it was started from.
+  It is restored onto the terminal that runs ``ptckpt restore``: ptckpt puts
+  the recorded termios on its own terminal (:func:`apply_terminal_state`) and
+  makes the restored process group the foreground one.
+* a process living on a pty (under ``script``, tmux, a terminal emulator).
+  ``ptckpt restore --new-pty`` gives it a new pty pair with the recorded
+  termios and window size (:func:`open_new_pty`); the restored session leader
+  makes the slave its controlling terminal (:func:`make_controlling_tty_frozen`)
+  and sets its foreground group (:func:`set_foreground_frozen`), both by
+  injection.  The master side is then either relayed to ptckpt's own terminal
+  until the process exits (:func:`relay`) or handed to a program the user
+  names (:func:`spawn_on_master`, see there for the interface).
+
+Dump half: :func:`dump_terminal` reads everything through a pidfd_getfd copy
+of the target's fd, which is the target's own open file description, so it
+works on a frozen target and changes nothing.  Two of the ioctls are special:
+TIOCGPGRP and TIOCGSID on a pty *slave* (or any non-master tty) answer only to
+a process whose controlling terminal it is; from ptckpt they fail with ENOTTY
+unless the terminal is also ptckpt's own (the shell-job case, when dump runs
+on the same terminal).  For a terminal that is the target's controlling tty
+the same two numbers are in /proc/PID/stat (tpgid, session), which is used
+instead; for any other terminal they are recorded as unknown (None).
+
+ABI (x86_64, include/uapi/asm-generic/termbits.h and ioctls.h): struct
+termios2 is four u32 flag words, the line discipline byte, NCCS=19 control
+characters, then c_ispeed and c_ospeed (44 bytes, no padding).  TCGETS2 and
+TCSETS2 move it whole, speeds included (plain TCGETS has no speed fields:
+the kernel's struct termios is the first 36 bytes, the speed lives in CBAUD).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import select
+import signal
+import stat as _stat
+import struct
+import termios
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .. import procfs
+from ..errors import PtckptError, RestoreFailed
+from ..tracee import RemoteSyscalls, pidfd_getfd
+
+# --- ioctls (include/uapi/asm-generic/ioctls.h) ---------------------------------
+TCGETS = 0x5401
+TCSETS = 0x5402
+TCGETS2 = 0x802C542A           # _IOR('T', 0x2A, struct termios2)
+TCSETS2 = 0x402C542B           # _IOW('T', 0x2B, struct termios2)
+TIOCSCTTY = 0x540E
+TIOCGPGRP = 0x540F
+TIOCSPGRP = 0x5410
+TIOCGWINSZ = 0x5413
+TIOCSWINSZ = 0x5414
+TIOCGSID = 0x5429
+TIOCGPTN = 0x80045430          # _IOR('T', 0x30, unsigned int): index of a master's slave
+TIOCSPTLCK = 0x40045431        # _IOW('T', 0x31, int): (un)lock the slave
+TIOCGPTPEER = 0x5441           # _IO('T', 0x41): open the slave from the master
+
+NCCS = 19
+TERMIOS2 = struct.Struct("<IIIIB19sII")    # struct termios2, 44 bytes
+WINSIZE = struct.Struct("<HHHH")           # struct winsize: rows, cols, xpixel, ypixel
+PID_T = struct.Struct("<i")
+
+UNIX98_PTY_MASTER_MAJOR = 128              # legacy BSD-style masters: 2; /dev/ptmx is 5:2
+UNIX98_PTY_SLAVE_MAJOR = 136               # 136..143
+PTMX_DEV = (5, 2)
+
+O_NOCTTY = 0o400
+O_CLOEXEC = 0o2000000
+
+# relay(): the exit status when until_pid was not our child and had been reaped
+# by its own parent before its status could be read.
+STATUS_UNKNOWN = -1
+
+_CHUNK = 65536
+_SIGTTOU_MASK = 1 << (signal.SIGTTOU - 1)
+
+
+# --- the state -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Termios:
+    """struct termios2 by field.  `cc` is the kernel's 19 control characters (c_cc[VINTR] ...)."""
+
+    iflag: int
+    oflag: int
+    cflag: int
+    lflag: int
+    line: int
+    cc: bytes
+    ispeed: int
+    ospeed: int
+
+    def pack(self) -> bytes:
+        return TERMIOS2.pack(self.iflag, self.oflag, self.cflag, self.lflag, self.line,
+                             self.cc.ljust(NCCS, b"\0")[:NCCS], self.ispeed, self.ospeed)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Termios":
+        iflag, oflag, cflag, lflag, line, cc, ispeed, ospeed = TERMIOS2.unpack(raw[:TERMIOS2.size])
+        return cls(iflag, oflag, cflag, lflag, line, cc, ispeed, ospeed)
+
+    @property
+    def raw(self) -> bytes:
+        """The 36-byte struct termios of TCGETS/TCSETS (no speed fields)."""
+        return self.pack()[:36]
+
+
+@dataclass(frozen=True)
+class WinSize:
+    rows: int
+    cols: int
+    xpixel: int = 0
+    ypixel: int = 0
+
+    def pack(self) -> bytes:
+        return WINSIZE.pack(self.rows, self.cols, self.xpixel, self.ypixel)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "WinSize":
+        return cls(*WINSIZE.unpack(raw[:WINSIZE.size]))
+
+
+@dataclass(frozen=True)
+class TerminalState:
+    """One terminal as a process saw it at dump time.
+
+    fg_pgrp and sid are pids in ptckpt's pid namespace, None when the terminal
+    has none or they could not be learned (see the module docstring).
+    pty_index is N of /dev/pts/N for a slave, or of the master's slave.
+    """
+
+    termios: Termios
+    winsize: WinSize
+    fg_pgrp: int | None
+    sid: int | None
+    controlling: bool          # it is the process's controlling terminal
+    pty_slave: bool
+    pty_master: bool
+    pty_index: int | None
+    rdev: int                  # st_rdev of the terminal
+    path: str                  # /proc/PID/fd/N link text
+
+
+# --- small helpers ---------------------------------------------------------------
+
+def _get_termios(fd: int) -> Termios:
+    return Termios.unpack(fcntl.ioctl(fd, TCGETS2, bytes(TERMIOS2.size)))
+
+
+def _set_termios(fd: int, t: Termios) -> None:
+    fcntl.ioctl(fd, TCSETS2, t.pack())
+
+
+def _get_winsize(fd: int) -> WinSize:
+    return WinSize.unpack(fcntl.ioctl(fd, TIOCGWINSZ, bytes(WINSIZE.size)))
+
+
+def _set_winsize(fd: int, w: WinSize) -> None:
+    fcntl.ioctl(fd, TIOCSWINSZ, w.pack())
+
+
+def _ioctl_pid(fd: int, request: int) -> int | None:
+    """TIOCGPGRP / TIOCGSID; None when the kernel will not tell us (ENOTTY)."""
+    try:
+        value = PID_T.unpack(fcntl.ioctl(fd, request, bytes(PID_T.size)))[0]
+    except OSError as err:
+        if err.errno in (errno.ENOTTY, errno.EIO):
+            return None
+        raise
+    return value if value > 0 else None
+
+
+def decode_tty_nr(tty_nr: int) -> tuple[int, int]:
+    """(major, minor) of the tty_nr field of /proc/PID/stat (new_encode_dev form)."""
+    major = (tty_nr >> 8) & 0xFFF
+    minor = (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00)
+    return major, minor
+
+
+def _pty_index_from(path: str, rdev: int) -> int:
+    m = re.fullmatch(r"/dev/pts/(\d+)", path)
+    if m:
+        return int(m.group(1))
+    return (os.major(rdev) - UNIX98_PTY_SLAVE_MAJOR) * 256 + os.minor(rdev)
+
+
+@contextlib.contextmanager
+def _sigttou_blocked():
+    """SIGTTOU blocked in this thread: a background process may then change the
+    terminal (tty_check_change lets it through instead of stopping its group)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --- dump half -------------------------------------------------------------------
+
+def dump_terminal(pid: int, fd: int) -> TerminalState:
+    """The terminal that fd `fd` of process `pid` is (the target may be frozen)."""
+    try:
+        path = procfs.readlink_fd(pid, fd)
+    except PtckptError:
+        path = ""
+    copy = pidfd_getfd(pid, fd)
+    try:
+        st = os.fstat(copy)
+        if not _stat.S_ISCHR(st.st_mode) or not os.isatty(copy):
+            raise PtckptError(f"process {pid} fd {fd} ({path}) is not a terminal")
+        try:
+            tio = _get_termios(copy)
+            win = _get_winsize(copy)
+        except OSError as err:
+            raise PtckptError(f"cannot read the terminal of process {pid} fd {fd} ({path}): "
+                              f"{err.strerror}") from None
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        pty_master = (major, minor) == PTMX_DEV or major == UNIX98_PTY_MASTER_MAJOR
+        pty_slave = UNIX98_PTY_SLAVE_MAJOR <= major < UNIX98_PTY_SLAVE_MAJOR + 8
+        index = None
+        if pty_master:
+            with contextlib.suppress(OSError):
+                index = struct.unpack("<I", fcntl.ioctl(copy, TIOCGPTN, bytes(4)))[0]
+        elif pty_slave:
+            index = _pty_index_from(path, st.st_rdev)
+        fg = _ioctl_pid(copy, TIOCGPGRP)
+        sid = _ioctl_pid(copy, TIOCGSID)
+    finally:
+        os.close(copy)
+    pst = procfs.read_stat(pid)
+    controlling = pst.tty_nr != 0 and decode_tty_nr(pst.tty_nr) == (major, minor)
+    if controlling:
+        # From ptckpt the ioctls answer only for a master or ptckpt's own terminal;
+        # for the target's controlling terminal /proc says the same.
+        if fg is None and pst.tpgid > 0:
+            fg = pst.tpgid
+        if sid is None:
+            sid = pst.session
+    return TerminalState(termios=tio, winsize=win, fg_pgrp=fg, sid=sid,
+                         controlling=controlling, pty_slave=pty_slave, pty_master=pty_master,
+                         pty_index=index, rdev=st.st_rdev, path=path)
+
+
+# --- restore half: in ptckpt -----------------------------------------------------
+
+def open_new_pty(state: TerminalState | None = None) -> tuple[int, int, str]:
+    """A new pty pair with the recorded termios and window size: (master, slave, slave path).
+
+    /dev/ptmx, unlocked (TIOCSPTLCK 0: what unlockpt does; grantpt has nothing
+    to do on devpts), the slave opened from the master (TIOCGPTPEER, so it is
+    the slave of this devpts instance whatever is mounted at /dev/pts).  Both
+    are O_NOCTTY (ptckpt never acquires it) and close-on-exec: the stubs get
+    them by inheritance, not exec.  The caller owns both fds; it must close its
+    own slave once the restored processes hold theirs, or the master never sees
+    the hang-up when they exit.
+    """
+    try:
+        master = os.open("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
+    except OSError as err:
+        raise RestoreFailed(f"cannot open /dev/ptmx for a new pty: {err.strerror}") from None
+    slave = -1
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(0))
+        index = struct.unpack("<I", fcntl.ioctl(master, TIOCGPTN, bytes(4)))[0]
+        slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC)
+        try:
+            path = os.readlink(f"/proc/self/fd/{slave}")
+        except OSError:
+            path = f"/dev/pts/{index}"
+        if state is not None:
+            _set_termios(slave, state.termios)
+            _set_winsize(slave, state.winsize)
+    except OSError as err:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+        raise RestoreFailed(f"cannot set up a new pty: {err.strerror}") from None
+    return master, slave, path
+
+
+def apply_terminal_state(fd: int, state: TerminalState, *, foreground_pgrp: int | None,
+                         winsize: bool = True) -> None:
+    """Put the recorded termios (and window size) on terminal `fd` of ptckpt, then
+    make `foreground_pgrp` its foreground process group (None: leave it).
+
+    For the shell-job case `fd` is ptckpt's own terminal.  TIOCSPGRP needs it to
+    be ptckpt's controlling terminal and the group to be in ptckpt's session
+    (EPERM otherwise): restored jobs are children of ptckpt, so they are, unless
+    the image made them session leaders.  SIGTTOU is blocked meanwhile, so a
+    ptckpt that is (or, after the TIOCSPGRP, becomes) a background process is
+    not stopped by the terminal.
+
+    winsize=False leaves the window size alone: on a real terminal emulator the
+    size is the window's, and writing the recorded one would make the kernel's
+    idea of it wrong until the next resize.
+    """
+    with _sigttou_blocked():
+        try:
+            _set_termios(fd, state.termios)
+            if winsize:
+                _set_winsize(fd, state.winsize)
+        except OSError as err:
+            raise RestoreFailed(f"cannot set the termios of terminal fd {fd}: "
+                                f"{err.strerror}") from None
+        if foreground_pgrp is not None:
+            try:
+                fcntl.ioctl(fd, TIOCSPGRP, PID_T.pack(foreground_pgrp))
+            except OSError as err:
+                raise RestoreFailed(f"cannot make process group {foreground_pgrp} the "
+                                    f"foreground group of terminal fd {fd}: {err.strerror}") from None
+
+
+# --- restore half: by injection --------------------------------------------------
+
+def make_controlling_tty_frozen(remote: RemoteSyscalls, fd: int, *, steal: bool = False) -> None:
+    """ioctl(fd, TIOCSCTTY, steal) inside a restored process: `fd` becomes its controlling tty.
+
+    The process must be a session leader without a controlling terminal (it
+    called setsid before), and `fd` must be open for reading; it also becomes
+    the terminal's foreground group.  If the terminal is already the
+    controlling tty of another session the kernel says EPERM; with steal=True
+    (arg 1) it takes it away from that session, but only if the process has
+    CAP_SYS_ADMIN.  Calling it again for its own terminal is a no-op.
+    """
+    remote.checked("ioctl", fd, TIOCSCTTY, 1 if steal else 0,
+                   step=f"make fd {fd} the controlling terminal")
+
+
+def set_foreground_frozen(remote: RemoteSyscalls, fd: int, pgrp: int) -> None:
+    """ioctl(fd, TIOCSPGRP, &pgrp) inside a restored process of the terminal's session.
+
+    `fd` must be the process's controlling terminal and `pgrp` a group of its
+    session.  A caller in a background group would get SIGTTOU (its whole
+    group stopped, the ioctl failing with ERESTARTSYS); so SIGTTOU is blocked
+    in the injected thread around the call with PTRACE_SETSIGMASK, and its mask
+    is put back after, whatever happens.  Nothing is left pending: with the
+    signal blocked the kernel does not send it at all.
+    """
+    task = remote.task
+    old = task.get_sigmask()
+    task.set_sigmask(old | _SIGTTOU_MASK)
+    try:
+        with remote.scratch(PID_T.pack(pgrp)) as p:
+            remote.checked("ioctl", fd, TIOCSPGRP, int(p),
+                           step=f"make process group {pgrp} the foreground group of fd {fd}")
+    finally:
+        task.set_sigmask(old)
+
+
+# --- the master side: relay to ptckpt's terminal ----------------------------------
+
+def _make_raw(t: list) -> list:
+    """cfmakeraw(3) on a termios.tcgetattr list."""
+    t = list(t)
+    t[0] &= ~(termios.IGNBRK | termios.BRKINT | termios.PARMRK | termios.ISTRIP
+              | termios.INLCR | termios.IGNCR | termios.ICRNL | termios.IXON)
+    t[1] &= ~termios.OPOST
+    t[3] &= ~(termios.ECHO | termios.ECHONL | termios.ICANON | termios.ISIG | termios.IEXTEN)
+    t[2] &= ~(termios.CSIZE | termios.PARENB)
+    t[2] |= termios.CS8
+    cc = list(t[6])
+    cc[termios.VMIN] = 1
+    cc[termios.VTIME] = 0
+    t[6] = cc
+    return t
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _eof_bytes(master_fd: int) -> bytes:
+    """What tells the program on the slave that its input ended: VEOF in canonical mode."""
+    try:
+        t = _get_termios(master_fd)       # a master's termios ioctls act on its slave
+    except OSError:
+        return b""
+    if t.lflag & termios.ICANON:
+        return t.cc[termios.VEOF:termios.VEOF + 1]
+    return b""
+
+
+def _read_master(master_fd: int) -> bytes | None:
+    """Bytes from the (non-blocking) master; b"" if none now, None once it hung up.
+
+    A non-blocking read of a pty master first flushes the kernel's pending
+    flip buffer (n_tty_read), so bytes the slave side wrote before now are
+    never missed.
+    """
+    try:
+        data = os.read(master_fd, _CHUNK)
+    except BlockingIOError:
+        return b""
+    except OSError as err:
+        if err.errno == errno.EIO:        # every slave fd is closed
+            return None
+        raise
+    return data if data else None
+
+
+def _exit_status(status: int) -> int:
+    """Shell convention: the exit code, or 128 + the signal that killed it."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+class _Waiter:
+    """Tells when `pid` has ended and how: waitpid for our child, /proc for another's."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.status: int | None = None
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            self.ours = True
+            if got:
+                self.status = _exit_status(status)
+        except ChildProcessError:
+            self.ours = False
+        self.pidfd = -1
+        if self.status is None:
+            try:
+                self.pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.status = self._collect()
+
+    def _collect(self) -> int:
+        if self.ours:
+            return _exit_status(os.waitpid(self.pid, 0)[1])
+        try:
+            st = procfs.read_stat(self.pid)
+        except PtckptError:
+            return STATUS_UNKNOWN
+        return _exit_status(st.exit_code) if st.state in ("Z", "X") else STATUS_UNKNOWN
+
+    def ended(self) -> int:
+        """Called once the pidfd is readable (the process exited)."""
+        if self.status is None:
+            self.status = self._collect()
+        return self.status
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def relay(master_fd: int, *, stdin_fd: int = 0, stdout_fd: int = 1,
+          until_pid: int | None = None) -> int:
+    """Copy bytes between ptckpt's terminal (stdin_fd, stdout_fd) and a pty master.
+
+    Ends when the master hangs up (every slave fd closed: EIO) or, with
+    `until_pid`, when that process exits (its last output is still copied).
+    Returns the exit status of until_pid (shell convention: code, or 128+signal;
+    STATUS_UNKNOWN if it was not ptckpt's child and its parent reaped it before
+    /proc showed it), waiting for its end if it outlives its terminal; 0
+    without until_pid.
+
+    When stdin_fd is a terminal it is put in raw mode for the duration (and put
+    back in the end, whatever happens), so every key, ^C and ^Z included, goes
+    to the program on the pty; its window size is copied to the pty at the
+    start and again at each SIGWINCH (the kernel then signals the pty's
+    foreground group).  SIGWINCH is caught only in the main thread.  When
+    stdin_fd reaches end of file, VEOF is sent if the pty is in canonical mode
+    (as script(1) does) and stdin is no longer read.  The master is made
+    non-blocking while relaying; stdin and stdout, which ptckpt shares with its
+    shell, keep their flags.
+    """
+    waiter = _Waiter(until_pid) if until_pid is not None else None
+    try:
+        _relay_loop(master_fd, stdin_fd, stdout_fd, waiter)
+        if waiter is None:
+            return 0
+        if waiter.status is None:
+            # The terminal hung up first: the process may outlive it; wait for its end.
+            select.select([waiter.pidfd], [], [])
+            waiter.ended()
+        return waiter.status
+    finally:
+        if waiter is not None:
+            waiter.close()
+
+
+def _relay_loop(master_fd: int, stdin_fd: int, stdout_fd: int, waiter: _Waiter | None) -> None:
+    tty_in = os.isatty(stdin_fd)
+    size_src = stdin_fd if tty_in else (stdout_fd if os.isatty(stdout_fd) else None)
+    saved_tio = None
+    wake_r = wake_w = -1
+    old_winch = None
+    old_flags = fcntl.fcntl(master_fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(master_fd, fcntl.F_SETFL, old_flags | os.O_NONBLOCK)
+        if tty_in:
+            saved_tio = termios.tcgetattr(stdin_fd)
+            with _sigttou_blocked():
+                termios.tcsetattr(stdin_fd, termios.TCSADRAIN, _make_raw(saved_tio))
+
+        def copy_size() -> None:
+            with contextlib.suppress(OSError):
+                _set_winsize(master_fd, _get_winsize(size_src))
+
+        if size_src is not None:
+            copy_size()
+            if threading.current_thread() is threading.main_thread():
+                wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+                def on_winch(_signo, _frame) -> None:
+                    with contextlib.suppress(OSError):
+                        os.write(wake_w, b"w")
+                old_winch = signal.signal(signal.SIGWINCH, on_winch)
+
+        to_master = b""
+        stdin_open = True
+        while True:
+            if waiter is not None and waiter.status is not None:
+                _drain(master_fd, stdout_fd)
+                break
+            rlist = [master_fd]
+            if stdin_open and len(to_master) < _CHUNK:
+                rlist.append(stdin_fd)
+            if waiter is not None:
+                rlist.append(waiter.pidfd)
+            if wake_r >= 0:
+                rlist.append(wake_r)
+            r, w, _ = select.select(rlist, [master_fd] if to_master else [], [])
+            if wake_r in r:
+                with contextlib.suppress(OSError):
+                    os.read(wake_r, 64)
+                copy_size()
+            if master_fd in r:
+                data = _read_master(master_fd)
+                if data is None:
+                    break
+                _write_all(stdout_fd, data)
+            if stdin_fd in r:
+                data = os.read(stdin_fd, _CHUNK)
+                if data:
+                    to_master += data
+                else:
+                    stdin_open = False
+                    to_master += _eof_bytes(master_fd)
+            if master_fd in w and to_master:
+                try:
+                    n = os.write(master_fd, to_master)
+                    to_master = to_master[n:]
+                except BlockingIOError:
+                    pass
+                except OSError as err:
+                    if err.errno == errno.EIO:
+                        break
+                    raise
+            if waiter is not None and waiter.pidfd in r:
+                waiter.ended()
+    finally:
+        if old_winch is not None:
+            signal.signal(signal.SIGWINCH, old_winch)
+        for end in (wake_r, wake_w):
+            if end >= 0:
+                os.close(end)
+        if saved_tio is not None:
+            with _sigttou_blocked(), contextlib.suppress(termios.error):
+                termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved_tio)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(master_fd, fcntl.F_SETFL, old_flags)
+
+
+def _drain(master_fd: int, stdout_fd: int) -> None:
+    """Copy what the master still holds, without waiting for more."""
+    while True:
+        data = _read_master(master_fd)
+        if not data:
+            return
+        _write_all(stdout_fd, data)
+
+
+# --- the master side: handed to a program -----------------------------------------
+
+def spawn_on_master(master_fd: int, argv: Sequence[str], *,
+                    env: Mapping[str, str] | None = None) -> int:
+    """Run `argv` (searched in PATH) with the pty master as its stdin and stdout; its pid.
+
+    The interface (``ptckpt restore --new-pty-program CMD``): the program reads
+    what the restored process writes to its terminal from fd 0 and writes what
+    should be typed into it to fd 1.  Its stderr and every other fd it gets are
+    ptckpt's own (ptckpt's fds are close-on-exec, so neither the slave nor the
+    restored processes' fds leak into it).  The environment is ptckpt's plus
+    `env`; the CLI should put PTCKPT_PTS (the slave path) and PTCKPT_PID (the
+    restored process) there.  When the program exits and ptckpt has closed its
+    own copy of the master, the restored session gets a hang-up (SIGHUP), as
+    when a terminal window is closed.  The master is made blocking first.
+
+    Programs that fit are byte relays, e.g.
+      ``socat - UNIX-LISTEN:/tmp/job.sock`` and later, from any terminal or a
+      tmux window, ``socat -,raw,echo=0 UNIX-CONNECT:/tmp/job.sock``;
+      ``tmux new-session -d 'socat ...CONNECT...'`` through such a socket (tmux
+      itself runs panes on ptys of its own, so it cannot adopt the master directly);
+      ``socat - TCP-LISTEN:7000,reuseaddr`` to reach it over the network;
+      ``tee -a /tmp/job.log`` just to record the output.
+    """
+    if not argv:
+        raise PtckptError("no program given to hand the new pty to")
+    child_env = dict(os.environ)
+    if env:
+        child_env.update(env)
+    flags = fcntl.fcntl(master_fd, fcntl.F_GETFL)
+    fcntl.fcntl(master_fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    # A copy above 2, so that dup2 onto 0 and 1 always makes new fds without
+    # close-on-exec, whatever number the master has.
+    tmp = fcntl.fcntl(master_fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    try:
+        return os.posix_spawnp(argv[0], list(argv), child_env, file_actions=[
+            (os.POSIX_SPAWN_DUP2, tmp, 0),
+            (os.POSIX_SPAWN_DUP2, tmp, 1),
+        ])
+    except OSError as err:
+        raise PtckptError(f"cannot run {argv[0]!r} on the new pty: {err.strerror}") from None
+    finally:
+        os.close(tmp)
