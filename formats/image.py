@@ -41,6 +41,7 @@ from ptckpt.errors import (
     UnsupportedVersion,
 )
 from ptckpt.formats.model import (
+    FD_STATE_TYPES,
     PAGE_SIZE,
     Creds,
     Fd,
@@ -656,6 +657,7 @@ class ImageReader:
         self.sysv: tuple[ShmImage | SemImage | MsgImage, ...] = ()
         self.ghost_files: tuple[GhostFile, ...] = ()
         self.saved_files: tuple[SavedFile, ...] = ()
+        self.fd_states: tuple = ()                # EventfdState ... MqueueState, by desc
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -748,6 +750,7 @@ class ImageReader:
         self.sysv = tuple(e for e in entries if isinstance(e, (ShmImage, SemImage, MsgImage)))
         self.ghost_files = tuple(e for e in entries if isinstance(e, GhostFile))
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
+        self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 PAGE_SIZE = 4096
 
@@ -327,6 +328,125 @@ class SavedFile:
     gid: int
     mtime_ns: int
     data: bytes = field(repr=False)
+
+
+# --- fds of the other kinds: their state, per open file description (since format 3) ---
+
+@dataclass(frozen=True)
+class EventfdState:
+    """An eventfd: its counter, and EFD_SEMAPHORE | EFD_NONBLOCK as the description had them."""
+
+    count: int
+    flags: int
+    desc: int = 0            # the open file description (Fd.desc) it is the state of
+
+    @property
+    def semaphore(self) -> bool:
+        return bool(self.flags & 1)          # EFD_SEMAPHORE
+
+
+@dataclass(frozen=True)
+class TimerfdState:
+    """A timerfd.  value_ns is the time left at dump (0: disarmed); expires_ns the
+    absolute expiry on `clockid` at dump (used for TFD_TIMER_ABSTIME timers);
+    ticks the expirations not yet read."""
+
+    clockid: int
+    flags: int               # TFD_NONBLOCK as recorded
+    settime_flags: int       # TFD_TIMER_ABSTIME | TFD_TIMER_CANCEL_ON_SET
+    value_ns: int
+    interval_ns: int
+    ticks: int
+    expires_ns: int
+    desc: int = 0
+
+    @property
+    def armed(self) -> bool:
+        return self.value_ns > 0
+
+
+@dataclass(frozen=True)
+class SignalfdState:
+    """A signalfd: the signals it accepts, bit N-1 for signal N."""
+
+    mask: int
+    flags: int               # SFD_NONBLOCK as recorded
+    desc: int = 0
+
+    @property
+    def signals(self) -> frozenset[int]:
+        return frozenset(n + 1 for n in range(64) if self.mask >> n & 1)
+
+
+class InotifyWatch(NamedTuple):
+    """One watch: its descriptor, the path of the watched inode, its mask (with
+    IN_ONESHOT / IN_EXCL_UNLINK, as fdinfo shows them)."""
+
+    wd: int
+    path: str
+    mask: int
+
+
+@dataclass(frozen=True)
+class InotifyState:
+    """An inotify instance: its watches by increasing wd."""
+
+    watches: tuple[InotifyWatch, ...]
+    flags: int               # IN_NONBLOCK as recorded
+    desc: int = 0
+
+
+@dataclass(frozen=True)
+class MemfdState:
+    """A memfd: name (without "memfd:"), contents (size bytes), seals (F_SEAL_*),
+    permission bits and the description's offset."""
+
+    name: str
+    contents: bytes
+    size: int
+    seals: int
+    mode: int
+    pos: int
+    desc: int = 0
+
+
+@dataclass(frozen=True)
+class MqueueState:
+    """A POSIX message queue: its name ("/name"), attributes, the description's
+    mq_flags (O_NONBLOCK), and its messages as (priority, bytes) in queue order."""
+
+    name: str
+    maxmsg: int
+    msgsize: int
+    flags: int
+    messages: tuple[tuple[int, bytes], ...]
+    mode: int
+    uid: int
+    gid: int
+    unlinked: bool = False
+    desc: int = 0
+
+
+
+class EpollTarget(NamedTuple):
+    """One registration of an epoll instance: the watched fd's number in the registering
+    process, the event mask (EPOLLET, EPOLLONESHOT ... included) and the data word."""
+
+    tfd: int
+    events: int
+    data: int
+
+
+@dataclass(frozen=True)
+class EpollState:
+    """An epoll instance and what it watches."""
+
+    targets: tuple[EpollTarget, ...]
+    desc: int = 0
+
+
+FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
+                  EpollState)
 
 
 # --- System V IPC objects the tree uses (inventory.img, since format 2) --------

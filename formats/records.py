@@ -21,7 +21,8 @@ Grammar (every integer little-endian)::
     bool    := u8 (0 or 1)
 
     INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
-                      SAVED_FILE*
+                      SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
+                      EPOLL*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
     PAGEMAP file   := PAGE_RUN*
@@ -82,6 +83,15 @@ from construct import (
 
 from ptckpt.formats.model import (
     GP_REG_NAMES,
+    EpollState,
+    EpollTarget,
+    EventfdState,
+    InotifyState,
+    InotifyWatch,
+    MemfdState,
+    MqueueState,
+    SignalfdState,
+    TimerfdState,
     PAGE_SIZE,
     Creds,
     Fd,
@@ -139,6 +149,13 @@ class EntryKind(enum.IntEnum):
     SYSV_MSG = 8
     GHOST_FILE = 9
     SAVED_FILE = 30
+    EVENTFD = 31
+    TIMERFD = 32
+    SIGNALFD = 33
+    INOTIFY = 34
+    MEMFD = 35
+    MQUEUE = 36
+    EPOLL = 37
     TASK = 10
     CREDS = 11
     MM = 12
@@ -579,6 +596,90 @@ SavedFileRecord = Record(SavedFile, Struct(
 ))
 
 
+# --- EVENTFD TIMERFD SIGNALFD INOTIFY MEMFD MQUEUE ------------------------------
+# The state of an fd of those kinds, per open file description (`desc`, as Fd.desc).
+# eventfd(2) (fdinfo eventfd-count, eventfd-semaphore); timerfd_create(2)
+# (timerfd_gettime, fdinfo ticks/settime flags); signalfd(2) (fdinfo sigmask);
+# inotify(7) (fdinfo wd/mask/fhandle, resolved to paths with open_by_handle_at(2));
+# memfd_create(2) (contents, F_GET_SEALS); mq_overview(7) (mq_getattr, messages).
+EventfdRecord = Record(EventfdState, Struct(
+    "desc" / VarInt,
+    "count" / Int64ul,
+    "flags" / Int32ul,
+))
+TimerfdRecord = Record(TimerfdState, Struct(
+    "desc" / VarInt,
+    "clockid" / Int32ul,
+    "flags" / Int32ul,
+    "settime_flags" / Int32ul,
+    "value_ns" / Int64sl,
+    "interval_ns" / Int64sl,
+    "ticks" / Int64ul,
+    "expires_ns" / Int64sl,
+))
+SignalfdRecord = Record(SignalfdState, Struct(
+    "desc" / VarInt,
+    "mask" / Int64ul,
+    "flags" / Int32ul,
+))
+
+
+class _WatchAdapter(Adapter):
+    """(wd, path, mask) <-> InotifyWatch."""
+
+    def _decode(self, obj, context, path):
+        return InotifyWatch(obj[0], obj[1], obj[2])
+
+    def _encode(self, obj, context, path):
+        return list(obj)
+
+
+InotifyRecord = Record(InotifyState, Struct(
+    "desc" / VarInt,
+    "watches" / PrefixedArray(VarInt, _WatchAdapter(CSequence(Int32sl, Text, Int32ul))),
+    "flags" / Int32ul,
+))
+MemfdRecord = Record(MemfdState, Struct(
+    "desc" / VarInt,
+    "name" / Text,
+    "contents" / Blob,
+    "size" / Int64ul,
+    "seals" / Int32ul,
+    "mode" / Int32ul,
+    "pos" / Int64sl,
+))
+MqueueRecord = Record(MqueueState, Struct(
+    "desc" / VarInt,
+    "name" / Text,
+    "maxmsg" / Int64sl,
+    "msgsize" / Int64sl,
+    "flags" / Int32ul,
+    "messages" / PrefixedArray(VarInt, CSequence(Int32ul, Blob)),     # (priority, bytes)
+    "mode" / Int32ul,
+    "uid" / Int32ul,
+    "gid" / Int32ul,
+    "unlinked" / Flag,
+))
+
+
+
+class _TargetAdapter(Adapter):
+    """(tfd, events, data) <-> EpollTarget."""
+
+    def _decode(self, obj, context, path):
+        return EpollTarget(obj[0], obj[1], obj[2])
+
+    def _encode(self, obj, context, path):
+        return list(obj)
+
+
+# epoll(7): fdinfo "tfd: N events: X data: Y" lines (fs/eventpoll.c ep_show_fdinfo).
+EpollRecord = Record(EpollState, Struct(
+    "desc" / VarInt,
+    "targets" / PrefixedArray(VarInt, _TargetAdapter(CSequence(Int32ul, Int32ul, Int64ul))),
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -591,6 +692,13 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.SYSV_MSG: MsgImageRecord,
     EntryKind.GHOST_FILE: GhostFileRecord,
     EntryKind.SAVED_FILE: SavedFileRecord,
+    EntryKind.EVENTFD: EventfdRecord,
+    EntryKind.TIMERFD: TimerfdRecord,
+    EntryKind.SIGNALFD: SignalfdRecord,
+    EntryKind.INOTIFY: InotifyRecord,
+    EntryKind.MEMFD: MemfdRecord,
+    EntryKind.MQUEUE: MqueueRecord,
+    EntryKind.EPOLL: EpollRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -608,7 +716,10 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
                                    EntryKind.UNIX_SOCKET, EntryKind.SYSV_SHM, EntryKind.SYSV_SEM,
-                                   EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE}),
+                                   EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE,
+                                   EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
+                                   EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
+                                   EntryKind.EPOLL}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -641,7 +752,8 @@ _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
-                  SemImage, MsgImage, GhostFile, SavedFile, RawEntry]
+                  SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
+                  SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 from . import __version__, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
-                     SharedOutside, TargetVanished, UsageError)
+                     SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import filepolicy, files, memory, pipes, process, signals, sockets, sysvipc, threads
+from .resources import anonfds, epoll, filepolicy, files, memory, pipes, process, signals, sockets, sysvipc, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -237,7 +237,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
     """What the members of a frozen tree share: (images with fd descriptions numbered,
     image-wide records of the pipes and sockets inside the tree).
 
-    A pipe or socket that a process outside the tree also holds is refused,
+    An fd of a kind no restore can make again is refused, by name.  A pipe or
+    socket that a process outside the tree also holds is refused,
     naming both ends, unless it is the root's stdio (fds 0-2: the shell job's
     terminal or pipe, which a restore takes from ptckpt restore).  A FIFO held
     outside too is left to its name: the restore reopens it by path, and its
@@ -251,6 +252,10 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
         for f in flist:
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
+    for p, flist in fds.items():
+        for f in flist:
+            if f.kind not in files.RESTORABLE_KINDS and not sockets.is_unix(f) and f.desc not in stdio:
+                raise UnsupportedResource(p, f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
     outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
     internal_pipes = []
     for link, holders in objects.items():
@@ -265,6 +270,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
+                    + _fd_states(fds)
                     + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 
 
@@ -275,6 +281,24 @@ def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
     shms, sems, msgs = sysvipc.used_by(set(images), shmids)     # before our own attach changes lpid
     return ([sysvipc.dump_shm(s) for s in shms] + [sysvipc.dump_sem(s) for s in sems]
             + [sysvipc.dump_msg(q) for q in msgs])
+
+
+def _fd_states(fds: dict[int, list[Fd]]) -> list:
+    """The state of each eventfd, timerfd, signalfd, inotify, memfd, mqueue and epoll description."""
+    out, seen = [], set()
+    for p, flist in fds.items():
+        for f in flist:
+            if f.desc in seen:
+                continue
+            if f.kind in anonfds.ANON_FD_KINDS:
+                out.append(dataclasses.replace(anonfds.dump_anon_fd(p, f.fd, f.kind), desc=f.desc))
+            elif f.kind is FdKind.EPOLL:
+                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, {x.fd for x in flist}),
+                                               desc=f.desc))
+            else:
+                continue
+            seen.add(f.desc)
+    return out
 
 
 def _mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import filepolicy, files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
+from .formats.model import PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
+from .resources import anonfds, epoll, filepolicy, files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -175,9 +175,10 @@ def restore(directory: str, *, pidns: bool = False,
                 ipc_made = restore_sysv(image.sysv)
                 _create_tree(procs, image.zombies, helpers, created)
                 to_detach = []
+                epolls = epoll_registrars(procs, image.fd_states)
                 for p in members:
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
-                                              handed)
+                                              handed, epolls.get(p, []))
                     result.warnings += warnings
                     to_detach += tasks
                 log.info("resume %s", " ".join(map(str, members)))
@@ -327,6 +328,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     pipe_inos = {b.ino for b in image.pipes}
     socket_inos = {u.ino for u in image.unix_sockets}
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
+    states = {s.desc for s in image.fd_states}
     out = {}
     for d, f in rep.items():
         if f.skipped:
@@ -337,7 +339,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
             out[d] = f
         elif d in stdio:
             out[d] = f
-        elif files.ghost_key(f) in ghosts:
+        elif files.ghost_key(f) in ghosts or d in states:
             out[d] = f
         elif uses[d] > 1 and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f
@@ -368,7 +370,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
             cwd_of))
         for d, f in plan.items():
-            if d in opened:
+            if d in opened or d in {s.desc for s in image.fd_states}:
                 continue
             if d in stdio:
                 try:
@@ -379,7 +381,16 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
-        opened.update(memory.create_shared_objects(v for proc in procs.values() for v in proc.vmas))
+        made = {}
+        for state in image.fd_states:
+            f = plan.get(state.desc)
+            if f is not None:
+                opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
+                                      else anonfds.create_anon_fd(state, f.flags))
+                if f.kind is FdKind.MEMFD:            # the same object for its mappings
+                    made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
+        opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
+                                                   made))
         base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
         for d, fd in list(opened.items()):
             opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
@@ -438,8 +449,20 @@ def _open_pages(fd: int) -> int:
         return os.dup(fd)
 
 
+def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[tuple[int, EpollState]]]:
+    """{pid: [(its epoll fd, state)]}: each epoll's registrations are made again by the first
+    member holding it (at that member's fd numbers, as the image recorded them)."""
+    todo = {s.desc: s for s in states if isinstance(s, EpollState)}
+    out: dict[int, list[tuple[int, EpollState]]] = {}
+    for p, proc in procs.items():
+        for f in proc.fds:
+            if f.desc in todo and not f.skipped:
+                out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
+    return out
+
+
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
-            handed: dict):
+            handed: dict, epolls: list[tuple[int, EpollState]]):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
@@ -450,6 +473,8 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             files.restore_fds_frozen(remote, list(proc.fds), inherited, handed)
+            for epfd, state in epolls:
+                epoll.restore_targets_frozen(remote, epfd, state.targets)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)

@@ -26,7 +26,7 @@ from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, FdKind, Restart, VmaKi
 from ptckpt.resources import memory
 from ptckpt.tracee import Session
 
-from conftest import idle_script, wait_until
+from conftest import idle_script, pid_alive, wait_until
 
 
 def _stop(target) -> None:
@@ -195,16 +195,15 @@ def test_fds_are_recorded_with_kind_flags_and_position(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
-def test_unrestorable_fd_kind_is_named_not_dropped(spawn, ptckpt, tmp_path):
-    script = idle_script(tmp_path, "efd.py", "import os, time\nefd = os.eventfd(5)\n")
+def test_unrestorable_fd_kind_is_refused_by_name(spawn, ptckpt, tmp_path):
+    script = idle_script(tmp_path, "pidfd.py", "import os, time\npfd = os.pidfd_open(os.getpid())\n")
     target = spawn(str(script), out=False)
+    fd = next(int(n) for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}").startswith("anon_inode:[pidfd]"))
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
-    assert res.returncode == 0, res.stderr
-    assert "anon_inode:[eventfd] (eventfd)" in res.stdout
-    with ImageReader(tmp_path / "img") as image:
-        efd = [f for f in image.process(target.pid).fds if f.kind is FdKind.EVENTFD]
-    assert len(efd) == 1
-    assert ("eventfd-count", "5") in efd[0].details
+    assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
+    assert f"fd {fd} -> anon_inode:[pidfd] (pidfd) is not supported" in res.stderr
+    assert not (tmp_path / "img").exists() and pid_alive(target.pid)
 
 
 # --- the target goes on, or is gone --------------------------------------------------

@@ -27,6 +27,15 @@ from ptckpt.errors import (
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_name, pages_name
 from ptckpt.formats.model import (
     GP_REG_NAMES,
+    EpollState,
+    EpollTarget,
+    EventfdState,
+    InotifyState,
+    InotifyWatch,
+    MemfdState,
+    MqueueState,
+    SignalfdState,
+    TimerfdState,
     PAGE_SIZE,
     Creds,
     Fd,
@@ -161,7 +170,17 @@ def sample_records() -> list:
                      stime=5, rtime=6, ctime=7),
             GhostFile(dev=0x10302, ino=99, path=ODD_PATH, mode=0o100600, uid=1000, gid=100,
                       data=b"ghost" * 1000),
-            SavedFile(path="/slot3/state.bin", mode=0o100644, uid=0, gid=0, mtime_ns=-7, data=b"\0\1")]
+            SavedFile(path="/slot3/state.bin", mode=0o100644, uid=0, gid=0, mtime_ns=-7, data=b"\0\1"),
+            EventfdState(count=5, flags=0o4001, desc=4),
+            TimerfdState(clockid=1, flags=0o4000, settime_flags=1, value_ns=2 * 10**9, interval_ns=5 * 10**8,
+                         ticks=3, expires_ns=-1, desc=5),
+            SignalfdState(mask=(1 << 9) | (1 << 14), flags=0, desc=6),
+            InotifyState(watches=(InotifyWatch(1, "/tmp/a", 0x100), InotifyWatch(12, ODD_PATH, 0x2)),
+                         flags=0o4000, desc=7),
+            MemfdState(name="board", contents=b"\x07" * 100, size=4096, seals=0xb, mode=0o777, pos=9, desc=8),
+            MqueueState(name="/q", maxmsg=10, msgsize=8192, flags=0o4000, messages=((5, b"hi"), (0, b"")),
+                        mode=0o600, uid=0, gid=0, unlinked=True, desc=9),
+            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10)]
 
 
 SAMPLES = sample_records()

@@ -103,12 +103,12 @@ import struct
 import termios
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import FdKind
+from ..formats.model import (EventfdState, FdKind, InotifyState, InotifyWatch, MemfdState, MqueueState,
+                             SignalfdState, TimerfdState)
 from ..tracee import pidfd_getfd
 
 # --- constants (include/uapi/linux/{eventfd,timerfd,signalfd,inotify,memfd,fcntl}.h) ---
@@ -221,94 +221,7 @@ def _check(res: int, what: str) -> int:
 
 # --- the states ----------------------------------------------------------------
 
-@dataclass(frozen=True)
-class EventfdState:
-    """An eventfd: its counter, and EFD_SEMAPHORE | EFD_NONBLOCK as the description had them."""
-
-    count: int
-    flags: int
-
-    @property
-    def semaphore(self) -> bool:
-        return bool(self.flags & EFD_SEMAPHORE)
-
-
-@dataclass(frozen=True)
-class TimerfdState:
-    """A timerfd.  value_ns is the time left at dump (0: disarmed); expires_ns the
-    absolute expiry on `clockid` at dump (used for TFD_TIMER_ABSTIME timers);
-    ticks the expirations not yet read."""
-
-    clockid: int
-    flags: int               # TFD_NONBLOCK as recorded
-    settime_flags: int       # TFD_TIMER_ABSTIME | TFD_TIMER_CANCEL_ON_SET
-    value_ns: int
-    interval_ns: int
-    ticks: int
-    expires_ns: int
-
-    @property
-    def armed(self) -> bool:
-        return self.value_ns > 0
-
-
-@dataclass(frozen=True)
-class SignalfdState:
-    """A signalfd: the signals it accepts, bit N-1 for signal N."""
-
-    mask: int
-    flags: int               # SFD_NONBLOCK as recorded
-
-    @property
-    def signals(self) -> frozenset[int]:
-        return frozenset(n + 1 for n in range(64) if self.mask >> n & 1)
-
-
-class InotifyWatch(NamedTuple):
-    """One watch: its descriptor, the path of the watched inode, its mask (with
-    IN_ONESHOT / IN_EXCL_UNLINK, as fdinfo shows them)."""
-
-    wd: int
-    path: str
-    mask: int
-
-
-@dataclass(frozen=True)
-class InotifyState:
-    """An inotify instance: its watches by increasing wd."""
-
-    watches: tuple[InotifyWatch, ...]
-    flags: int               # IN_NONBLOCK as recorded
-
-
-@dataclass(frozen=True)
-class MemfdState:
-    """A memfd: name (without "memfd:"), contents (size bytes), seals (F_SEAL_*),
-    permission bits and the description's offset."""
-
-    name: str
-    contents: bytes
-    size: int
-    seals: int
-    mode: int
-    pos: int
-
-
-@dataclass(frozen=True)
-class MqueueState:
-    """A POSIX message queue: its name ("/name"), attributes, the description's
-    mq_flags (O_NONBLOCK), and its messages as (priority, bytes) in queue order."""
-
-    name: str
-    maxmsg: int
-    msgsize: int
-    flags: int
-    messages: tuple[tuple[int, bytes], ...]
-    mode: int
-    uid: int
-    gid: int
-    unlinked: bool = False
-
+# EventfdState ... MqueueState are image records: formats/model.py.
 
 AnonFdState = Union[EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState,
                     MqueueState]

@@ -26,6 +26,7 @@ from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, GhostFile, SavedFile, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
+from .anonfds import ANON_FD_KINDS, is_mqueue
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
@@ -50,7 +51,7 @@ _NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "tim
 RESTORABLE_KINDS = frozenset({
     FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
     FdKind.PTY_SLAVE, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
-})
+}) | ANON_FD_KINDS | {FdKind.EPOLL}
 
 
 def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = "") -> FdKind:
@@ -153,6 +154,8 @@ def dump_fds(pid: int) -> list[Fd]:
         except OSError:
             st = None
         kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
+        if kind is FdKind.REGULAR and info.mnt_id not in fstypes and is_mqueue(pid, fd):
+            kind = FdKind.MQUEUE          # mq_open()'s internal mount is in no mountinfo
         details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
         if kind is FdKind.SOCKET:
             details.extend(_socket_details(pid, fd))

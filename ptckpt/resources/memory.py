@@ -430,10 +430,11 @@ _libc_mm.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes
 _libc_mm.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def create_shared_objects(vmas: Iterable[Vma]) -> dict[tuple[int, int, int], int]:
+def create_shared_objects(vmas: Iterable[Vma], made: dict | None = None) -> dict[tuple[int, int, int], int]:
     """In ptckpt: one memory object per shared anonymous or memfd object of the image, sized to
     cover every mapping of it; {shared_object_key: fd}.  The caller owns the fds.
 
+    `made` holds objects already made for fds ({key: fd}, memfds): those are used.
     A MAP_SHARED|MAP_ANONYMOUS object is made the way the kernel makes one (an anonymous
     shared mapping, opened through /proc/self/map_files, then unmapped), so the restored
     mappings show "/dev/zero (deleted)" again; a memfd is made with its name.
@@ -446,9 +447,11 @@ def create_shared_objects(vmas: Iterable[Vma]) -> dict[tuple[int, int, int], int
             sizes[key] = max(sizes.get(key, 0), v.pgoff + (v.end - v.start), v.file_size)
             names[key] = v.path
     out: dict[tuple[int, int, int], int] = {}
+    made = made or {}
     try:
         for key, size in sizes.items():
-            out[key] = _new_object(names[key], page_align(size))
+            # an object an fd of the image also holds (a memfd) is made once, with that fd
+            out[key] = os.dup(made[key]) if key in made else _new_object(names[key], page_align(size))
     except BaseException:
         for fd in out.values():
             os.close(fd)

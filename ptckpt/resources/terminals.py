@@ -72,9 +72,8 @@ TERMIOS2 = struct.Struct("<IIIIB19sII")    # struct termios2, 44 bytes
 WINSIZE = struct.Struct("<HHHH")           # struct winsize: rows, cols, xpixel, ypixel
 PID_T = struct.Struct("<i")
 
-UNIX98_PTY_MASTER_MAJOR = 128              # legacy BSD-style masters: 2; /dev/ptmx is 5:2
-UNIX98_PTY_SLAVE_MAJOR = 136               # 136..143
-PTMX_DEV = (5, 2)
+UNIX98_PTY_SLAVE_MAJOR = 136               # 136..143 (devpts slaves all use 136 now)
+PTMX_DEV = (5, 2)                          # every master is an open of a ptmx inode
 
 O_NOCTTY = 0o400
 O_CLOEXEC = 0o2000000
@@ -227,7 +226,7 @@ def dump_terminal(pid: int, fd: int) -> TerminalState:
             raise PtckptError(f"cannot read the terminal of process {pid} fd {fd} ({path}): "
                               f"{err.strerror}") from None
         major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-        pty_master = (major, minor) == PTMX_DEV or major == UNIX98_PTY_MASTER_MAJOR
+        pty_master = (major, minor) == PTMX_DEV
         pty_slave = UNIX98_PTY_SLAVE_MAJOR <= major < UNIX98_PTY_SLAVE_MAJOR + 8
         index = None
         if pty_master:
@@ -235,8 +234,12 @@ def dump_terminal(pid: int, fd: int) -> TerminalState:
                 index = struct.unpack("<I", fcntl.ioctl(copy, TIOCGPTN, bytes(4)))[0]
         elif pty_slave:
             index = _pty_index_from(path, st.st_rdev)
-        fg = _ioctl_pid(copy, TIOCGPGRP)
-        sid = _ioctl_pid(copy, TIOCGSID)
+        try:
+            fg = _ioctl_pid(copy, TIOCGPGRP)
+            sid = _ioctl_pid(copy, TIOCGSID)
+        except OSError as err:
+            raise PtckptError(f"cannot read the job control of process {pid} fd {fd} ({path}): "
+                              f"{err.strerror}") from None
     finally:
         os.close(copy)
     pst = procfs.read_stat(pid)
@@ -333,6 +336,11 @@ def make_controlling_tty_frozen(remote: RemoteSyscalls, fd: int, *, steal: bool 
     controlling tty of another session the kernel says EPERM; with steal=True
     (arg 1) it takes it away from that session, but only if the process has
     CAP_SYS_ADMIN.  Calling it again for its own terminal is a no-op.
+
+    Order matters at restore: only the caller gets the terminal; the other
+    members of the session have it only if they are forked from the leader
+    after this call (a process's controlling tty is copied at fork and never
+    given to existing processes).  So: leader setsid, this, then its children.
     """
     remote.checked("ioctl", fd, TIOCSCTTY, 1 if steal else 0,
                    step=f"make fd {fd} the controlling terminal")
@@ -384,7 +392,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _eof_bytes(master_fd: int) -> bytes:
-    """What tells the program on the slave that its input ended: VEOF in canonical mode."""
+    """What tells the program on the slave that its input ended: VEOF in canonical mode
+    (it ends a pending partial line first; only at a line start is it a 0-byte read)."""
     try:
         t = _get_termios(master_fd)       # a master's termios ioctls act on its slave
     except OSError:
