@@ -46,6 +46,7 @@ from ptckpt.formats.model import (
     Creds,
     Fd,
     GhostFile,
+    HeldLock,
     Inventory,
     Mm,
     MsgImage,
@@ -239,7 +240,7 @@ class ImageWriter:
         if pid in self._cores:
             raise ValueError(f"process {pid} already written")
         records = [proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas,
-                   *proc.threads, *proc.sigactions, *proc.pending, *proc.fds]
+                   *proc.threads, *proc.sigactions, *proc.pending, *proc.fds, *proc.locks]
         self._write_file(core_name(pid), build_file(FileKind.CORE, records))
         self._cores.add(pid)
 
@@ -779,7 +780,8 @@ class ImageReader:
 
     def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
         single: dict[type, object] = {}
-        lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: []}
+        lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: [],
+                                   HeldLock: []}
         unknown = []
         for entry in entries:
             if isinstance(entry, RawEntry):
@@ -800,7 +802,7 @@ class ImageReader:
             task=task, creds=single[Creds], mm=single[Mm],
             rlimits=tuple(lists[Rlimit]), vmas=tuple(lists[Vma]), threads=tuple(lists[Thread]),
             sigactions=tuple(lists[Sigaction]), pending=tuple(lists[PendingSignal]),
-            fds=tuple(lists[Fd]))
+            fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]))
         return proc, tuple(unknown)
 
     def _read_entries(self, name: str, kind: FileKind) -> tuple[FileHeader, list]:

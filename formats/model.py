@@ -252,6 +252,18 @@ class Fd:
 
 
 @dataclass(frozen=True)
+class HeldLock:
+    """A file lock the process holds through fd `fd` (since format 3)."""
+
+    fd: int
+    kind: str                 # "flock" | "posix" | "ofd"
+    type: str                 # "read" | "write"
+    start: int
+    end: int                  # last byte locked, inclusive; -1: to EOF
+    pid: int                  # as /proc/PID/fdinfo showed it
+
+
+@dataclass(frozen=True)
 class ProcessImage:
     """Everything core-PID.img holds, decoded."""
 
@@ -264,6 +276,7 @@ class ProcessImage:
     sigactions: tuple[Sigaction, ...]
     pending: tuple[PendingSignal, ...]
     fds: tuple[Fd, ...]
+    locks: tuple[HeldLock, ...] = ()
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------

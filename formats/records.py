@@ -24,7 +24,7 @@ Grammar (every integer little-endian)::
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
                       EPOLL*
                                                  (the image-wide records follow the INVENTORY)
-    CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD*
+    CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
 
@@ -97,6 +97,7 @@ from ptckpt.formats.model import (
     Fd,
     FdKind,
     GhostFile,
+    HeldLock,
     Inventory,
     Mm,
     MsgImage,
@@ -136,7 +137,7 @@ class FileKind(enum.IntEnum):
 class EntryKind(enum.IntEnum):
     """Entry kinds; the numbers are unique across all file kinds and never reused.
 
-    Gaps are deliberate: 2 is kept for PLUGIN, 19 and 21-29 for more per-process
+    Gaps are deliberate: 2 is kept for PLUGIN, 21-29 for more per-process
     records, 30 and up for more image-wide ones.
     """
 
@@ -165,6 +166,7 @@ class EntryKind(enum.IntEnum):
     SIGACTION = 16
     PENDING_SIGNAL = 17
     FD = 18
+    FILE_LOCK = 19
     PAGE_RUN = 20
 
 
@@ -473,6 +475,18 @@ FdRecord = Record(Fd, Struct(
     "skipped" / Since(3, Flag),       # dump --skip-file
 ))
 
+# --- FILE_LOCK ---------------------------------------------------------------
+# The "lock:" lines of /proc/PID/fdinfo/N (man 5 proc, fs/locks.c
+# lock_get_status): FLOCK, POSIX or OFDLCK, READ or WRITE, byte range.
+HeldLockRecord = Record(HeldLock, Struct(
+    "fd" / Int32ul,
+    "kind" / Utf8,
+    "type" / Utf8,
+    "start" / Int64sl,
+    "end" / Int64sl,
+    "pid" / Int32sl,
+))
+
 # --- ZOMBIE ------------------------------------------------------------------
 # man 5 proc /proc/PID/stat of a zombie: pid, ppid (4), pgrp (5), session (6),
 # exit_code (52, the wait(2) status).
@@ -708,6 +722,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.SIGACTION: SigactionRecord,
     EntryKind.PENDING_SIGNAL: PendingSignalRecord,
     EntryKind.FD: FdRecord,
+    EntryKind.FILE_LOCK: HeldLockRecord,
     EntryKind.PAGE_RUN: PageRunRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
@@ -723,7 +738,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
-        EntryKind.PENDING_SIGNAL, EntryKind.FD,
+        EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
     FileKind.PAGES: frozenset(),
@@ -753,7 +768,8 @@ _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
-                  SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, RawEntry]
+                  SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
+                  RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -34,7 +34,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import anonfds, epoll, filepolicy, files, memory, pipes, process, signals, sockets, sysvipc, threads
+from .resources import anonfds, epoll, filepolicy, files, locks, memory, pipes, process, signals, sockets, sysvipc, threads
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -372,6 +372,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
+        fds = files.dump_fds(pid)
         pending = signals.dump_pending_frozen(tasks)
         for task in tasks:   # signals we held back while freezing are still pending
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
@@ -384,7 +385,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
             threads=tuple(thread_records),
             sigactions=tuple(sigactions),
             pending=tuple(pending),
-            fds=tuple(files.dump_fds(pid)),
+            fds=tuple(fds),
+            locks=tuple(locks.to_records(locks.dump_process_locks(pid, [f.fd for f in fds]))),
         )
         pages = writer.pages_writer(pid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages)

@@ -38,7 +38,7 @@ from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
 from .formats.model import PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import anonfds, epoll, filepolicy, files, memory, pids, pipes, process, signals, sockets, sysvipc, threads
+from .resources import anonfds, epoll, filepolicy, files, locks, memory, pids, pipes, process, signals, sockets, sysvipc, threads
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -477,6 +477,9 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 epoll.restore_targets_frozen(remote, epfd, state.targets)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
+            # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
+            for fd, held in locks.from_records(proc.locks).items():
+                locks.restore_locks_frozen(remote, fd, held)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
             log.info("fix up %d: threads", proc.task.pid)

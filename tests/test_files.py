@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
@@ -142,3 +143,63 @@ def test_eventfd_timerfd_signalfd_inotify_epoll_memfd_mqueue(spawn, ptckpt, tmp_
         target.assert_ok()
     finally:
         ctypes.CDLL(None).mq_unlink(mq.encode())          # if the fixture did not get there
+
+
+LOCKER = r'''
+import fcntl, os, struct, sys, time
+where = sys.argv[2]
+a = os.open(os.path.join(where, "a"), os.O_RDWR | os.O_CREAT, 0o600)
+b = os.open(os.path.join(where, "b"), os.O_RDWR | os.O_CREAT, 0o600)
+c = os.open(os.path.join(where, "c"), os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(a, fcntl.LOCK_EX)
+fcntl.lockf(b, fcntl.LOCK_EX, 100, 0)                    # POSIX write lock on bytes 0-99
+F_OFD_SETLK = 37
+fcntl.fcntl(c, F_OFD_SETLK, struct.pack("hh4xqqi4x", fcntl.F_RDLCK, 0, 10, 0, 0))  # OFD read 10-EOF
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+'''
+
+PROBE = r'''
+import fcntl, os, struct, sys
+where = sys.argv[1]
+out = []
+a = os.open(os.path.join(where, "a"), os.O_RDWR)
+try:
+    fcntl.flock(a, fcntl.LOCK_EX | fcntl.LOCK_NB); out.append("a free")
+except BlockingIOError:
+    out.append("a locked")
+b = os.open(os.path.join(where, "b"), os.O_RDWR)
+got = fcntl.fcntl(b, fcntl.F_GETLK, struct.pack("hh4xqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0))
+t, _, start, length, pid = struct.unpack("hh4xqqi4x", got)
+out.append(f"b {t == fcntl.F_WRLCK} {start} {length} {pid}")
+c = os.open(os.path.join(where, "c"), os.O_RDWR)
+got = fcntl.fcntl(c, 36, struct.pack("hh4xqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0))    # F_OFD_GETLK
+t, _, start, length, pid = struct.unpack("hh4xqqi4x", got)
+out.append(f"c {t == fcntl.F_RDLCK} {start} {length}")
+print(";".join(out))
+'''
+
+
+def test_flock_posix_and_ofd_locks_are_held_again(spawn, ptckpt, tmp_path):
+    """After the round trip another process still cannot take the locks, and F_GETLK names
+    the restored process as the holder of the POSIX one."""
+    where = tmp_path / "locks"
+    where.mkdir()
+    target = spawn(str(_write_script(tmp_path, "locker.py", LOCKER)), where)
+    probe = lambda: subprocess.run([sys.executable, "-c", PROBE, str(where)], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+    expected = f"a locked;b True 0 100 {target.pid};c True 10 0"
+    assert probe() == expected
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        assert sorted((l.kind, l.type) for l in image.process(target.pid).locks) == \
+               [("flock", "write"), ("ofd", "read"), ("posix", "write")]
+    assert probe() == "a free;b False 0 0 0;c False 0 0"
+    _restore(ptckpt, tmp_path / "img")
+    assert probe() == expected
+
+
+def _write_script(directory, name, text):
+    path = directory / name
+    path.write_text(text)
+    return path

@@ -41,6 +41,7 @@ from ptckpt.formats.model import (
     Fd,
     FdKind,
     GhostFile,
+    HeldLock,
     Inventory,
     Mm,
     MsgImage,
@@ -149,13 +150,15 @@ def make_process(pid=100) -> ProcessImage:
              Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
                 cloexec=True, mnt_id=30, dev=0x10302, ino=99, mode=0o100644, rdev=0, size=-1,
                 mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3, skipped=True)),
+        locks=(HeldLock(fd=7, kind="posix", type="write", start=200, end=-1, pid=pid),
+               HeldLock(fd=7, kind="flock", type="read", start=0, end=-1, pid=pid - 1)),
     )
 
 
 def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
-            *proc.sigactions, *proc.pending, *proc.fds, PageRun(0x7f0000000000, 4, 8192),
+            *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, PageRun(0x7f0000000000, 4, 8192),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",

@@ -56,6 +56,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .. import procfs
+from ..formats.model import HeldLock
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..tracee import RemoteSyscalls, same_open_file
 
@@ -105,6 +106,20 @@ class FileLock:
 
 class UnsupportedLock(ValueError):
     """A ``lock:`` line ptckpt cannot hold again; the message says what it is."""
+
+
+def to_records(held: dict[int, list[FileLock]]) -> list[HeldLock]:
+    """dump_process_locks' result as image records."""
+    return [HeldLock(fd=fd, kind=l.kind, type=l.type, start=l.start, end=-1 if l.end is None else l.end,
+                     pid=l.pid) for fd, locks in sorted(held.items()) for l in locks]
+
+
+def from_records(records) -> dict[int, list[FileLock]]:
+    """{fd: [FileLock]} from the image records."""
+    out: dict[int, list[FileLock]] = {}
+    for r in records:
+        out.setdefault(r.fd, []).append(FileLock(r.kind, r.type, r.start, None if r.end < 0 else r.end, r.pid))
+    return out
 
 
 def parse_lock(text: str) -> FileLock | None:
