@@ -60,6 +60,7 @@ from ptckpt.formats.model import (
     ShmImage,
     Sigaction,
     Task,
+    Terminal,
     Thread,
     UnixSocket,
     Vma,
@@ -658,7 +659,8 @@ class ImageReader:
         self.sysv: tuple[ShmImage | SemImage | MsgImage, ...] = ()
         self.ghost_files: tuple[GhostFile, ...] = ()
         self.saved_files: tuple[SavedFile, ...] = ()
-        self.fd_states: tuple = ()                # EventfdState ... MqueueState, by desc
+        self.fd_states: tuple = ()                # EventfdState ... EpollState, by desc
+        self.terminals: tuple[Terminal, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -752,6 +754,7 @@ class ImageReader:
         self.ghost_files = tuple(e for e in entries if isinstance(e, GhostFile))
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
+        self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

@@ -458,6 +458,21 @@ class EpollState:
     desc: int = 0
 
 
+@dataclass(frozen=True)
+class Terminal:
+    """A terminal the root's stdio was on: its settings and job control (since format 3)."""
+
+    termios: bytes            # struct termios2 as TCGETS2 gives it
+    rows: int
+    cols: int
+    xpixel: int
+    ypixel: int
+    fg_pgrp: int              # its foreground process group, -1 if unknown
+    sid: int                  # the session it is the controlling terminal of, -1 if unknown
+    controlling: bool         # the root's controlling terminal
+    desc: int = 0
+
+
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
                   EpollState)
 

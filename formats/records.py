@@ -22,7 +22,7 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL*
+                      EPOLL* TERMINAL*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
     PAGEMAP file   := PAGE_RUN*
@@ -91,6 +91,7 @@ from ptckpt.formats.model import (
     MemfdState,
     MqueueState,
     SignalfdState,
+    Terminal,
     TimerfdState,
     PAGE_SIZE,
     Creds,
@@ -157,6 +158,7 @@ class EntryKind(enum.IntEnum):
     MEMFD = 35
     MQUEUE = 36
     EPOLL = 37
+    TERMINAL = 38
     TASK = 10
     CREDS = 11
     MM = 12
@@ -694,6 +696,21 @@ EpollRecord = Record(EpollState, Struct(
 ))
 
 
+# termios(3) (TCGETS2: struct termios2), tty_ioctl(4) TIOCGWINSZ, TIOCGPGRP/TIOCGSID
+# or /proc/PID/stat tpgid and session (man 5 proc) for the controlling terminal.
+TerminalRecord = Record(Terminal, Struct(
+    "desc" / VarInt,
+    "termios" / Blob,
+    "rows" / Int16ul,
+    "cols" / Int16ul,
+    "xpixel" / Int16ul,
+    "ypixel" / Int16ul,
+    "fg_pgrp" / Int32sl,
+    "sid" / Int32sl,
+    "controlling" / Flag,
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -713,6 +730,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.MEMFD: MemfdRecord,
     EntryKind.MQUEUE: MqueueRecord,
     EntryKind.EPOLL: EpollRecord,
+    EntryKind.TERMINAL: TerminalRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -734,7 +752,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE,
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
-                                   EntryKind.EPOLL}),
+                                   EntryKind.EPOLL, EntryKind.TERMINAL}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -769,7 +787,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  RawEntry]
+                  Terminal, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -84,6 +84,9 @@ def restore(
     pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
+    new_pty: Annotated[bool, typer.Option("--new-pty", help="Give a tree that was on a terminal a new pty (same termios and window size) instead of this terminal; ptckpt relays between the two until the restored process exits.")] = False,
+    new_pty_program: Annotated[Optional[str], typer.Option("--new-pty-program", metavar="COMMAND",
+                                                           help="With --new-pty: run COMMAND with the pty's master as its stdin and stdout (e.g. 'socat - UNIX-LISTEN:/tmp/job.sock') instead of relaying; PTCKPT_PTS and PTCKPT_PID are set for it.")] = None,
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY",
                                                              help="What a file changed since the dump (size, mtime, inode, build-id) does: strict (refuse, the default), warn or ignore; PATTERN=POLICY for the paths matching PATTERN (first match wins). Repeatable.")] = None,
 ) -> None:
@@ -98,6 +101,13 @@ def restore(
     if pidfile and not detach:
         typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
         raise typer.Exit(code=ExitCode.USAGE)
+    if new_pty_program and not new_pty:
+        typer.echo("ptckpt: error: --new-pty-program needs --new-pty", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
+    if new_pty and detach and not new_pty_program:
+        typer.echo("ptckpt: error: --new-pty with --detach needs --new-pty-program (someone must "
+                   "hold the pty's master)", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
     from .resources.filepolicy import parse_policy
     try:
         policy = parse_policy(file_policy or [])
@@ -106,11 +116,23 @@ def restore(
         raise typer.Exit(code=ExitCode.USAGE) from None
     become_subreaper()
     try:
-        result = _restore(directory, pidns=pidns, file_policy=policy)
+        result = _restore(directory, pidns=pidns, file_policy=policy, new_pty=new_pty)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:
         typer.echo(f"ptckpt: warning: {warning}", err=True)
+    if new_pty and result.pty_master < 0:
+        typer.echo("ptckpt: warning: --new-pty: the image's stdio was on no terminal", err=True)
+    elif new_pty:
+        from .resources import terminals
+        if new_pty_program:
+            import shlex
+            terminals.spawn_on_master(result.pty_master, shlex.split(new_pty_program),
+                                      env={"PTCKPT_PID": str(result.pid)})
+            os.close(result.pty_master)
+        else:
+            typer.echo(result.summary(), err=True)
+            raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     if detach:
         if pidfile:
             with open(pidfile, "w") as f:
@@ -118,7 +140,11 @@ def restore(
         typer.echo(result.pid)
         return
     typer.echo(result.summary(), err=True)
-    raise typer.Exit(code=wait_restored(result))
+    status = wait_restored(result)
+    if result.terminal >= 0:                     # the shell job ended: the terminal goes back
+        from .resources import terminals
+        terminals.give_back(result.terminal, result.foreground_was)
+    raise typer.Exit(code=status)
 
 
 @app.command()

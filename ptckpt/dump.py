@@ -34,7 +34,8 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import anonfds, epoll, filepolicy, files, locks, memory, pipes, process, signals, sockets, sysvipc, threads
+from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pipes, process, signals, sockets,
+                        sysvipc, terminals, threads)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -270,7 +271,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
-                    + _fd_states(fds)
+                    + _fd_states(fds) + _terminals(root, fds[root])
                     + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 
 
@@ -298,6 +299,18 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
             else:
                 continue
             seen.add(f.desc)
+    return out
+
+
+def _terminals(root: int, fds: list[Fd]) -> list:
+    """The terminal the root's stdio is on (termios, window size, job control), once per
+    description: a restore puts it on its own terminal, or on a new pty (--new-pty)."""
+    out, seen = [], set()
+    for f in fds:
+        if f.fd <= 2 and f.kind in (FdKind.TTY, FdKind.PTY_SLAVE) and f.desc not in seen:
+            seen.add(f.desc)
+            with contextlib.suppress(PtckptError):
+                out.append(terminals.to_record(terminals.dump_terminal(root, f.fd), f.desc))
     return out
 
 

@@ -38,7 +38,8 @@ from . import procfs
 from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
 from .formats.image import ImageReader
 from .formats.model import PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import anonfds, epoll, filepolicy, files, locks, memory, pids, pipes, process, signals, sockets, sysvipc, threads
+from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pids, pipes, process, signals,
+                        sockets, sysvipc, terminals, threads)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -52,6 +53,9 @@ class RestoreResult:
     init_pid: int = 0             # the --pidns init, 0 without
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    pty_master: int = -1          # new_pty: the master of the new pty (the caller's to close)
+    terminal: int = -1            # shell job: ptckpt's terminal fd the tree was put in front of ...
+    foreground_was: int = 0       # ... and the process group that was its foreground before
 
     def summary(self) -> str:
         where = f" in a new pid namespace (init {self.init_pid})" if self.init_pid else ""
@@ -129,12 +133,20 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 # --- create, fix up, resume ---------------------------------------------------------
 
 def restore(directory: str, *, pidns: bool = False,
-            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy()) -> RestoreResult:
+            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
+            new_pty: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
     inode; build-id of mapped ELF files); `file_policy` says, per path, whether a change
     refuses the restore (FilesChanged), warns, or is ignored.
+
+    The root's stdio on a terminal becomes ptckpt's own stdio (a shell job): the
+    image's termios are put on ptckpt's terminal and, if the job was in the
+    foreground, its process group becomes the terminal's foreground group.  With
+    `new_pty` it gets a new pty instead, with the recorded termios and window size,
+    as its controlling terminal (for a session leader); result.pty_master is its
+    master, for the caller to relay or hand to a program.
     """
     started = time.monotonic()
     _raise_nofile()
@@ -163,17 +175,21 @@ def restore(directory: str, *, pidns: bool = False,
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
                 pages[p] = (_open_pages(fd), data_offset)
             files.put_back_saved_files(list(image.saved_files))
-            handed = build_handoff(image, procs, handoff)
+            handed = build_handoff(image, procs, handoff, new_pty)
+            master = handed.pop("pty-master", -1)
             log.info("create %d", root)
             stub = pids.start_stub(root, pidns=pidns)
-            result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid,
+            result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
                                    warnings=[f"the image left out {u}" for u in left_out]
                                    + [f"changed since the dump: {w}" for w in verdict.warnings])
             created = {root: stub.task}
             ipc_made: list = []
             try:
                 ipc_made = restore_sysv(image.sysv)
-                _create_tree(procs, image.zombies, helpers, created)
+                _create_tree(procs, image.zombies, helpers, created,
+                             _new_tty(image, procs, handed) if new_pty else None)
+                if not new_pty:
+                    _front_of_terminal(image, procs, created, result)
                 to_detach = []
                 epolls = epoll_registrars(procs, image.fd_states)
                 for p in members:
@@ -192,6 +208,8 @@ def restore(directory: str, *, pidns: bool = False,
                 for task in to_detach:
                     task.detach()
             except BaseException as err:
+                if master >= 0:
+                    os.close(master)
                 for kind, ipc_id in ipc_made:
                     with contextlib.suppress(PtckptError):
                         sysvipc.remove_object(kind, ipc_id)
@@ -245,14 +263,52 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict) -> None:
+def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
+    """(the new pty slave's fd number in the stubs, its Terminal record) for the root, or None."""
+    for rec in image.terminals:
+        if rec.desc in handed:
+            return handed[rec.desc], rec
+    return None
+
+
+def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
+                       result: RestoreResult) -> None:
+    """A shell job: the image's termios on ptckpt's terminal, and the job's own process group
+    in front of it if it was in front when dumped."""
+    root = procs[image.inventory.root_pid].task
+    for rec in image.terminals:
+        f = next((f for f in procs[root.pid].fds if f.desc == rec.desc), None)
+        if f is None or not os.isatty(f.fd):
+            continue
+        group = created.get(root.pgid)
+        front = group.tgid if group is not None and rec.fg_pgrp == root.pgid else None
+        try:
+            was = os.tcgetpgrp(f.fd)
+        except OSError:
+            was, front = 0, None                 # not our controlling terminal: settings only
+        terminals.apply_terminal_state(f.fd, terminals.from_record(rec), foreground_pgrp=front,
+                                       winsize=False)
+        if front is not None:
+            result.terminal, result.foreground_was = f.fd, was
+        return
+
+
+def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
-    stub; then sessions and process groups; then the zombies and helpers end."""
+    stub; then sessions and process groups; then the zombies and helpers end.
+
+    `tty` (the new pty's slave fd in the stubs, its Terminal record): it becomes the
+    root session's controlling terminal, before any other member exists (the
+    children inherit it), and its foreground group is set once the groups exist.
+    """
     members = list(procs)
     records = {p: procs[p].task for p in members}
     records.update({z.pid: z for z in zombies})
     root = members[0]
     _restore_session(created[root], records[root])
+    if tty is not None and records[root].sid == root and tty[1].controlling:
+        with _stub_syscalls(created[root]) as remote:
+            terminals.make_controlling_tty_frozen(remote, tty[0])
     for p in members[1:] + [z.pid for z in zombies]:
         record = records[p]
         log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
@@ -265,6 +321,10 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     # Group leaders first, so the groups exist when the others join them.
     for p in sorted(records, key=lambda p: records[p].pgid != p):
         _restore_pgid(created[p], records[p], created)
+    if tty is not None and records[root].sid == root and tty[1].fg_pgrp in created:
+        with _stub_syscalls(created[root]) as remote:
+            # in the tree's own namespace the group has the image's number
+            terminals.set_foreground_frozen(remote, tty[0], tty[1].fg_pgrp)
     gadget = gadget_address()
     for z in zombies:
         pids.end_stub(created.pop(z.pid), gadget, z.wait_status)
@@ -350,7 +410,8 @@ def _root_stdio(root: ProcessImage) -> set[int]:
     return {f.desc for f in root.fds if f.desc and f.fd <= 2 and f.kind in files.STDIO_KINDS}
 
 
-def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd]) -> dict:
+def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
+                  new_pty: bool = False) -> dict:
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
@@ -372,7 +433,10 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         for d, f in plan.items():
             if d in opened or d in {s.desc for s in image.fd_states}:
                 continue
-            if d in stdio:
+            tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
+            if tty is not None and "pty-master" not in opened:
+                opened["pty-master"], opened[d], _path = terminals.open_new_pty(terminals.from_record(tty))
+            elif d in stdio:
                 try:
                     opened[d] = os.dup(f.fd)
                 except OSError:
@@ -393,6 +457,8 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                                                    made))
         base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
         for d, fd in list(opened.items()):
+            if d == "pty-master":
+                continue                          # ptckpt's own end: not for the stubs
             opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
             os.close(fd)
     except BaseException:

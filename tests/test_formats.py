@@ -35,6 +35,7 @@ from ptckpt.formats.model import (
     MemfdState,
     MqueueState,
     SignalfdState,
+    Terminal,
     TimerfdState,
     PAGE_SIZE,
     Creds,
@@ -183,7 +184,9 @@ def sample_records() -> list:
             MemfdState(name="board", contents=b"\x07" * 100, size=4096, seals=0xb, mode=0o777, pos=9, desc=8),
             MqueueState(name="/q", maxmsg=10, msgsize=8192, flags=0o4000, messages=((5, b"hi"), (0, b"")),
                         mode=0o600, uid=0, gid=0, unlinked=True, desc=9),
-            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10)]
+            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10),
+            Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
+                     sid=-1, controlling=True, desc=11)]
 
 
 SAMPLES = sample_records()

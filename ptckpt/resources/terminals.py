@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import procfs
+from ..formats.model import Terminal
 from ..errors import PtckptError, RestoreFailed
 from ..tracee import RemoteSyscalls, pidfd_getfd
 
@@ -256,6 +257,21 @@ def dump_terminal(pid: int, fd: int) -> TerminalState:
                          pty_index=index, rdev=st.st_rdev, path=path)
 
 
+def to_record(state: TerminalState, desc: int) -> Terminal:
+    w = state.winsize
+    return Terminal(termios=state.termios.pack(), rows=w.rows, cols=w.cols, xpixel=w.xpixel, ypixel=w.ypixel,
+                    fg_pgrp=-1 if state.fg_pgrp is None else state.fg_pgrp,
+                    sid=-1 if state.sid is None else state.sid, controlling=state.controlling, desc=desc)
+
+
+def from_record(rec: Terminal) -> TerminalState:
+    return TerminalState(termios=Termios.unpack(rec.termios), winsize=WinSize(rec.rows, rec.cols, rec.xpixel,
+                                                                             rec.ypixel),
+                         fg_pgrp=None if rec.fg_pgrp < 0 else rec.fg_pgrp, sid=None if rec.sid < 0 else rec.sid,
+                         controlling=rec.controlling, pty_slave=True, pty_master=False, pty_index=None,
+                         rdev=0, path="")
+
+
 # --- restore half: in ptckpt -----------------------------------------------------
 
 def open_new_pty(state: TerminalState | None = None) -> tuple[int, int, str]:
@@ -323,6 +339,12 @@ def apply_terminal_state(fd: int, state: TerminalState, *, foreground_pgrp: int 
             except OSError as err:
                 raise RestoreFailed(f"cannot make process group {foreground_pgrp} the "
                                     f"foreground group of terminal fd {fd}: {err.strerror}") from None
+
+
+def give_back(fd: int, pgrp: int) -> None:
+    """The terminal's foreground group back to `pgrp` (ptckpt's, after a shell job ended)."""
+    with _sigttou_blocked(), contextlib.suppress(OSError):
+        fcntl.ioctl(fd, TIOCSPGRP, PID_T.pack(pgrp))
 
 
 # --- restore half: by injection --------------------------------------------------

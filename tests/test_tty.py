@@ -1,0 +1,108 @@
+"""Terminals: a real interactive python3 in a pty, driven with tmux send-keys and read with
+capture-pane, restored onto the invoking terminal (a shell job) or onto a new pty."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import kill_pids, reap_orphans, wait_until
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@pytest.fixture
+def tmux(tmp_path):
+    """tmux(*args) on a private server; the server and what runs in it are killed at the end."""
+    sock = f"ptckpt-test-{os.getpid()}-{tmp_path.name}"[:100]
+
+    def run(*args: str) -> str:
+        return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    yield run
+    pids = []
+    try:
+        pids = [int(p) for p in run("list-panes", "-a", "-F", "#{pane_pid}").split()]
+    except subprocess.CalledProcessError:
+        pass
+    subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    kill_pids(pids)
+    reap_orphans()
+
+
+def _screen(tmux, session: str) -> str:
+    return tmux("capture-pane", "-p", "-t", session)
+
+
+def _pane_pid(tmux, session: str) -> int:
+    return int(tmux("list-panes", "-t", session, "-F", "#{pane_pid}").split()[0])
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _repl_remembers(tmux, session: str) -> None:
+    tmux("send-keys", "-t", session, "print(x + 1)", "Enter")
+    wait_until(lambda: "42" in _screen(tmux, session).split("print(x + 1)")[-1], 10,
+               message=lambda: _screen(tmux, session))
+
+
+def test_python_repl_restored_onto_a_new_pty(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    tmux("new-session", "-d", "-s", "one", "-x", "100", "-y", "30", "python3 -q")
+    wait_until(lambda: ">>>" in _screen(tmux, "one"), 10)
+    repl = _pane_pid(tmux, "one")
+    tmux("send-keys", "-t", "one", "x = 41", "Enter")
+    wait_until(lambda: _screen(tmux, "one").count(">>>") >= 2, 10)
+    try:
+        res = ptckpt("dump", repl, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{repl}"), 5)
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--new-pty"])
+        tmux("new-session", "-d", "-s", "two", "-x", "100", "-y", "30", f"{cmd}; sleep 60")
+        wait_until(lambda: os.path.exists(f"/proc/{repl}"), 10, message=lambda: _screen(tmux, "two"))
+        with open(f"/proc/{repl}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        assert int(fields[3]) == repl and int(fields[4]) != 0, "its own session, with a controlling tty"
+        assert os.readlink(f"/proc/{repl}/fd/0").startswith("/dev/pts/")
+        _repl_remembers(tmux, "two")
+    finally:
+        kill_pids([repl])
+
+
+def test_python_repl_restored_as_a_shell_job_onto_the_invoking_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    tmux("new-session", "-d", "-s", "job", "-x", "100", "-y", "30", "bash --norc --noprofile")
+    shell = _pane_pid(tmux, "job")
+    tmux("send-keys", "-t", "job", "python3 -q", "Enter")
+    wait_until(lambda: ">>>" in _screen(tmux, "job"), 10)
+    [repl] = _children(shell)
+    tmux("send-keys", "-t", "job", "x = 41", "Enter")
+    wait_until(lambda: _screen(tmux, "job").count(">>>") >= 2, 10)
+    try:
+        res = ptckpt("dump", repl, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{repl}"), 5)
+        tmux("send-keys", "-t", "job", "clear", "Enter")
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img")])
+        tmux("send-keys", "-t", "job", cmd, "Enter")
+        wait_until(lambda: os.path.exists(f"/proc/{repl}"), 10, message=lambda: _screen(tmux, "job"))
+        with open(f"/proc/{repl}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        pgrp, tpgid = int(fields[2]), int(fields[5])
+        assert pgrp == repl and tpgid == repl, "its own group, in front of the terminal"
+        _repl_remembers(tmux, "job")
+        tmux("send-keys", "-t", "job", "exit()", "Enter")
+        wait_until(lambda: not os.path.exists(f"/proc/{repl}") and
+                   _screen(tmux, "job").rstrip().endswith(("$", "#")), 10,
+                   message=lambda: _screen(tmux, "job"))
+        with open(f"/proc/{shell}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        assert int(fields[5]) == int(fields[2]), "the shell has its terminal back"
+    finally:
+        kill_pids([repl])
