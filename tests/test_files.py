@@ -133,7 +133,7 @@ def test_eventfd_timerfd_signalfd_inotify_epoll_memfd_mqueue(spawn, ptckpt, tmp_
         _dump_kill(ptckpt, target, tmp_path / "img")
         with ImageReader(tmp_path / "img") as image:
             kinds = sorted(type(s).__name__ for s in image.fd_states)
-        assert kinds == ["EpollState", "EventfdState", "InotifyState", "MemfdState", "MqueueState",
+        assert kinds == ["EpollState", "EpollState", "EventfdState", "InotifyState", "MemfdState", "MqueueState",
                          "SignalfdState", "TimerfdState"]
         _restore(ptckpt, tmp_path / "img")
         (watched / "created").write_text("")

@@ -106,3 +106,43 @@ def test_python_repl_restored_as_a_shell_job_onto_the_invoking_terminal(tmux, pt
         assert int(fields[5]) == int(fields[2]), "the shell has its terminal back"
     finally:
         kill_pids([repl])
+
+
+DRIVER = r'''
+import os, sys, time
+out = sys.argv[1]
+os.write(1, b"print(x + 1)\r")                      # typed into the restored REPL
+seen = b""
+deadline = time.time() + 10
+while b"42" not in seen.split(b"print(x + 1)")[-1] and time.time() < deadline:
+    seen += os.read(0, 4096)
+open(out, "wb").write(seen)
+os.write(1, b"exit()\r")
+time.sleep(1)
+'''
+
+
+def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
+    tmux("new-session", "-d", "-s", "one", "-x", "100", "-y", "30", "python3 -q")
+    wait_until(lambda: ">>>" in _screen(tmux, "one"), 10)
+    repl = _pane_pid(tmux, "one")
+    tmux("send-keys", "-t", "one", "x = 41", "Enter")
+    wait_until(lambda: _screen(tmux, "one").count(">>>") >= 2, 10)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    out = tmp_path / "seen"
+    try:
+        assert ptckpt("dump", repl, "-D", tmp_path / "img", "--kill").returncode == 0
+        wait_until(lambda: not os.path.exists(f"/proc/{repl}"), 5)
+        res = ptckpt("restore", "-D", tmp_path / "img", "--new-pty", "--detach",
+                     "--new-pty-program", f"python3 {tmp_path / 'driver.py'} {out}")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: out.exists(), 15)
+        assert b"42" in out.read_bytes().split(b"print(x + 1)")[-1], out.read_bytes()
+        wait_until(lambda: not os.path.exists(f"/proc/{repl}") or
+                   open(f"/proc/{repl}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 10,
+                   message="the REPL ends when the program types exit()")
+    finally:
+        kill_pids([repl])
+        reap_orphans()
+    res = ptckpt("restore", "-D", tmp_path / "img", "--new-pty", "--detach")
+    assert res.returncode == 2 and "--new-pty-program" in res.stderr
