@@ -16,13 +16,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, PageRun, ProcessImage, Thread, Vma
+from ptckpt.formats.model import (GP_REG_NAMES, PAGE_SIZE, GhostFile, MemfdState, PageRun, ProcessImage,
+                                  SavedFile, ShmImage, Thread, Vma)
 
 _RIP = GP_REG_NAMES.index("rip")
 _RSP = GP_REG_NAMES.index("rsp")
 
 # Byte fields shown as {"size", "crc32"} rather than hex (they are kilobytes).
-_BLOB_FIELDS = {(Thread, "xstate")}
+_BLOB_FIELDS = {(Thread, "xstate"), (GhostFile, "data"), (SavedFile, "data"), (MemfdState, "contents"),
+                (ShmImage, "data")}
 
 
 def _json_value(value: Any) -> Any:
@@ -105,6 +107,11 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "zombies": [record_to_json(z) for z in reader.zombies],
             "pipes": [record_to_json(p) for p in reader.pipes],
             "unix_sockets": [record_to_json(u) for u in reader.unix_sockets],
+            "sysv": [dict(record_to_json(o), record=type(o).__name__) for o in reader.sysv],
+            "ghost_files": [record_to_json(g) for g in reader.ghost_files],
+            "saved_files": [record_to_json(f) for f in reader.saved_files],
+            "fd_states": [dict(record_to_json(st), record=type(st).__name__) for st in reader.fd_states],
+            "terminals": [record_to_json(t) for t in reader.terminals],
         }
 
 
@@ -200,6 +207,15 @@ def _shared_table(reader: ImageReader) -> str:
         what = "listening" if u.state == 10 else f"peer {u.peer}" if u.peer else "unconnected"
         rows.append([f"unix {kind}", u.ino, f"{name}, {what}, {sum(map(len, u.queue))} bytes "
                      f"in {len(u.queue)} queued"])
+    for g in reader.ghost_files:
+        rows.append(["ghost file", g.ino, f"{_printable(g.path)} (deleted), {len(g.data)} bytes"])
+    for f in reader.saved_files:
+        rows.append(["saved file", "-", f"{_printable(f.path)}, {len(f.data)} bytes"])
+    for st in reader.fd_states:
+        rows.append([type(st).__name__.removesuffix("State").lower(), st.desc, "open file description"])
+    for t in reader.terminals:
+        rows.append(["terminal", t.desc, f"{t.cols}x{t.rows}, foreground group {t.fg_pgrp}"
+                     + (", controlling" if t.controlling else "")])
     for o in reader.sysv:
         kind = type(o).__name__.removesuffix("Image").lower()
         ident = getattr(o, "shmid", getattr(o, "semid", getattr(o, "msqid", 0)))

@@ -48,6 +48,37 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()       # state ppid pgrp session tty_nr tpgid ...
+
+
+def _repl_in(tmux, session: str, command: str | None = None) -> int:
+    """python3 -q running in tmux session `session` (its pane's program, or `command` typed into
+    the pane's shell), with x = 41 entered; returns its pid."""
+    if command is None:
+        tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30", "python3 -q")
+    else:
+        tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30", command)
+        tmux("send-keys", "-t", session, "python3 -q", "Enter")
+    wait_until(lambda: ">>>" in _screen(tmux, session), 10)
+    pane = _pane_pid(tmux, session)
+    repl = pane if command is None else _children(pane)[0]
+    tmux("send-keys", "-t", session, "x = 41", "Enter")
+    wait_until(lambda: _screen(tmux, session).count(">>>") >= 2, 10)
+    return repl
+
+
+def _wait_restored(tmux, session: str, pid: int) -> None:
+    """Until `pid` runs python3 again (not the restorer stub it starts as)."""
+    def back() -> bool:
+        try:
+            return "python" in os.readlink(f"/proc/{pid}/exe") and _stat(pid)[0] != "t"
+        except OSError:
+            return False
+    wait_until(back, 10, message=lambda: _screen(tmux, session))
+
+
 def _repl_remembers(tmux, session: str) -> None:
     tmux("send-keys", "-t", session, "print(x + 1)", "Enter")
     wait_until(lambda: "42" in _screen(tmux, session).split("print(x + 1)")[-1], 10,
@@ -55,20 +86,15 @@ def _repl_remembers(tmux, session: str) -> None:
 
 
 def test_python_repl_restored_onto_a_new_pty(tmux, ptckpt, ptckpt_cmd, tmp_path):
-    tmux("new-session", "-d", "-s", "one", "-x", "100", "-y", "30", "python3 -q")
-    wait_until(lambda: ">>>" in _screen(tmux, "one"), 10)
-    repl = _pane_pid(tmux, "one")
-    tmux("send-keys", "-t", "one", "x = 41", "Enter")
-    wait_until(lambda: _screen(tmux, "one").count(">>>") >= 2, 10)
+    repl = _repl_in(tmux, "one")
     try:
         res = ptckpt("dump", repl, "-D", tmp_path / "img", "--kill")
         assert res.returncode == 0, res.stderr
         wait_until(lambda: not os.path.exists(f"/proc/{repl}"), 5)
         cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--new-pty"])
         tmux("new-session", "-d", "-s", "two", "-x", "100", "-y", "30", f"{cmd}; sleep 60")
-        wait_until(lambda: os.path.exists(f"/proc/{repl}"), 10, message=lambda: _screen(tmux, "two"))
-        with open(f"/proc/{repl}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        _wait_restored(tmux, "two", repl)
+        fields = _stat(repl)
         assert int(fields[3]) == repl and int(fields[4]) != 0, "its own session, with a controlling tty"
         assert os.readlink(f"/proc/{repl}/fd/0").startswith("/dev/pts/")
         _repl_remembers(tmux, "two")
@@ -77,13 +103,8 @@ def test_python_repl_restored_onto_a_new_pty(tmux, ptckpt, ptckpt_cmd, tmp_path)
 
 
 def test_python_repl_restored_as_a_shell_job_onto_the_invoking_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
-    tmux("new-session", "-d", "-s", "job", "-x", "100", "-y", "30", "bash --norc --noprofile")
+    repl = _repl_in(tmux, "job", "bash --norc --noprofile")
     shell = _pane_pid(tmux, "job")
-    tmux("send-keys", "-t", "job", "python3 -q", "Enter")
-    wait_until(lambda: ">>>" in _screen(tmux, "job"), 10)
-    [repl] = _children(shell)
-    tmux("send-keys", "-t", "job", "x = 41", "Enter")
-    wait_until(lambda: _screen(tmux, "job").count(">>>") >= 2, 10)
     try:
         res = ptckpt("dump", repl, "-D", tmp_path / "img", "--kill")
         assert res.returncode == 0, res.stderr
@@ -91,9 +112,8 @@ def test_python_repl_restored_as_a_shell_job_onto_the_invoking_terminal(tmux, pt
         tmux("send-keys", "-t", "job", "clear", "Enter")
         cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img")])
         tmux("send-keys", "-t", "job", cmd, "Enter")
-        wait_until(lambda: os.path.exists(f"/proc/{repl}"), 10, message=lambda: _screen(tmux, "job"))
-        with open(f"/proc/{repl}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        _wait_restored(tmux, "job", repl)
+        fields = _stat(repl)
         pgrp, tpgid = int(fields[2]), int(fields[5])
         assert pgrp == repl and tpgid == repl, "its own group, in front of the terminal"
         _repl_remembers(tmux, "job")
@@ -101,8 +121,7 @@ def test_python_repl_restored_as_a_shell_job_onto_the_invoking_terminal(tmux, pt
         wait_until(lambda: not os.path.exists(f"/proc/{repl}") and
                    _screen(tmux, "job").rstrip().endswith(("$", "#")), 10,
                    message=lambda: _screen(tmux, "job"))
-        with open(f"/proc/{shell}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat(shell)
         assert int(fields[5]) == int(fields[2]), "the shell has its terminal back"
     finally:
         kill_pids([repl])
@@ -123,11 +142,7 @@ time.sleep(1)
 
 
 def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
-    tmux("new-session", "-d", "-s", "one", "-x", "100", "-y", "30", "python3 -q")
-    wait_until(lambda: ">>>" in _screen(tmux, "one"), 10)
-    repl = _pane_pid(tmux, "one")
-    tmux("send-keys", "-t", "one", "x = 41", "Enter")
-    wait_until(lambda: _screen(tmux, "one").count(">>>") >= 2, 10)
+    repl = _repl_in(tmux, "one")
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "seen"
     try:
@@ -139,7 +154,7 @@ def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
         wait_until(lambda: out.exists(), 15)
         assert b"42" in out.read_bytes().split(b"print(x + 1)")[-1], out.read_bytes()
         wait_until(lambda: not os.path.exists(f"/proc/{repl}") or
-                   open(f"/proc/{repl}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 10,
+                   _stat(repl)[0] == "Z", 10,
                    message="the REPL ends when the program types exit()")
     finally:
         kill_pids([repl])

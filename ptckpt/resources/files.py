@@ -328,15 +328,7 @@ def create_ghost_files(ghosts: list[GhostFile]) -> dict[tuple, str]:
             else:
                 raise RestoreFailed(f"cannot recreate the deleted file {g.path}: every name is taken")
             out[("ghost", g.dev, g.ino)] = path
-            try:
-                view = memoryview(g.data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fchmod(fd, g.mode & 0o7777)
-                with contextlib.suppress(OSError):
-                    os.fchown(fd, g.uid, g.gid)
-            finally:
-                os.close(fd)
+            _fill_file(fd, g)
     except BaseException:
         remove_ghost_files(out)
         raise
@@ -360,19 +352,23 @@ def put_back_saved_files(saved: list[SavedFile]) -> None:
     """Write each saved file back (contents, mode, owner, mtime) before anything reopens it."""
     for s in saved:
         try:
-            fd = os.open(s.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_CLOEXEC, s.mode & 0o7777)
-            try:
-                view = memoryview(s.data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fchmod(fd, s.mode & 0o7777)
-                with contextlib.suppress(OSError):
-                    os.fchown(fd, s.uid, s.gid)
-            finally:
-                os.close(fd)
+            _fill_file(os.open(s.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_CLOEXEC, s.mode & 0o7777), s)
             os.utime(s.path, ns=(s.mtime_ns, s.mtime_ns))
         except OSError as err:
             raise RestoreFailed(f"cannot put back the saved file {s.path}: {err.strerror}") from None
+
+
+def _fill_file(fd: int, what: GhostFile | SavedFile) -> None:
+    """Write a recorded file's bytes, mode and owner into `fd`, then close it."""
+    try:
+        view = memoryview(what.data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, what.mode & 0o7777)
+        with contextlib.suppress(OSError):
+            os.fchown(fd, what.uid, what.gid)
+    finally:
+        os.close(fd)
 
 
 def remove_ghost_files(paths: dict[tuple, str]) -> None:
