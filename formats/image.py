@@ -53,6 +53,7 @@ from ptckpt.formats.model import (
     PageRun,
     PendingSignal,
     PipeBuffer,
+    PluginData,
     ProcessImage,
     Rlimit,
     SavedFile,
@@ -661,6 +662,7 @@ class ImageReader:
         self.saved_files: tuple[SavedFile, ...] = ()
         self.fd_states: tuple = ()                # EventfdState ... EpollState, by desc
         self.terminals: tuple[Terminal, ...] = ()
+        self.plugin_data: tuple[PluginData, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
@@ -755,6 +757,7 @@ class ImageReader:
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
         self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
+        self.plugin_data = tuple(e for e in entries if isinstance(e, PluginData))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
         for pid in self.inventory.pids:

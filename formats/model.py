@@ -249,6 +249,8 @@ class Fd:
     desc: int = 0             # the open file description, numbered across the whole tree
                               # (fds that share one after dup/fork have the same desc; since format 2)
     skipped: bool = False     # dump --skip-file: recorded, not reopened at restore (since format 3)
+    external: str = ""        # claimed as external by a plugin (its note): not saved, a plugin
+                              # must give the process a new one at restore (since format 4)
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,17 @@ class ProcessImage:
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------
+
+@dataclass(frozen=True)
+class PluginData:
+    """A plugin the image was made with (pid -1, no key), or data it saved (since format 4)."""
+
+    name: str
+    version: str
+    pid: int                  # the image pid the data belongs to; 0: the whole tree; -1: the plugin
+    key: str
+    data: bytes = field(repr=False)
+
 
 @dataclass(frozen=True)
 class Zombie:

@@ -20,7 +20,7 @@ Grammar (every integer little-endian)::
     array   := VarInt count, count items
     bool    := u8 (0 or 1)
 
-    INVENTORY file := INVENTORY ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
+    INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
                       EPOLL* TERMINAL*
                                                  (the image-wide records follow the INVENTORY)
@@ -106,6 +106,7 @@ from ptckpt.formats.model import (
     PendingSignal,
     Restart,
     PipeBuffer,
+    PluginData,
     Rlimit,
     SavedFile,
     SemImage,
@@ -120,8 +121,9 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 3                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 4                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
+                                   # 4: plugins (PLUGIN records, external fds)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -138,11 +140,12 @@ class FileKind(enum.IntEnum):
 class EntryKind(enum.IntEnum):
     """Entry kinds; the numbers are unique across all file kinds and never reused.
 
-    Gaps are deliberate: 2 is kept for PLUGIN, 21-29 for more per-process
+    Gaps are deliberate: 21-29 for more per-process
     records, 30 and up for more image-wide ones.
     """
 
     INVENTORY = 1
+    PLUGIN = 2
     ZOMBIE = 3
     PIPE = 4
     UNIX_SOCKET = 5
@@ -475,6 +478,17 @@ FdRecord = Record(Fd, Struct(
     "details" / PrefixedArray(VarInt, CSequence(Text, Text)),
     "desc" / Since(2, VarInt),        # open file description number (kcmp(2) KCMP_FILE groups)
     "skipped" / Since(3, Flag),       # dump --skip-file
+    "external" / Since(4, Text),      # claimed external by a plugin (its note)
+))
+
+# --- PLUGIN ------------------------------------------------------------------
+# ptckpt.plugins: each plugin used (pid -1) and the data it saved per (pid, key).
+PluginDataRecord = Record(PluginData, Struct(
+    "name" / Text,
+    "version" / Text,
+    "pid" / Int32sl,
+    "key" / Text,
+    "data" / Blob,
 ))
 
 # --- FILE_LOCK ---------------------------------------------------------------
@@ -715,6 +729,7 @@ TerminalRecord = Record(Terminal, Struct(
 
 RECORDS: dict[EntryKind, Record] = {
     EntryKind.INVENTORY: InventoryRecord,
+    EntryKind.PLUGIN: PluginDataRecord,
     EntryKind.ZOMBIE: ZombieRecord,
     EntryKind.PIPE: PipeRecord,
     EntryKind.UNIX_SOCKET: UnixSocketRecord,
@@ -747,7 +762,7 @@ KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()
 
 # Which entry kinds each file kind holds.
 FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
-    FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.ZOMBIE, EntryKind.PIPE,
+    FileKind.INVENTORY: frozenset({EntryKind.INVENTORY, EntryKind.PLUGIN, EntryKind.ZOMBIE, EntryKind.PIPE,
                                    EntryKind.UNIX_SOCKET, EntryKind.SYSV_SHM, EntryKind.SYSV_SEM,
                                    EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE,
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
@@ -787,7 +802,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, RawEntry]
+                  Terminal, PluginData, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -61,6 +61,8 @@ def dump(
                                                 help="Resume the target after the dump (default), or kill it once the image is on disk.")] = True,
     save_file: Annotated[Optional[list[str]], typer.Option("--save-file", metavar="PATTERN",
                                                            help="Store the contents of the open or mapped files matching PATTERN (an absolute path glob; ** spans directories; DIR/ means all under DIR) in the image; restore puts them back. Repeatable.")] = None,
+    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
+                                                        help="Load a plugin: module:Class, a file path (file.py or file.py:Class) or an entry point name of group ptckpt.plugins. Repeatable.")] = None,
     skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
                                                            help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
 ) -> None:
@@ -69,9 +71,11 @@ def dump(
     Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
     """
     from .dump import DumpMode, dump as _dump
+    from .plugins import load_plugin
     try:
+        loaded = [load_plugin(spec) for spec in plugin or ()]
         result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
-                       save_files=save_file or (), skip_files=skip_file or ())
+                       save_files=save_file or (), skip_files=skip_file or (), plugins=loaded)
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(result.directory)
@@ -84,6 +88,8 @@ def restore(
     pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
+    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
+                                                        help="Load a plugin (as for dump); every plugin the image was made with must be given. Repeatable.")] = None,
     new_pty: Annotated[bool, typer.Option("--new-pty", help="Give a tree that was on a terminal a new pty (same termios and window size) instead of this terminal; ptckpt relays between the two until the restored process exits.")] = False,
     new_pty_program: Annotated[Optional[str], typer.Option("--new-pty-program", metavar="COMMAND",
                                                            help="With --new-pty: run COMMAND with the pty's master as its stdin and stdout (e.g. 'socat - UNIX-LISTEN:/tmp/job.sock') instead of relaying; PTCKPT_PTS and PTCKPT_PID are set for it.")] = None,
@@ -114,9 +120,11 @@ def restore(
     except ValueError as err:
         typer.echo(f"ptckpt: error: {err}", err=True)
         raise typer.Exit(code=ExitCode.USAGE) from None
+    from .plugins import load_plugin
     become_subreaper()
     try:
-        result = _restore(directory, pidns=pidns, file_policy=policy, new_pty=new_pty)
+        loaded = [load_plugin(spec) for spec in plugin or ()]
+        result = _restore(directory, pidns=pidns, file_policy=policy, new_pty=new_pty, plugins=loaded)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import socket
@@ -31,8 +32,9 @@ from dataclasses import dataclass, field
 
 from . import __version__, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
-                     SharedOutside, TargetVanished, UnsupportedResource, UsageError)
+                     PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
+from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pipes, process, signals, sockets,
                         sysvipc, terminals, threads)
@@ -108,8 +110,11 @@ def _refuse_if_traced(pid: int) -> None:
 
 def dump(pid: int, directory: str | None = None, *,
          mode: DumpMode = DumpMode.LEAVE_RUNNING,
-         save_files: Sequence[str] = (), skip_files: Sequence[str] = ()) -> DumpResult:
+         save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
+         plugins: Sequence[Plugin] = ()) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
+
+    `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
 
     `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
     contents go into the image, to be put back by the restore; fds of files matching
@@ -130,6 +135,14 @@ def dump(pid: int, directory: str | None = None, *,
     session = Session()
     result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
     frozen_at = None
+    events = Plugins(plugins, result.directory)
+    if events:
+        log.info("plugins: pre_dump")
+        try:
+            events.run("pre_dump", [ProcessHandle(p, p) for p in running_tree(pid)])
+        except BaseException:
+            writer.abort()
+            raise
     try:
         log.info("freeze the tree of %d", pid)
         try:
@@ -153,7 +166,12 @@ def dump(pid: int, directory: str | None = None, *,
             images[member] = image
         log.info("capture what the tree shares")
         images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
+        numbered = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
+        images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
+        if events:
+            images = _plugins_frozen(events, session, images)
         images, shared = capture_sharing_frozen(pid, images)
+        shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)
         shared += capture_sysv_frozen(images)
@@ -191,8 +209,68 @@ def dump(pid: int, directory: str | None = None, *,
     else:
         session.resume_all()
         result.frozen_seconds = time.monotonic() - frozen_at
+    if events:
+        log.info("plugins: post_dump")
+        events.run("post_dump", [ProcessHandle(p, p) for p in result.pids])
     result.seconds = time.monotonic() - started
     return result
+
+
+def running_tree(root: int) -> list[int]:
+    """`root` and its descendants as they are now (running: a fork may add more)."""
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        with contextlib.suppress(PtckptError):
+            todo += [c for c in procfs.read_children(p) if not _is_zombie(c)]
+    return out
+
+
+def _plugins_frozen(events: Plugins, session: Session, images: dict[int, ProcessImage]):
+    """The shared resources offered for election, then `frozen` for every member; the fds
+    the plugins claimed as external are marked so in the images."""
+    events.elect(_shared_resources(images))
+    handles = []
+    for p, im in images.items():
+        tasks = {t.tid: t for t in session.threads_of(p)}
+        handles.append(ProcessHandle(p, p, im, tasks=tasks,
+                                     remote_scope=functools.partial(_leader_scope, tasks[p], p, im)))
+    log.info("plugins: frozen")
+    events.run("frozen", handles)
+    claimed = events.external()
+    for (p, fd) in claimed:
+        if p not in images or fd not in {f.fd for f in images[p].fds}:
+            raise PluginError(claimed[(p, fd)], "frozen", f"claimed fd {fd} of {p}, which it does not have")
+    return {p: dataclasses.replace(im, fds=tuple(
+                dataclasses.replace(f, external=claimed[(p, f.fd)]) if (p, f.fd) in claimed else f
+                for f in im.fds)) for p, im in images.items()}
+
+
+@contextlib.contextmanager
+def _leader_scope(task, pid: int, image: ProcessImage):
+    with AddressSpace(pid) as mem:
+        with remote_syscalls(task, mem, find_syscall_insn(mem, image.vmas)) as remote:
+            yield remote
+
+
+def _shared_resources(images: dict[int, ProcessImage]) -> list[SharedResource]:
+    """Descriptions held by more than one process, and memory objects mapped by more than one."""
+    by_desc: dict[int, SharedResource] = {}
+    for p, im in images.items():
+        for f in im.fds:
+            res = by_desc.setdefault(f.desc, SharedResource("fd", f.desc, f.path, []))
+            res.holders.append((p, f.fd))
+    by_mem: dict[tuple, SharedResource] = {}
+    for p, im in images.items():
+        for v in im.vmas:
+            key = memory.shared_object_key(v)
+            if key is not None:
+                res = by_mem.setdefault(key, SharedResource("memory", key, v.path, []))
+                if p not in {q for q, _ in res.holders}:
+                    res.holders.append((p, v.start))
+    return [r for r in list(by_desc.values()) + list(by_mem.values())
+            if len({p for p, _ in r.holders}) > 1]
 
 
 def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int]]:
@@ -235,8 +313,8 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
 
 
 def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
-    """What the members of a frozen tree share: (images with fd descriptions numbered,
-    image-wide records of the pipes and sockets inside the tree).
+    """What the members of a frozen tree share (their fd descriptions numbered already):
+    (the images, image-wide records of the pipes and sockets inside the tree).
 
     An fd of a kind no restore can make again is refused, by name.  A pipe or
     socket that a process outside the tree also holds is refused,
@@ -245,8 +323,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
     outside too is left to its name: the restore reopens it by path, and its
     bytes stay in the kernel as long as the outside end keeps it open.
     """
-    fds = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
-    images = {p: dataclasses.replace(im, fds=tuple(fds[p])) for p, im in images.items()}
+    # fds claimed as external by a plugin are not this function's business
+    fds = {p: [f for f in im.fds if not f.external] for p, im in images.items()}
     stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
     objects: dict[str, list[tuple[int, Fd]]] = {}
     for p, flist in fds.items():

@@ -33,6 +33,7 @@ class ExitCode:
     INCOMPATIBLE = 15     # CPU or kernel cannot run the image
     NOT_AN_IMAGE = 16
     MISSING_FEATURE = 17  # `ptckpt check`: dump/restore cannot work here
+    PLUGIN = 18           # a plugin failed, or one the image needs is not loaded
 
 
 class PtckptError(Exception):
@@ -220,6 +221,30 @@ class SharedOutside(PtckptError):
         self.fd = fd
         self.what = what
         self.peer = peer
+
+
+class PluginError(PtckptError):
+    """A plugin could not be loaded, or one of its events failed (named)."""
+
+    exit_code = ExitCode.PLUGIN
+
+    def __init__(self, plugin: str, event: str, reason: str):
+        super().__init__(f"plugin {plugin}: {event}: {reason}")
+        self.plugin = plugin
+        self.event = event
+        self.reason = reason
+
+
+class PluginMissing(PtckptError):
+    """The image was made with a plugin that this restore has not loaded."""
+
+    exit_code = ExitCode.PLUGIN
+
+    def __init__(self, name: str, version: str):
+        super().__init__(f"the image needs plugin {name} (version {version}), which is not loaded; "
+                         f"give it with --plugin module:Class or a file path")
+        self.name = name
+        self.version = version
 
 
 class PidBusy(PtckptError):

@@ -26,18 +26,24 @@ step (an injected syscall's name, errno and arguments included).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import resource
 import signal
+import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import procfs
-from .errors import Incompatible, PtckptError, RestoreFailed, UnsupportedResource
+from . import plugins as plugin_mod
+from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
+from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
+from .formats.model import GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
 from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pids, pipes, process, signals,
                         sockets, sysvipc, terminals, threads)
 from .restorer.stub import gadget_address
@@ -124,7 +130,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
                 out.append(filepolicy.FileIdentity(v.path, v.file_size, v.file_mtime_ns, v.inode,
                                                    os.makedev(v.dev_major, v.dev_minor), v.build_id))
         for f in proc.fds:
-            if (f.kind is FdKind.REGULAR and not f.skipped and files.ghost_key(f) is None
+            if (f.kind is FdKind.REGULAR and not f.skipped and not f.external and files.ghost_key(f) is None
                     and f.path not in saved):
                 out.append(filepolicy.FileIdentity(f.path, f.size, f.mtime_ns, f.ino, f.dev))
     return out
@@ -134,7 +140,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 
 def restore(directory: str, *, pidns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
-            new_pty: bool = False) -> RestoreResult:
+            new_pty: bool = False, plugins: Sequence[Plugin] = ()) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -147,6 +153,9 @@ def restore(directory: str, *, pidns: bool = False,
     `new_pty` it gets a new pty instead, with the recorded termios and window size,
     as its controlling terminal (for a session leader); result.pty_master is its
     master, for the caller to relay or hand to a program.
+
+    `plugins` get the restore events (ptckpt.plugins): pre_restore, restored, resumed;
+    every plugin the image was made with must be among them.
     """
     started = time.monotonic()
     _raise_nofile()
@@ -164,19 +173,27 @@ def restore(directory: str, *, pidns: bool = False,
         verdict = filepolicy.evaluate(file_identities(procs, saved), file_policy)
         if verdict.refused:
             raise filepolicy.FilesChanged(verdict.refused)
+        plugin_mod.check_present(image.plugin_data, plugins)
+        events = Plugins(plugins, image.path, restore=True, data=image.plugin_data)
+        if events:
+            log.info("plugins: pre_restore")
+            events.run("pre_restore", [ProcessHandle(0, p, procs[p]) for p in members])
+        _check_external(procs, events)
         helpers = group_helpers(procs, image.zombies)
         if not pidns:
             pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
         left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
         pages = {}
         handed: dict = {}
+        channel = -1
         try:
             for p in members:
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
                 pages[p] = (_open_pages(fd), data_offset)
             files.put_back_saved_files(list(image.saved_files))
-            handed = build_handoff(image, procs, handoff, new_pty)
+            handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events))
             master = handed.pop("pty-master", -1)
+            channel = handed.pop("plugin-channel-ours", -1)
             log.info("create %d", root)
             stub = pids.start_stub(root, pidns=pidns)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
@@ -194,7 +211,7 @@ def restore(directory: str, *, pidns: bool = False,
                 epolls = epoll_registrars(procs, image.fd_states)
                 for p in members:
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
-                                              handed, epolls.get(p, []))
+                                              handed, epolls.get(p, []), events, channel)
                     result.warnings += warnings
                     to_detach += tasks
                 log.info("resume %s", " ".join(map(str, members)))
@@ -207,6 +224,9 @@ def restore(directory: str, *, pidns: bool = False,
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
                 for task in to_detach:
                     task.detach()
+                if events:
+                    log.info("plugins: resumed")
+                    events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])
             except BaseException as err:
                 if master >= 0:
                     os.close(master)
@@ -226,6 +246,10 @@ def restore(directory: str, *, pidns: bool = False,
                 os.close(fd)
             for fd in handed.values():
                 os.close(fd)
+            for _pid, _number, fd in events.installs() if events else ():
+                os.close(fd)
+            if channel >= 0:
+                os.close(channel)
     result.seconds = time.monotonic() - started
     return result
 
@@ -252,6 +276,24 @@ def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
                 sysvipc.remove_object(kind, ipc_id)
         raise
     return made
+
+
+def _check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:
+    """Every fd a plugin marked external at dump must be claimed, or given, by a plugin now."""
+    taken = events.claimed() | {(p, n) for p, n, _fd in events.installs()} if events else set()
+    for p, proc in procs.items():
+        for f in proc.fds:
+            if f.external and (p, f.fd) not in taken:
+                raise PluginError("(none)", "pre_restore",
+                                  f"process {p} fd {f.fd} ({f.path}) is external ({f.external}) and no "
+                                  f"plugin claimed it")
+
+
+def _install_fd(remote, channel: int, theirs: int, vpid: int, number: int, local_fd: int) -> None:
+    """A plugin's `restored`: send ptckpt's fd over the channel, the process receives it."""
+    with socket.socket(fileno=os.dup(channel)) as sock:
+        socket.send_fds(sock, [b"f"], [local_fd])
+    plugin_mod.receive_fd_frozen(remote, theirs, number)
 
 
 def _raise_nofile() -> None:
@@ -391,7 +433,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     states = {s.desc for s in image.fd_states}
     out = {}
     for d, f in rep.items():
-        if f.skipped:
+        if f.skipped or f.external:
             continue
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
             out[d] = f
@@ -411,7 +453,8 @@ def _root_stdio(root: ProcessImage) -> set[int]:
 
 
 def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
-                  new_pty: bool = False) -> dict:
+                  new_pty: bool = False, installs: Sequence[tuple[int, int, int]] = (),
+                  channel: bool = False) -> dict:
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
@@ -455,9 +498,15 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                     made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))
-        base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds])
+        for pid, number, fd in installs:             # fds plugins give in pre_restore
+            opened[("install", pid, number)] = os.dup(fd)
+        if channel:                                  # for fds plugins give in `restored`
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            opened["plugin-channel-ours"], opened["plugin-channel"] = ours.detach(), theirs.detach()
+        base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds]
+                       + [number for _pid, number, _fd in installs])
         for d, fd in list(opened.items()):
-            if d == "pty-master":
+            if d in ("pty-master", "plugin-channel-ours"):
                 continue                          # ptckpt's own end: not for the stubs
             opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
             os.close(fd)
@@ -528,7 +577,8 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
-            handed: dict, epolls: list[tuple[int, EpollState]]):
+            handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
+            channel: int = -1):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
@@ -538,7 +588,11 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
-            files.restore_fds_frozen(remote, list(proc.fds), inherited, handed)
+            chan = handed.get("plugin-channel", -1)
+            files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
+                                     extra=[(fd, key[2]) for key, fd in handed.items()
+                                            if isinstance(key, tuple) and key[:2] == ("install", vpid)],
+                                     keep={chan})
             for epfd, state in epolls:
                 epoll.restore_targets_frozen(remote, epfd, state.targets)
             warnings += process.restore_task_frozen(remote, proc.task)
@@ -568,6 +622,15 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
             process.restore_pdeath_signal_frozen(remote, proc.task)
+            overrides: dict = {}
+            if events:
+                log.info("plugins: restored %d", vpid)
+                events.run("restored", [ProcessHandle(
+                    leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
+                    fd_installer=functools.partial(_install_fd, remote, channel, chan),
+                    reg_overrides=overrides)])
+            if chan >= 0:
+                remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
             gadget = int(remote.gadget)
             # The last injected syscall removes the gadget it runs from; the
@@ -575,6 +638,8 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             remote.checked("munmap", gadget & ~(PAGE_SIZE - 1), memory.GADGET_PAGES * PAGE_SIZE,
                            step="unmap the gadget")
         for t in proc.threads:
+            if t.tid in overrides:                   # registers a plugin set in `restored`
+                t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
             threads.set_final_state(tasks[t.tid], t)
     return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
 

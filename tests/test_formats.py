@@ -49,6 +49,7 @@ from ptckpt.formats.model import (
     PageRun,
     PendingSignal,
     PipeBuffer,
+    PluginData,
     ProcessImage,
     Restart,
     Rlimit,
@@ -150,7 +151,7 @@ def make_process(pid=100) -> ProcessImage:
                 mnt_id=25, dev=0x19, ino=6, mode=0o20620, rdev=0x8803, size=0, mtime_ns=1),
              Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
                 cloexec=True, mnt_id=30, dev=0x10302, ino=99, mode=0o100644, rdev=0, size=-1,
-                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3, skipped=True)),
+                mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3, skipped=True, external="vendor: emulator link")),
         locks=(HeldLock(fd=7, kind="posix", type="write", start=200, end=-1, pid=pid),
                HeldLock(fd=7, kind="flock", type="read", start=0, end=-1, pid=pid - 1)),
     )
@@ -186,7 +187,9 @@ def sample_records() -> list:
                         mode=0o600, uid=0, gid=0, unlinked=True, desc=9),
             EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10),
             Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
-                     sid=-1, controlling=True, desc=11)]
+                     sid=-1, controlling=True, desc=11),
+            PluginData(name="vendor", version="1.2", pid=-1, key="", data=b""),
+            PluginData(name="vendor", version="1.2", pid=100, key="emulator-state", data=b"\x00state")]
 
 
 SAMPLES = sample_records()
@@ -259,7 +262,7 @@ def test_out_of_range_value_is_refused_on_build():
 
 
 def test_unknown_entry_kind_is_kept_raw_and_skipped():
-    plugin = RawEntry(2, b"\x01\x02\x03")
+    plugin = RawEntry(999, b"\x01\x02\x03")
     data = encode_entry(make_task()) + encode_entry(plugin) + encode_entry(make_creds())
     entries = decode_entries(data)
     assert entries == [make_task(), plugin, make_creds()]
@@ -311,7 +314,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0300" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0400" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
@@ -687,7 +690,7 @@ def test_core_structure_is_checked(image_dir):
 
 def test_unknown_core_entries_are_skipped(image_dir):
     proc = make_process(100)
-    plugin = RawEntry(2, b"plugin state")
+    plugin = RawEntry(999, b"plugin state")
     _rewrite_core(image_dir / "core-100.img", [proc.task, plugin, proc.creds, proc.mm, *proc.vmas])
     with ImageReader(image_dir) as reader:
         assert reader.unknown_entries(100) == (plugin,)

@@ -286,7 +286,7 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
     """
     out = []
     for f in fds:
-        if f.skipped or f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
+        if f.skipped or f.external or f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
             continue
         if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
@@ -377,24 +377,28 @@ def remove_ghost_files(paths: dict[tuple, str]) -> None:
             os.unlink(path)
 
 
-def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}) -> None:
+def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}, *,
+                       extra: list[tuple[int, int]] = (), keep: set[int] = frozenset()) -> None:
     """Install every fd at its number: files by path at their offset, stdio from ptckpt restore.
 
     `handed` maps descriptions ptckpt opened to the fd number the stub
     inherited them at: those are dup3()ed into place.  `inherited` are the fds
     the stub has (ptckpt restore's stdio and the handed ones); those the image
-    does not have are closed.
+    does not have are closed (but those in `keep`).  `extra` are (inherited fd, number)
+    pairs to dup3() too: fds plugins give.  Skipped and external fds are not reopened.
     """
-    wanted = {f.fd for f in fds if not f.skipped}
+    wanted = {f.fd for f in fds if not f.skipped and not f.external} | {n for _src, n in extra}
     for f in fds:
-        if f.desc in handed and not f.skipped:
+        if f.desc in handed and not f.skipped and not f.external:
             remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0,
                            step=f"install fd {f.fd} ({f.path})")
+    for src, number in extra:
+        remote.checked("dup3", src, number, 0, step=f"install fd {number} (given by a plugin)")
     for fd in inherited:
-        if fd not in wanted:
+        if fd not in wanted and fd not in keep:
             remote.checked("close", fd, step=f"close inherited fd {fd}")
     for f in sorted(fds, key=lambda f: f.fd):
-        if f.desc in handed or f.skipped:          # skipped: dump --skip-file, left closed
+        if f.desc in handed or f.skipped or f.external:   # skipped: dump --skip-file, left closed
             continue
         if f.fd <= 2 and f.kind in STDIO_KINDS:
             if f.fd not in inherited:

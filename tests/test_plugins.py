@@ -1,0 +1,155 @@
+"""The plugin model: events in order with a barrier across a tree, data in the image, leader
+election, external connections claimed and re-made, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+
+from conftest import kill_pids, reap_orphans, wait_until
+from test_restore import _dump_kill, _one_line
+
+PLUGIN = str(Path(__file__).parent / "plugins" / "recorder.py")
+
+TREE = r'''
+import os, socket, sys, time
+port = int(sys.argv[2])
+conn = socket.create_connection(("127.0.0.1", port))
+os.dup2(conn.fileno(), 9); conn.close()
+pair = socket.socketpair()
+kids = []
+for i in range(2):
+    pid = os.fork()
+    if pid == 0:
+        while True: time.sleep(0.05)
+    kids.append(pid)
+print("KIDS", *kids, flush=True)
+print("READY", os.getpid(), flush=True)
+while True:
+    try:
+        os.write(9, b"tick\n")
+    except OSError:
+        pass
+    time.sleep(0.05)
+'''
+
+
+class Server:
+    """A loopback TCP server counting the lines it receives, per connection."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections: list[list[bytes]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            lines: list[bytes] = []
+            self.connections.append(lines)
+            threading.Thread(target=self._read, args=(c, lines), daemon=True).start()
+
+    @staticmethod
+    def _read(c, lines):
+        with c:
+            while data := c.recv(4096):
+                lines.append(data)
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_events_in_order_with_a_barrier_data_election_and_an_external_connection(spawn, ptckpt, tmp_path):
+    server = Server()
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    target = spawn(str(script), server.port)
+    kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    members = [target.pid] + kids
+    log = tmp_path / "events.log"
+    env = dict(os.environ, PTCKPT_TEST_LOG=str(log), PTCKPT_TEST_PORT=str(server.port))
+    try:
+        wait_until(lambda: server.connections and server.connections[0], 5)
+        res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--plugin", PLUGIN, env=env)
+        assert res.returncode == 0, res.stderr
+        target.wait_exit(10)
+        for p in kids:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        dumped = _events(log)
+        order = [e["event"] for e in dumped]
+        # the barrier: every process has its pre_dump before any frozen, and so on
+        assert order == ["pre_dump"] * 3 + ["shared"] * order.count("shared") + ["frozen"] * 3 + \
+               ["post_dump"] * 3, order
+        assert [e["pid"] for e in dumped if e["event"] == "frozen"] == members
+        assert all(e["regs"] and e["getpid"] == e["pid"] for e in dumped if e["event"] == "frozen")
+        shared = [e for e in dumped if e["event"] == "shared"]
+        assert any(e["holders"] == sorted(members) and e["what"].startswith("socket:[") for e in shared), \
+            "the socketpair held by all three is offered once, with its holders"
+        with ImageReader(tmp_path / "img") as image:
+            assert [(d.name, d.version) for d in image.plugin_data if d.pid == -1] == [("recorder", "1.0")]
+            assert {d.pid for d in image.plugin_data if d.key == "state"} == set(members)
+            [ext] = [f for f in image.process(target.pid).fds if f.external]
+            assert ext.fd == 9 and ext.external == "recorder: the test server"
+
+        # an image made with a plugin needs it
+        _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.PLUGIN, "needs plugin recorder")
+
+        log.unlink()
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--plugin", PLUGIN, env=env)
+        assert res.returncode == 0, res.stderr
+        restored = _events(log)
+        order = [e["event"] for e in restored]
+        assert order == ["pre_restore"] * 3 + ["restored"] * 3 + ["resumed"] * 3, order
+        assert [e["data"] for e in restored if e["event"] == "pre_restore"] == \
+               [f"state of {p}" for p in members]
+        assert all(e["getpid"] == e["pid"] for e in restored if e["event"] == "restored")
+        # the connection was made again at fd 9 (one per holder: the plugin's choice), and the
+        # restored root, restored first, writes through its own
+        wait_until(lambda: len(server.connections) == 4 and server.connections[1], 5,
+                   message="the restored process writes to the new connection")
+        assert os.readlink(f"/proc/{target.pid}/fd/9").startswith("socket:[")
+    finally:
+        kill_pids(members)
+        reap_orphans()
+
+
+def test_an_unclaimed_external_connection_is_refused_naming_it(spawn, ptckpt, tmp_path):
+    server = Server()
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    target = spawn(str(script), server.port)
+    kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    log = tmp_path / "events.log"
+    env = dict(os.environ, PTCKPT_TEST_LOG=str(log), PTCKPT_TEST_PORT=str(server.port))
+    silent = tmp_path / "silent.py"
+    silent.write_text("from ptckpt.plugins import Plugin\nclass Recorder(Plugin):\n"
+                      "    name = 'recorder'\n")
+    try:
+        assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--plugin", PLUGIN,
+                      env=env).returncode == 0
+        target.wait_exit(10)
+        res = ptckpt("restore", "-D", tmp_path / "img", "--plugin", str(silent), env=env)
+        _one_line(res, ExitCode.PLUGIN, f"process {target.pid} fd 9", "is external",
+                  "recorder: the test server", "no plugin claimed it")
+    finally:
+        kill_pids([target.pid] + kids)
+        reap_orphans()
+
+
+def test_plugin_load_errors_are_one_line(ptckpt, tmp_path):
+    _one_line(ptckpt("dump", "1", "--plugin", "no_such_module_xyz:Plugin"), ExitCode.PLUGIN,
+              "plugin no_such_module_xyz:Plugin: load", "ModuleNotFoundError")
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('vendor bug')\n")
+    _one_line(ptckpt("dump", "1", "--plugin", str(bad)), ExitCode.PLUGIN, "vendor bug")
