@@ -90,6 +90,12 @@ def restore(
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
     plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
                                                         help="Load a plugin (as for dump); every plugin the image was made with must be given. Repeatable.")] = None,
+    remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW",
+                                                            help="Reopen every file, mapping, cwd and exe under OLD from under NEW, and run the tree in a mount namespace where NEW is bind-mounted on OLD (later opens under OLD land in NEW). Repeatable.")] = None,
+    set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE",
+                                                         help="After the restore, getenv(NAME) in every process returns VALUE. Repeatable.")] = None,
+    unset_env: Annotated[Optional[list[str]], typer.Option("--unset-env", metavar="NAME",
+                                                           help="After the restore, NAME is not in the environment. Repeatable.")] = None,
     new_pty: Annotated[bool, typer.Option("--new-pty", help="Give a tree that was on a terminal a new pty (same termios and window size) instead of this terminal; ptckpt relays between the two until the restored process exits.")] = False,
     new_pty_program: Annotated[Optional[str], typer.Option("--new-pty-program", metavar="COMMAND",
                                                            help="With --new-pty: run COMMAND with the pty's master as its stdin and stdout (e.g. 'socat - UNIX-LISTEN:/tmp/job.sock') instead of relaying; PTCKPT_PTS and PTCKPT_PID are set for it.")] = None,
@@ -123,7 +129,12 @@ def restore(
     from .plugins import load_plugin
     become_subreaper()
     try:
+        from .builtins import RemapPath, SetEnv
         loaded = [load_plugin(spec) for spec in plugin or ()]
+        if remap_path:
+            loaded.insert(0, RemapPath(remap_path))
+        if set_env or unset_env:
+            loaded.append(SetEnv(set_env or (), unset_env or ()))
         result = _restore(directory, pidns=pidns, file_policy=policy, new_pty=new_pty, plugins=loaded)
     except PtckptError as err:
         raise _fail(err) from None

@@ -174,16 +174,39 @@ class ProcessHandle:
     def symbol(self, expr: str) -> int:
         """The address of `expr`: "name", "name+16", "libc.so.6:environ" or "0x7f...", resolved
         over the mapped executable and libraries (PIE and ASLR applied)."""
-        from . import symbols
-        if self._symbols is None:
-            self._symbols = symbols.SymbolTable.for_process(self.pid)
-        return self._symbols.resolve(expr)
+        return self._table().resolve(expr)
 
     def read_symbol(self, expr: str, size: int) -> bytes:
         return self.read(self.symbol(expr), size)
 
     def write_symbol(self, expr: str, data: bytes) -> None:
         self.write(self.symbol(expr), data)
+
+    def _table(self):
+        from . import symbols
+        if self._symbols is None:
+            self._symbols = symbols.SymbolTable.for_process(self.pid)
+        return self._symbols
+
+    def environ(self) -> list[bytes]:
+        """The process's environment as getenv() sees it (libc's `environ`)."""
+        from . import symbols
+        with AddressSpace(self.pid) as mem:
+            return symbols.read_environ(mem, self._table())
+
+    def set_environ(self, env: Sequence[bytes]) -> None:
+        """Give the process environment `env` (stopped processes only: memory is mapped by an
+        injected mmap, then `environ` points to the new array)."""
+        from . import symbols
+        if self._remote_scope is None:
+            raise PluginError("-", "set_environ", f"process {self.vpid} is not stopped in this event")
+        with AddressSpace(self.pid) as mem, self._remote_scope() as remote:
+            symbols.write_environ(remote, mem, self._table(), list(env))
+
+    def fd_copy(self, number: int) -> int:
+        """A copy, in ptckpt, of the process's fd `number` (pidfd_getfd); the caller closes it."""
+        from .tracee import pidfd_getfd
+        return pidfd_getfd(self.pid, number)
 
     # registers
     def registers(self, tid: int | None = None) -> dict[str, int]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from . import procfs
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
+from .builtins import RemapPath
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
@@ -164,13 +165,21 @@ def restore(directory: str, *, pidns: bool = False,
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
         procs = {p: image.process(p) for p in members}
+        remaps = [pl for pl in plugins if isinstance(pl, RemapPath)]
+        for rp in remaps:                        # --remap-path: the image's paths, moved
+            procs = {p: rp.rewrite(proc) for p, proc in procs.items()}
         log.info("plan %s", " ".join(map(str, members)))
         handoff = plan_handoff(image, procs)
         host = Host.probe()
         for p in members:
             plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
         saved = {f.path for f in image.saved_files}
-        verdict = filepolicy.evaluate(file_identities(procs, saved), file_policy)
+        identities = file_identities(procs, saved)
+        moved = [i for i in identities if any(rp.remapped_to(i.path) for rp in remaps)]
+        missing = sorted({i.path for i in moved if not os.path.exists(i.path)})
+        if missing:
+            raise Incompatible("--remap-path: missing under the new path: " + ", ".join(missing))
+        verdict = filepolicy.evaluate([i for i in identities if i not in moved], file_policy)
         if verdict.refused:
             raise filepolicy.FilesChanged(verdict.refused)
         plugin_mod.check_present(image.plugin_data, plugins)
@@ -204,7 +213,8 @@ def restore(directory: str, *, pidns: bool = False,
             try:
                 ipc_made = restore_sysv(image.sysv)
                 _create_tree(procs, image.zombies, helpers, created,
-                             _new_tty(image, procs, handed) if new_pty else None)
+                             _new_tty(image, procs, handed) if new_pty else None,
+                             [m for rp in remaps for m in rp.mounts()])
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 to_detach = []
@@ -305,6 +315,23 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 0x1000, 0x4000, 0x40000
+
+
+def _private_mounts(task, binds: Sequence[tuple[str, str]]) -> None:
+    """The root stub (before it has children, which inherit it) gets a private mount
+    namespace in which each NEW is bind-mounted on its OLD (restore --remap-path)."""
+    with _stub_syscalls(task) as remote:
+        remote.checked("unshare", CLONE_NEWNS, step="--remap-path: a mount namespace of its own")
+        with remote.scratch(b"/\0") as root:
+            remote.checked("mount", 0, int(root), 0, MS_REC | MS_PRIVATE, 0,
+                           step="--remap-path: make its mounts private")
+        for new, old in binds:
+            with remote.scratch(os.fsencode(new) + b"\0") as src, remote.scratch(os.fsencode(old) + b"\0") as dst:
+                remote.checked("mount", int(src), int(dst), 0, MS_BIND | MS_REC, 0,
+                               step=f"--remap-path: bind {new} on {old}")
+
+
 def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
     """(the new pty slave's fd number in the stubs, its Terminal record) for the root, or None."""
     for rec in image.terminals:
@@ -335,7 +362,8 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
         return
 
 
-def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None) -> None:
+def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
+                 binds: Sequence[tuple[str, str]] = ()) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
@@ -348,6 +376,8 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     records.update({z.pid: z for z in zombies})
     root = members[0]
     _restore_session(created[root], records[root])
+    if binds:
+        _private_mounts(created[root], binds)
     if tty is not None and records[root].sid == root and tty[1].controlling:
         with _stub_syscalls(created[root]) as remote:
             terminals.make_controlling_tty_frozen(remote, tty[0])

@@ -153,3 +153,45 @@ def test_plugin_load_errors_are_one_line(ptckpt, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('vendor bug')\n")
     _one_line(ptckpt("dump", "1", "--plugin", str(bad)), ExitCode.PLUGIN, "vendor bug")
+
+
+REMAP = r'''
+import os, signal, sys, time
+out, slot = sys.argv[1], sys.argv[2]
+os.chdir(slot)
+log = open(os.path.join(slot, "run.log"), "a")
+def later(*_):
+    with open(os.path.join(slot, "later.txt")) as f:      # opened after the restore, by its old path
+        open(out, "w").write(f.read() + "|" + os.getcwd() + "|" + os.readlink(f"/proc/self/fd/{log.fileno()}"))
+signal.signal(signal.SIGUSR1, later)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+'''
+
+
+def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
+    slot3, slot7 = tmp_path / "slot3", tmp_path / "slot7"
+    slot3.mkdir()
+    (slot3 / "later.txt").write_text("three")
+    script = tmp_path / "remap.py"
+    script.write_text(REMAP)
+    target = spawn(str(script), slot3)
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        _one_line(ptckpt("restore", "-D", tmp_path / "img", "--remap-path", f"{slot3}={slot7}"),
+                  ExitCode.USAGE, str(slot7), "not a directory")
+        slot7.mkdir()
+        (slot7 / "run.log").write_text("")
+        (slot7 / "later.txt").write_text("seven")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--remap-path", f"{slot3}={slot7}")
+        assert res.returncode == 0, res.stderr
+        target.signal(__import__("signal").SIGUSR1)
+        wait_until(lambda: target.out_path.exists() and target.out_path.read_text(), 5)
+        text, cwd, log = target.out_path.read_text().split("|")
+        assert text == "seven", "a later open under the old path lands in the new one"
+        assert log == str(slot7 / "run.log")
+        assert os.readlink(f"/proc/{target.pid}/cwd") == str(slot7)
+        assert (slot3 / "later.txt").read_text() == "three", "the host's view is unchanged"
+    finally:
+        kill_pids([target.pid])
+        reap_orphans()

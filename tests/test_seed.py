@@ -1,0 +1,53 @@
+"""The seed scenario end to end: a testbench driving an emulator that runs outside the
+checkpoint is dumped at its region of interest, and restarted in another run slot, against a
+fresh emulator at another address, with another DISPLAY; it finishes with the signature of an
+uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from conftest import kill_pids, reap_orphans, wait_until
+from test_emulator import finish, start_emulator, start_testbench, testbench_bin  # noqa: F401
+
+VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
+CONFIG = "init_steps 40\ninit_sleep_us 2000\nvectors 200\nvector_sleep_us 5000\n"
+
+
+def test_testbench_restarts_in_another_slot_against_a_fresh_emulator(spawn, ptckpt, testbench_bin,
+                                                                      tmp_path):
+    (tmp_path / "ref").mkdir()
+    reference = finish(start_testbench(spawn, testbench_bin, tmp_path / "ref", start_emulator(spawn).address,
+                                       CONFIG, name="slot3", display=":3"))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    first = start_emulator(spawn)
+    bench = start_testbench(spawn, testbench_bin, runs, first.address, CONFIG, name="slot3", display=":3")
+    try:
+        bench.wait_for_line("REGION 1", timeout=10)
+        for attempt in range(3):           # the vendor plugin refuses a freeze mid-transaction
+            res = ptckpt("dump", bench.pid, "-D", tmp_path / f"img{attempt}", "--kill",
+                         "--plugin", VENDOR)
+            if res.returncode == 0:
+                break
+            assert "dump again" in res.stderr, res.stderr
+        assert res.returncode == 0, res.stderr
+        image = tmp_path / f"img{attempt}"
+        bench.wait_exit(10)
+        first.target.kill()
+        second = start_emulator(spawn, "unix", tmp_path / "emulator7.sock")
+        shutil.copytree(runs / "slot3", runs / "slot7")         # the new run slot
+        env = dict(os.environ, EMULATOR_ADDRESS=second.address)
+        res = ptckpt("restore", "-D", image, "--detach", "--plugin", VENDOR,
+                     "--remap-path", f"{runs}/slot3={runs}/slot7", "--set-env", "DISPLAY=:7", env=env)
+        assert res.returncode == 0, res.stderr
+        report = finish(bench, timeout=20)
+        assert report["SIGNATURE"] == reference["SIGNATURE"], "the signature of an uninterrupted run"
+        assert report["DISPLAY"] == ":7"
+        assert report["SLOT"] == str(runs / "slot7" / "run.log")
+        assert "cycle jump" not in (runs / "slot7" / "run.log").read_text()
+    finally:
+        kill_pids([bench.pid])
+        reap_orphans()
