@@ -3,6 +3,12 @@
 * :class:`SetEnv` -- ``restore --set-env NAME=VALUE`` / ``--unset-env NAME``: after
   the restore getenv() in every process of the tree returns the new values (the
   environment is rewritten through libc's `environ`, by :meth:`ProcessHandle.set_environ`).
+* :class:`External` -- ``dump --external tcp:HOST:PORT|unix:PATH|fd:N``: those
+  connections lead outside the checkpoint (an emulator, a licence server, an X
+  server): not saved, marked external with the address they went to.
+* :class:`Reconnect` -- ``restore --reconnect [--remap-addr OLD=NEW]``: claims every
+  external connection that has an address, dials it again (or its NEW address) and
+  installs the new socket at the same fd.
 * :class:`RemapPath` -- ``restore --remap-path OLD=NEW``: every fd, file mapping, cwd,
   root and exe under OLD is reopened under NEW (pre_restore rewrites the image's
   paths); and the tree runs in a private mount namespace where NEW is bind-mounted
@@ -11,8 +17,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import fcntl
 import os
+import socket
 from collections.abc import Sequence
 
 from .errors import UsageError
@@ -29,9 +38,95 @@ def _pairs(values: Sequence[str], option: str) -> list[tuple[str, str]]:
     return out
 
 
+class External(Plugin):
+    name = "external"
+    version = "1"
+    recorded = False                     # a restore does not need it: Reconnect or a vendor's
+
+    def __init__(self, specs: Sequence[str]):
+        self.specs = []
+        for spec in specs:
+            kind, sep, rest = spec.partition(":")
+            if kind not in ("tcp", "unix", "fd") or not sep or not rest:
+                raise UsageError(f"--external {spec!r}: expected tcp:HOST:PORT, unix:PATH or fd:N")
+            if kind == "fd" and not rest.isdigit():
+                raise UsageError(f"--external {spec!r}: N must be an fd number")
+            self.specs.append((kind, rest))
+
+    def frozen(self, proc, ctx) -> None:
+        for f in proc.fds:
+            address = peer_address(f)
+            for kind, rest in self.specs:
+                if (kind == "fd" and f.fd == int(rest)) or (address and address == f"{kind}:{rest}"):
+                    ctx.claim_external(proc.vpid, f.fd, address or f"fd:{f.fd}")
+
+
+def peer_address(f) -> str:
+    """tcp:HOST:PORT or unix:PATH of the peer a socket fd was connected to, "" if none."""
+    if f.kind.name != "SOCKET":
+        return ""
+    peer = dict(f.details).get("peer", "")
+    family = dict(f.details).get("family", "")
+    if family == "AF_UNIX":
+        return f"unix:{peer}" if peer and peer.startswith("/") else ""
+    if family in ("AF_INET", "AF_INET6") and peer.startswith("("):
+        host, port = ast.literal_eval(peer)[:2]
+        return f"tcp:{host}:{port}"
+    return ""
+
+
+class Reconnect(Plugin):
+    name = "reconnect"
+    version = "1"
+    recorded = False
+
+    def __init__(self, remaps: Sequence[str] = ()):
+        self.remaps = dict(self._remap(r) for r in remaps)
+
+    @staticmethod
+    def _remap(value: str) -> tuple[str, str]:
+        for kind in ("tcp:", "unix:"):
+            at = value.find("=" + kind)
+            if value.startswith(("tcp:", "unix:")) and at > 0:
+                return value[:at], value[at + 1:]
+        raise UsageError(f"--remap-addr {value!r}: expected OLD=NEW, each tcp:HOST:PORT or unix:PATH")
+
+    def _targets(self, proc):
+        return [f for f in proc.fds if f.external.startswith(("tcp:", "unix:"))]
+
+    def pre_restore(self, proc, ctx) -> None:
+        for f in self._targets(proc):
+            ctx.claim_external(proc.vpid, f.fd)
+
+    def restored(self, proc, ctx) -> None:
+        for f in self._targets(proc):
+            address = self.remaps.get(f.external, f.external)
+            with dial(address) as sock:
+                fcntl.fcntl(sock.fileno(), fcntl.F_SETFL, f.flags & os.O_NONBLOCK)
+                proc.install_fd(f.fd, sock.fileno())
+
+
+def dial(address: str) -> socket.socket:
+    """A connected stream socket to tcp:HOST:PORT or unix:PATH (blocking)."""
+    kind, _, rest = address.partition(":")
+    try:
+        if kind == "tcp":
+            host, _, port = rest.rpartition(":")
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(rest)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot reconnect to {address}: {err.strerror}") from None
+    sock.settimeout(None)
+    return sock
+
+
 class SetEnv(Plugin):
     name = "set-env"
     version = "1"
+    recorded = False
 
     def __init__(self, set_values: Sequence[str] = (), unset: Sequence[str] = ()):
         self.set_values = _pairs(set_values, "--set-env")
@@ -60,6 +155,7 @@ def remap(path: str, pairs: Sequence[tuple[str, str]]) -> str:
 class RemapPath(Plugin):
     name = "remap-path"
     version = "1"
+    recorded = False
 
     def __init__(self, values: Sequence[str]):
         self.pairs = [(os.path.normpath(o), os.path.normpath(n)) for o, n in _pairs(values, "--remap-path")]

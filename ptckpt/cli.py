@@ -61,6 +61,8 @@ def dump(
                                                 help="Resume the target after the dump (default), or kill it once the image is on disk.")] = True,
     save_file: Annotated[Optional[list[str]], typer.Option("--save-file", metavar="PATTERN",
                                                            help="Store the contents of the open or mapped files matching PATTERN (an absolute path glob; ** spans directories; DIR/ means all under DIR) in the image; restore puts them back. Repeatable.")] = None,
+    external: Annotated[Optional[list[str]], typer.Option("--external", metavar="ADDR",
+                                                          help="tcp:HOST:PORT, unix:PATH or fd:N: a connection to something outside the checkpoint (emulator, licence server): not saved; at restore a plugin (or --reconnect) must re-make it. Repeatable.")] = None,
     plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
                                                         help="Load a plugin: module:Class, a file path (file.py or file.py:Class) or an entry point name of group ptckpt.plugins. Repeatable.")] = None,
     skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
@@ -73,7 +75,10 @@ def dump(
     from .dump import DumpMode, dump as _dump
     from .plugins import load_plugin
     try:
+        from .builtins import External
         loaded = [load_plugin(spec) for spec in plugin or ()]
+        if external:
+            loaded.append(External(external))
         result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                        save_files=save_file or (), skip_files=skip_file or (), plugins=loaded)
     except PtckptError as err:
@@ -92,6 +97,9 @@ def restore(
                                                         help="Load a plugin (as for dump); every plugin the image was made with must be given. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW",
                                                             help="Reopen every file, mapping, cwd and exe under OLD from under NEW, and run the tree in a mount namespace where NEW is bind-mounted on OLD (later opens under OLD land in NEW). Repeatable.")] = None,
+    reconnect: Annotated[bool, typer.Option("--reconnect", help="Dial every external connection (dump --external) again and give the process the new socket at the same fd.")] = False,
+    remap_addr: Annotated[Optional[list[str]], typer.Option("--remap-addr", metavar="OLD=NEW",
+                                                            help="With --reconnect (implied): dial NEW instead of OLD (tcp:HOST:PORT or unix:PATH). Repeatable.")] = None,
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE",
                                                          help="After the restore, getenv(NAME) in every process returns VALUE. Repeatable.")] = None,
     unset_env: Annotated[Optional[list[str]], typer.Option("--unset-env", metavar="NAME",
@@ -129,8 +137,10 @@ def restore(
     from .plugins import load_plugin
     become_subreaper()
     try:
-        from .builtins import RemapPath, SetEnv
+        from .builtins import Reconnect, RemapPath, SetEnv
         loaded = [load_plugin(spec) for spec in plugin or ()]
+        if reconnect or remap_addr:
+            loaded.append(Reconnect(remap_addr or ()))
         if remap_path:
             loaded.insert(0, RemapPath(remap_path))
         if set_env or unset_env:
@@ -153,6 +163,7 @@ def restore(
             typer.echo(result.summary(), err=True)
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     if detach:
+        typer.echo(result.summary(), err=True)
         if pidfile:
             with open(pidfile, "w") as f:
                 f.write(f"{result.pid}\n")

@@ -51,6 +51,7 @@ class Plugin:
 
     name: str = ""
     version: str = "0"
+    recorded: bool = True         # the image names it, and a restore needs it loaded
 
     def pre_dump(self, proc: "ProcessHandle", ctx: "DumpContext") -> None: ...
     def shared(self, resource: "SharedResource", ctx: "DumpContext") -> int | None: ...
@@ -361,7 +362,7 @@ class Plugins:
     def image_records(self) -> list[PluginData]:
         """One record per plugin used (its name and version, no key), then its data."""
         out = [PluginData(name=plugin_name(p), version=str(p.version), pid=-1, key="", data=b"")
-               for p in self.plugins]
+               for p in self.plugins if getattr(p, "recorded", True)]
         for ctx in self.contexts:
             out += ctx.data
         return out

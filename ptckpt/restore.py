@@ -63,10 +63,14 @@ class RestoreResult:
     pty_master: int = -1          # new_pty: the master of the new pty (the caller's to close)
     terminal: int = -1            # shell job: ptckpt's terminal fd the tree was put in front of ...
     foreground_was: int = 0       # ... and the process group that was its foreground before
+    pids: dict[int, int] = field(default_factory=dict)    # image (virtual) pid -> pid seen here
 
     def summary(self) -> str:
         where = f" in a new pid namespace (init {self.init_pid})" if self.init_pid else ""
-        return (f"restored pid {self.vpid}{where} as {self.pid} in {self.seconds:.3f} s")
+        text = f"restored pid {self.vpid}{where} as {self.pid} in {self.seconds:.3f} s"
+        if self.init_pid and len(self.pids) > 1:
+            text += "; pids (virtual -> real): " + ", ".join(f"{v} -> {r}" for v, r in self.pids.items())
+        return text
 
 
 # --- plan: refuse before anything exists -------------------------------------------
@@ -224,6 +228,7 @@ def restore(directory: str, *, pidns: bool = False,
                                               handed, epolls.get(p, []), events, channel)
                     result.warnings += warnings
                     to_detach += tasks
+                result.pids = {p: created[p].tgid for p in members}
                 log.info("resume %s", " ".join(map(str, members)))
                 for p in members:
                     if procs[p].task.state == "T":

@@ -195,3 +195,58 @@ def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
     finally:
         kill_pids([target.pid])
         reap_orphans()
+
+
+def test_external_tcp_connection_reconnected_to_the_same_or_a_remapped_address(spawn, ptckpt, tmp_path):
+    server, other = Server(), Server()
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    target = spawn(str(script), server.port)
+    kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    try:
+        wait_until(lambda: server.connections and server.connections[0], 5)
+        res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill",
+                     "--external", f"tcp:127.0.0.1:{server.port}")
+        assert res.returncode == 0, res.stderr
+        target.wait_exit(10)
+        for p in kids:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5)
+        with ImageReader(tmp_path / "img") as image:
+            assert not image.plugin_data, "a built-in plugin is not required at restore"
+            assert [f.external for f in image.process(target.pid).fds if f.external] == \
+                   [f"tcp:127.0.0.1:{server.port}"]
+        _one_line(ptckpt("restore", "-D", tmp_path / "img"), ExitCode.PLUGIN,
+                  f"tcp:127.0.0.1:{server.port}", "no plugin claimed it")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--remap-addr",
+                     f"tcp:127.0.0.1:{server.port}=tcp:127.0.0.1:{other.port}")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: other.connections and other.connections[0], 5,
+                   message="the root writes to the remapped address")
+        assert len(server.connections) == 1
+    finally:
+        kill_pids([target.pid] + kids)
+        reap_orphans()
+
+
+def test_plugin_from_an_entry_point(spawn, ptckpt, tmp_path):
+    """A plugin a vendor ships as a package: found through the ptckpt.plugins entry point group."""
+    site = tmp_path / "site"
+    (site / "vendor_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "vendor_plugin-1.0.dist-info" / "METADATA").write_text("Name: vendor-plugin\nVersion: 1.0\n")
+    (site / "vendor_plugin-1.0.dist-info" / "entry_points.txt").write_text(
+        "[ptckpt.plugins]\nvendor = vendor_plugin:Vendor\n")
+    (site / "vendor_plugin.py").write_text(
+        "from ptckpt.plugins import Plugin\n"
+        "class Vendor(Plugin):\n"
+        "    name, version = 'vendor', '3'\n"
+        "    def frozen(self, proc, ctx):\n"
+        "        ctx.save(b'hello', key='k', pid=proc.vpid)\n")
+    target = spawn("counter")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--plugin", "vendor", env=env)
+    assert res.returncode == 0, res.stderr
+    with ImageReader(tmp_path / "img") as image:
+        assert [(d.name, d.version, d.key, d.data) for d in image.plugin_data] == \
+               [("vendor", "3", "", b""), ("vendor", "3", "k", b"hello")]
+    _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img2", "--plugin", "nonesuch"),
+              ExitCode.PLUGIN, "no entry point 'nonesuch'")

@@ -104,7 +104,11 @@ def test_tree_in_a_fresh_pid_namespace(spawn, ptckpt, tmp_path):
     outer = 0
     try:
         _dump_kill(ptckpt, target, tmp_path / "img")
-        outer = _restore(ptckpt, tmp_path / "img", "--pidns")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--pidns", "--detach")
+        assert res.returncode == 0, res.stderr
+        outer = int(res.stdout.split()[-1])
+        table = res.stderr.split("pids (virtual -> real): ")[1].strip()
+        assert table.startswith(f"{target.pid} -> {outer}, ") and all(f"{k} -> " in table for k in kids)
         with open(f"/proc/{outer}/status") as f:
             nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
         assert int(nspid[-1]) == target.pid
