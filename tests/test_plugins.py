@@ -66,16 +66,23 @@ class Server:
                 lines.append(data)
 
 
-def _events(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def test_events_in_order_with_a_barrier_data_election_and_an_external_connection(spawn, ptckpt, tmp_path):
+def _tree_with_server(spawn, tmp_path):
+    """A loopback server, and a tree of three whose root writes to it through fd 9 (which its
+    children inherit): (server, root target, children pids)."""
     server = Server()
     script = tmp_path / "tree.py"
     script.write_text(TREE)
     target = spawn(str(script), server.port)
     kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    return server, target, kids
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_events_in_order_with_a_barrier_data_election_and_an_external_connection(spawn, ptckpt, tmp_path):
+    server, target, kids = _tree_with_server(spawn, tmp_path)
     members = [target.pid] + kids
     log = tmp_path / "events.log"
     env = dict(os.environ, PTCKPT_TEST_LOG=str(log), PTCKPT_TEST_PORT=str(server.port))
@@ -125,11 +132,7 @@ def test_events_in_order_with_a_barrier_data_election_and_an_external_connection
 
 
 def test_an_unclaimed_external_connection_is_refused_naming_it(spawn, ptckpt, tmp_path):
-    server = Server()
-    script = tmp_path / "tree.py"
-    script.write_text(TREE)
-    target = spawn(str(script), server.port)
-    kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    server, target, kids = _tree_with_server(spawn, tmp_path)
     log = tmp_path / "events.log"
     env = dict(os.environ, PTCKPT_TEST_LOG=str(log), PTCKPT_TEST_PORT=str(server.port))
     silent = tmp_path / "silent.py"
@@ -198,11 +201,8 @@ def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
 
 
 def test_external_tcp_connection_reconnected_to_the_same_or_a_remapped_address(spawn, ptckpt, tmp_path):
-    server, other = Server(), Server()
-    script = tmp_path / "tree.py"
-    script.write_text(TREE)
-    target = spawn(str(script), server.port)
-    kids = [int(x) for x in next(l for l in target.preamble if l.startswith("KIDS")).split()[1:]]
+    other = Server()
+    server, target, kids = _tree_with_server(spawn, tmp_path)
     try:
         wait_until(lambda: server.connections and server.connections[0], 5)
         res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill",
