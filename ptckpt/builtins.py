@@ -177,10 +177,10 @@ class RemapPath(Plugin):
                      for v in proc_image.vmas)
         return dataclasses.replace(proc_image, task=task, mm=mm, fds=fds, vmas=vmas)
 
-    def remapped_to(self, path: str) -> bool:
-        """Whether `path` (after rewrite) lies under one of the NEW directories."""
-        return any(path == new or path.startswith(new.rstrip("/") + "/") for _old, new in self.pairs)
-
-    def mounts(self) -> list[tuple[str, str]]:
-        """(NEW, OLD) bind mounts for the tree's mount namespace: only where OLD is a directory."""
-        return [(new, old) for old, new in self.pairs if os.path.isdir(old) and old != new]
+    def pre_restore(self, proc, ctx) -> None:
+        proc.image = self.rewrite(proc.image)
+        if not ctx.moved_dirs:                       # once for the tree
+            for old, new in self.pairs:
+                ctx.moved(new)
+                if os.path.isdir(old) and old != new:
+                    ctx.bind_mount(new, old)

@@ -137,7 +137,10 @@ class ProcessHandle:
     """One process of the tree, as a plugin sees it during an event.
 
     Memory access and injection are available when the process is stopped
-    (frozen at dump; restored); `image` is its ProcessImage once captured.
+    (frozen at dump; restored); `image` is its ProcessImage once captured.  In
+    pre_restore a plugin may replace `image` (a changed copy: other paths, say),
+    and that is what is restored.  Registers set at restore take effect when the
+    process runs; at dump they are read only.
     """
 
     def __init__(self, pid: int, vpid: int, image: ProcessImage | None = None, *,
@@ -290,6 +293,8 @@ class RestoreContext(_Context):
     data: list[PluginData] = field(default_factory=list)
     claimed: set[tuple[int, int]] = field(default_factory=set)
     installs: list[tuple[int, int, int]] = field(default_factory=list)     # (pid, number, local fd)
+    moved_dirs: list[str] = field(default_factory=list)
+    binds: list[tuple[str, str]] = field(default_factory=list)
 
     def load(self, key: str = "", pid: int = 0) -> bytes | None:
         """What this plugin saved under (pid, key) at dump, or None."""
@@ -304,6 +309,16 @@ class RestoreContext(_Context):
         """pre_restore: process `pid` (the image's pid) gets a copy of `local_fd` at `number`
         when it is created (ptckpt keeps its own copy until then)."""
         self.installs.append((pid, number, os.dup(local_fd)))
+
+    def moved(self, directory: str) -> None:
+        """pre_restore, after changing paths in proc.image: the files now under `directory`
+        are other files by design; they must exist, but the changed-file policy skips them."""
+        self.moved_dirs.append(directory)
+
+    def bind_mount(self, source: str, target: str) -> None:
+        """pre_restore: the tree runs in a private mount namespace with `source` bind-mounted
+        on `target` (made in the root before any other process exists)."""
+        self.binds.append((source, target))
 
 
 # --- running events ----------------------------------------------------------------
@@ -379,6 +394,12 @@ class Plugins:
 
     def installs(self) -> list[tuple[int, int, int]]:
         return [i for ctx in self.contexts for i in ctx.installs]
+
+    def moved(self) -> list[str]:
+        return [d for ctx in self.contexts for d in ctx.moved_dirs]
+
+    def bind_mounts(self) -> list[tuple[str, str]]:
+        return [b for ctx in self.contexts for b in ctx.binds]
 
 
 def required(records: Sequence[PluginData]) -> list[tuple[str, str]]:

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from . import procfs
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
-from .builtins import RemapPath
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
@@ -169,9 +168,15 @@ def restore(directory: str, *, pidns: bool = False,
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
         procs = {p: image.process(p) for p in members}
-        remaps = [pl for pl in plugins if isinstance(pl, RemapPath)]
-        for rp in remaps:                        # --remap-path: the image's paths, moved
-            procs = {p: rp.rewrite(proc) for p, proc in procs.items()}
+        plugin_mod.check_present(image.plugin_data, plugins)
+        events = Plugins(plugins, image.path, restore=True, data=image.plugin_data)
+        if events:
+            # first of all: a plugin may change what is restored (proc.image), e.g. remap paths
+            log.info("plugins: pre_restore")
+            handles = [ProcessHandle(0, p, procs[p]) for p in members]
+            events.run("pre_restore", handles)
+            procs = {h.vpid: h.image for h in handles}
+        _check_external(procs, events)
         log.info("plan %s", " ".join(map(str, members)))
         handoff = plan_handoff(image, procs)
         host = Host.probe()
@@ -179,19 +184,13 @@ def restore(directory: str, *, pidns: bool = False,
             plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
         saved = {f.path for f in image.saved_files}
         identities = file_identities(procs, saved)
-        moved = [i for i in identities if any(rp.remapped_to(i.path) for rp in remaps)]
+        moved = [i for i in identities if any(_under(i.path, d) for d in events.moved())] if events else []
         missing = sorted({i.path for i in moved if not os.path.exists(i.path)})
         if missing:
-            raise Incompatible("--remap-path: missing under the new path: " + ", ".join(missing))
+            raise Incompatible("moved by a plugin (--remap-path) but missing: " + ", ".join(missing))
         verdict = filepolicy.evaluate([i for i in identities if i not in moved], file_policy)
         if verdict.refused:
             raise filepolicy.FilesChanged(verdict.refused)
-        plugin_mod.check_present(image.plugin_data, plugins)
-        events = Plugins(plugins, image.path, restore=True, data=image.plugin_data)
-        if events:
-            log.info("plugins: pre_restore")
-            events.run("pre_restore", [ProcessHandle(0, p, procs[p]) for p in members])
-        _check_external(procs, events)
         helpers = group_helpers(procs, image.zombies)
         if not pidns:
             pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
@@ -218,7 +217,7 @@ def restore(directory: str, *, pidns: bool = False,
                 ipc_made = restore_sysv(image.sysv)
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             [m for rp in remaps for m in rp.mounts()])
+                             events.bind_mounts() if events else [])
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 to_detach = []
@@ -291,6 +290,10 @@ def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
                 sysvipc.remove_object(kind, ipc_id)
         raise
     return made
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -163,6 +164,9 @@ import os, signal, sys, time
 out, slot = sys.argv[1], sys.argv[2]
 os.chdir(slot)
 log = open(os.path.join(slot, "run.log"), "a")
+import mmap
+with open(os.path.join(slot, "table.bin"), "rb") as f:
+    table = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 def later(*_):
     with open(os.path.join(slot, "later.txt")) as f:      # opened after the restore, by its old path
         open(out, "w").write(f.read() + "|" + os.getcwd() + "|" + os.readlink(f"/proc/self/fd/{log.fileno()}"))
@@ -176,6 +180,7 @@ def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
     slot3, slot7 = tmp_path / "slot3", tmp_path / "slot7"
     slot3.mkdir()
     (slot3 / "later.txt").write_text("three")
+    (slot3 / "table.bin").write_bytes(b"T" * 8192)
     script = tmp_path / "remap.py"
     script.write_text(REMAP)
     target = spawn(str(script), slot3)
@@ -186,6 +191,7 @@ def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
         slot7.mkdir()
         (slot7 / "run.log").write_text("")
         (slot7 / "later.txt").write_text("seven")
+        shutil.copy(slot3 / "table.bin", slot7 / "table.bin")
         res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--remap-path", f"{slot3}={slot7}")
         assert res.returncode == 0, res.stderr
         target.signal(__import__("signal").SIGUSR1)
@@ -194,6 +200,7 @@ def test_remap_path_moves_fds_cwd_and_later_opens(spawn, ptckpt, tmp_path):
         assert text == "seven", "a later open under the old path lands in the new one"
         assert log == str(slot7 / "run.log")
         assert os.readlink(f"/proc/{target.pid}/cwd") == str(slot7)
+        assert f"{slot7}/table.bin" in open(f"/proc/{target.pid}/maps").read(), "the mapping, moved"
         assert (slot3 / "later.txt").read_text() == "three", "the host's view is unchanged"
     finally:
         kill_pids([target.pid])
