@@ -28,11 +28,35 @@ def tmux(tmp_path):
     pids = []
     try:
         pids = [int(p) for p in run("list-panes", "-a", "-F", "#{pane_pid}").split()]
+        pids += [int(p) for p in run("display-message", "-p", "#{pid}").split()]    # the server
     except subprocess.CalledProcessError:
         pass
+    pids += [d for p in list(pids) for d in _descendants(p)]
     subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
     kill_pids(pids)
     reap_orphans()
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        kids = _children(pid)
+    except OSError:
+        return []
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _running(word: str) -> list[int]:
+    """Pids whose command line mentions `word` (the program ptckpt handed the master to)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if word.encode() in f.read():
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
 
 
 def _screen(tmux, session: str) -> str:
@@ -157,7 +181,7 @@ def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
                    _stat(repl)[0] == "Z", 10,
                    message="the REPL ends when the program types exit()")
     finally:
-        kill_pids([repl])
+        kill_pids([repl] + _running(str(tmp_path / "driver.py")))
         reap_orphans()
     res = ptckpt("restore", "-D", tmp_path / "img", "--new-pty", "--detach")
     assert res.returncode == 2 and "--new-pty-program" in res.stderr
