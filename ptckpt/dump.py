@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import __version__, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
@@ -63,15 +63,12 @@ class DumpResult:
     bytes: int = 0
     seconds: float = 0.0
     frozen_seconds: float = 0.0
-    unsupported: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         procs = f"{len(self.pids)} processes, " if len(self.pids) > 1 else ""
         text = (f"dumped {self.pids[0]} to {self.directory}: {procs}{self.threads} threads, "
                 f"{self.vmas} VMAs, {self.pages} pages, {self.bytes} bytes, "
                 f"{self.seconds:.3f} s (frozen {self.frozen_seconds:.3f} s)")
-        if self.unsupported:
-            text += "; not restorable yet: " + ", ".join(self.unsupported)
         return text
 
 
@@ -100,12 +97,7 @@ def _refuse_if_traced(pid: int) -> None:
         except NoSuchProcess:
             continue
         if tracer and tracer != os.getpid():
-            name = "?"
-            try:
-                name = procfs.read_comm(tracer)
-            except Exception:
-                pass
-            raise AlreadyTraced(pid, tracer, name)
+            raise AlreadyTraced(pid, tracer, procfs.comm_or_unknown(tracer))
 
 
 def dump(pid: int, directory: str | None = None, *,
@@ -162,7 +154,6 @@ def dump(pid: int, directory: str | None = None, *,
             result.vmas += len(image.vmas)
             result.pages += stats.pages
             result.bytes += stats.bytes
-            result.unsupported += [f"pid {member} " + u for u in files.unsupported_fds(list(image.fds))]
             images[member] = image
         log.info("capture what the tree shares")
         images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
@@ -192,7 +183,6 @@ def dump(pid: int, directory: str | None = None, *,
             monotonic_ns=monotonic,
             boottime_ns=boottime,
             hostname=socket.gethostname(),
-            fd_kinds_unsupported=tuple(result.unsupported),
         ), shared)
         writer.commit()
     except BaseException:
@@ -332,9 +322,9 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
     for p, flist in fds.items():
-        for f in flist:
-            if f.kind not in files.RESTORABLE_KINDS and not sockets.is_unix(f) and f.desc not in stdio:
-                raise UnsupportedResource(p, f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
+        bad = files.unsupported_fds(flist, stdio)
+        if bad:
+            raise UnsupportedResource(p, bad[0])
     outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
     internal_pipes = []
     for link, holders in objects.items():
@@ -345,7 +335,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
                 continue                  # named: the restore reopens it and meets the outside end
             p, f = next((p, f) for p, f in holders if f.desc not in stdio)
             q, n = outside[link][0]
-            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({_comm(q)}) holds it too")
+            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
@@ -411,12 +401,6 @@ def _file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
                 out.setdefault(v.path, p)
     return out
 
-
-def _comm(pid: int) -> str:
-    try:
-        return procfs.read_comm(pid)
-    except PtckptError:
-        return "?"
 
 
 def _zombie(pid: int) -> Zombie:

@@ -27,19 +27,18 @@ image whose plugin is not loaded.  A complete example is in README.md.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import inspect
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
 from .errors import PluginError, PluginMissing
 from .formats.model import Fd, PluginData, ProcessImage
-from .tracee import AddressSpace, Regs, remote_syscalls
+from .tracee import AddressSpace, Regs
 
 ENTRY_POINT_GROUP = "ptckpt.plugins"
 DUMP_EVENTS = ("pre_dump", "frozen", "post_dump")
@@ -436,10 +435,3 @@ def receive_fd_frozen(remote, channel: int, number: int, *, cloexec: bool = Fals
     if got != number:
         remote.checked("dup3", got, number, 0o2000000 if cloexec else 0, step=f"install fd {number}")
         remote.checked("close", got, step=f"install fd {number}")
-
-
-@contextlib.contextmanager
-def leader_scope(task, mem, gadget) -> Iterator:
-    """An injection scope on a frozen process's leader (dump side)."""
-    with remote_syscalls(task, mem, gadget) as remote:
-        yield remote

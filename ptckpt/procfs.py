@@ -1329,6 +1329,14 @@ def read_comm(pid: int, tid: int | None = None, *, procfs: str = "/proc") -> str
     return os.fsdecode(data[:-1] if data.endswith(b"\n") else data)
 
 
+def comm_or_unknown(pid: int) -> str:
+    """The comm of `pid` for a message, or "?" when it is gone or unreadable."""
+    try:
+        return read_comm(pid)
+    except (PtckptError, OSError):
+        return "?"
+
+
 @_wrap_exceptions
 def read_exe(pid: int, *, procfs: str = "/proc") -> str:
     """The executable's path (" (deleted)" appended by the kernel if unlinked)."""

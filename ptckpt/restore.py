@@ -497,8 +497,8 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
     stdio = _root_stdio(procs[image.inventory.root_pid])
-    pipe_descs = {d: f for d, f in plan.items()
-                  if f.kind in pipes.PIPE_KINDS and f.ino in {b.ino for b in image.pipes}}
+    pipe_inos = {b.ino for b in image.pipes}
+    pipe_descs = {d: f for d, f in plan.items() if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos}
     opened: dict = {}
     ghost_paths: dict = {}
     try:
@@ -511,8 +511,16 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         opened.update(sockets.create_unix_sockets(
             image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
             cwd_of))
+        made = {}
+        for state in image.fd_states:
+            f = plan.get(state.desc)
+            if f is not None:
+                opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
+                                      else anonfds.create_anon_fd(state, f.flags))
+                if f.kind is FdKind.MEMFD:            # the same object for its mappings
+                    made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         for d, f in plan.items():
-            if d in opened or d in {s.desc for s in image.fd_states}:
+            if d in opened:
                 continue
             tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
             if tty is not None and "pty-master" not in opened:
@@ -526,14 +534,6 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
-        made = {}
-        for state in image.fd_states:
-            f = plan.get(state.desc)
-            if f is not None:
-                opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                                      else anonfds.create_anon_fd(state, f.flags))
-                if f.kind is FdKind.MEMFD:            # the same object for its mappings
-                    made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))
         for pid, number, fd in installs:             # fds plugins give in pre_restore

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import kill_pids, reap_orphans
 from test_emulator import finish, start_emulator, start_testbench, testbench_bin  # noqa: F401
 
 VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")

@@ -3,7 +3,7 @@
 Dump half: :func:`dump_fds`.  Kinds are decided by :func:`classify_fd` from
 the /proc/PID/fd link text and the stat of the open file; the table
 ``RESTORABLE_KINDS`` says which kinds the restore side can recreate, and
-:func:`unsupported_fds` names the others (they are recorded, never dropped).
+:func:`unsupported_fds` names the others (a dump refuses them, by name).
 :func:`number_descriptions` gives fds that share one open file description
 (dup, fork) one number across the tree, found with kcmp(2).
 
@@ -258,10 +258,16 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
                      uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks))
 
 
-def unsupported_fds(fds: list[Fd]) -> list[str]:
-    """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd the restore cannot recreate yet."""
+def is_unix(f: Fd) -> bool:
+    """An AF_UNIX socket (its family comes from the dump's socket details)."""
+    return f.kind is FdKind.SOCKET and ("family", "AF_UNIX") in f.details
+
+
+def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
+    """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd no restore can make again
+    (unix sockets it can; descriptions in `exempt` are the shell job's stdio)."""
     return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
-            for f in fds if f.kind not in RESTORABLE_KINDS]
+            for f in fds if f.kind not in RESTORABLE_KINDS and not is_unix(f) and f.desc not in exempt]
 
 
 # --- restore half ------------------------------------------------------------

@@ -48,7 +48,6 @@ is harmless, through a separate open of the file it conflicts.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import struct
@@ -316,7 +315,7 @@ def _conflict_text(remote: RemoteSyscalls, fd: int, lock: FileLock) -> str:
     holders = lock_holders(pid, fd, lock)
     if holders:
         return "held by " + "; ".join(
-            f"pid {p} ({_comm(p)}) fd {n}: {other.describe()}" for p, n, other in holders)
+            f"pid {p} ({procfs.comm_or_unknown(p)}) fd {n}: {other.describe()}" for p, n, other in holders)
     if lock.kind != "flock":
         other = _getlk(remote, fd, lock)
         if other is not None:
@@ -436,8 +435,3 @@ def _path(pid: int, fd: int) -> str:
     except PtckptError:
         return f"fd {fd}"
 
-
-def _comm(pid: int) -> str:
-    with contextlib.suppress(PtckptError, OSError):
-        return procfs.read_comm(pid)
-    return "?"

@@ -122,6 +122,15 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
 SHARED_OBJECT_KINDS = frozenset({VmaKind.ANON_SHARED, VmaKind.SHMEM})
 
 
+def _made_object(vma: Vma, shared: dict) -> int | None:
+    """The fd (in the stub) of the object ptckpt made for `vma`: a MAP_SHARED anonymous or
+    memfd object, or a deleted file made again; None for any other mapping."""
+    for key in (ghost_key(vma), shared_object_key(vma)):
+        if key is not None and key in shared:
+            return shared[key]
+    return None
+
+
 def is_sysv(vma: Vma) -> bool:
     """A SysV shared memory attach ("/SYSV<key> (deleted)"; the inode column is the shmid)."""
     return vma.kind is VmaKind.SHMEM and vma.path.startswith("/SYSV")
@@ -506,12 +515,9 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
                 attached.add((vma.inode, base))
             if vma.prot != given:
                 remote.checked("mprotect", vma.start, length, vma.prot, step=step)
-        elif ghost_key(vma) in shared:               # a deleted file, made again by ptckpt
-            remote.checked("mmap", vma.start, length, prot, flags, shared[ghost_key(vma)], vma.pgoff,
+        elif _made_object(vma, shared) is not None:  # a shared object or deleted file ptckpt made
+            remote.checked("mmap", vma.start, length, prot, flags, _made_object(vma, shared), vma.pgoff,
                            step=step)
-        elif shared_object_key(vma) in shared:
-            remote.checked("mmap", vma.start, length, prot, flags, shared[shared_object_key(vma)],
-                           vma.pgoff, step=step)
         elif vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
             remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
                            step=step)

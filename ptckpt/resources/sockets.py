@@ -33,16 +33,13 @@ from collections.abc import Mapping, Sequence
 
 from .. import procfs, sockdiag
 from ..errors import RestoreFailed, SharedOutside, UnsupportedResource
-from ..formats.model import Fd, FdKind, UnixSocket
+from ..formats.model import Fd, UnixSocket
 from ..tracee import pidfd_getfd
+from .files import is_unix
 
 TCP_ESTABLISHED, TCP_CLOSE, TCP_LISTEN = 1, 7, 10
 RCV_SHUTDOWN, SEND_SHUTDOWN = 1, 2
 O_ACCMODE = 0o3
-
-
-def is_unix(f: Fd) -> bool:
-    return f.kind is FdKind.SOCKET and ("family", "AF_UNIX") in f.details
 
 
 # --- dump half -----------------------------------------------------------------
@@ -99,15 +96,9 @@ def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set
 def _holder(ino: int, members: set[int]) -> str:
     found = procfs.fd_holders({f"socket:[{ino}]"}, members | {os.getpid()})
     for pid, fd in next(iter(found.values()), []):
-        return f"held by pid {pid} fd {fd} ({_comm(pid)}), outside the tree"
+        return f"held by pid {pid} fd {fd} ({procfs.comm_or_unknown(pid)}), outside the tree"
     return "held by no process of the tree"
 
-
-def _comm(pid: int) -> str:
-    try:
-        return procfs.read_comm(pid)
-    except Exception:
-        return "?"
 
 
 def _named(d) -> str:
