@@ -257,3 +257,29 @@ def test_plugin_from_an_entry_point(spawn, ptckpt, tmp_path):
                [("vendor", "3", "", b""), ("vendor", "3", "k", b"hello")]
     _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img2", "--plugin", "nonesuch"),
               ExitCode.PLUGIN, "no entry point 'nonesuch'")
+
+
+def test_a_plugin_failing_halfway_leaves_the_target_running_or_nothing_behind(spawn, ptckpt, tmp_path):
+    """A plugin that fails in `frozen` fails the dump: the target runs on, untraced, and no
+    image is left.  One that fails in `restored` fails the restore: what was built is killed."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom ptckpt.plugins import Plugin\n"
+                   "class Bad(Plugin):\n"
+                   "    name = 'bad'\n"
+                   "    def frozen(self, proc, ctx):\n"
+                   "        if os.environ.get('FAIL') == 'frozen': raise RuntimeError('vendor bug at dump')\n"
+                   "    def restored(self, proc, ctx):\n"
+                   "        raise RuntimeError('vendor bug at restore')\n")
+    target = spawn("counter")
+    _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img", "--plugin", str(bad),
+                     env=dict(os.environ, FAIL="frozen")),
+              ExitCode.PLUGIN, "plugin bad: frozen", "vendor bug at dump")
+    assert not (tmp_path / "img").exists()
+    with open(f"/proc/{target.pid}/status") as f:
+        assert "TracerPid:\t0" in f.read()
+    target.wait_progress()
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _one_line(ptckpt("restore", "-D", tmp_path / "img", "--plugin", str(bad)), ExitCode.REMOTE_SYSCALL,
+              "killed", "plugin bad: restored", "vendor bug at restore")
+    reap_orphans()
+    wait_until(lambda: not os.path.exists(f"/proc/{target.pid}"), 5, message="nothing left behind")
