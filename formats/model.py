@@ -95,6 +95,10 @@ class Inventory:
     boottime_ns: int
     hostname: str
     fd_kinds_unsupported: tuple[str, ...] = ()   # "pid fd -> target" not restorable yet
+    pid_level: int = 0        # how deep the tree's own pid namespace was below the dumper's
+                              # (0: the same); every pid in the image is as the tree saw it
+    real_pids: tuple[tuple[int, int], ...] = ()  # (virtual, real) per process and thread when
+                              # pid_level > 0, real: as the dumper saw it (since format 5)
 
 
 @dataclass(frozen=True)

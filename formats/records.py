@@ -121,9 +121,10 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 4                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 5                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
+                                   # 5: pid namespaces (virtual pids, the real ones beside)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -306,6 +307,8 @@ InventoryRecord = Record(Inventory, Struct(
     "boottime_ns" / Int64sl,
     "hostname" / Text,
     "fd_kinds_unsupported" / PrefixedArray(VarInt, Text),
+    "pid_level" / Since(5, VarInt),
+    "real_pids" / Since(5, PrefixedArray(VarInt, CSequence(Int32ul, Int32ul))),
 ))
 
 # --- TASK --------------------------------------------------------------------

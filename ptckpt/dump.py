@@ -36,8 +36,8 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pipes, process, signals, sockets,
-                        sysvipc, terminals, threads)
+from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pids as pidns, pipes, process,
+                        signals, sockets, sysvipc, terminals, threads)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -131,7 +131,9 @@ def dump(pid: int, directory: str | None = None, *,
     if events:
         log.info("plugins: pre_dump")
         try:
-            events.run("pre_dump", [ProcessHandle(p, p) for p in running_tree(pid)])
+            running = running_tree(pid)
+            view = pidns.pid_view(pid, running)
+            events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
         except BaseException:
             writer.abort()
             raise
@@ -145,11 +147,14 @@ def dump(pid: int, directory: str | None = None, *,
         result.pids = pids
         frozen_at = time.monotonic()
         realtime, monotonic, boottime = process.current_clocks()
+        view = pidns.pid_view(pid, pids, zombies)
+        if view.level:
+            log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
         xcr0 = xsize = 0
         images = {}
         for member in pids:
             log.info("capture %d", member)
-            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer)
+            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member))
             result.threads += len(image.threads)
             result.vmas += len(image.vmas)
             result.pages += stats.pages
@@ -160,16 +165,17 @@ def dump(pid: int, directory: str | None = None, *,
         numbered = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
         if events:
-            images = _plugins_frozen(events, session, images)
+            images = _plugins_frozen(events, session, images, view)
         images, shared = capture_sharing_frozen(pid, images)
         shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)
         shared += capture_sysv_frozen(images)
         shared += [_zombie(z) for z in zombies]
+        shared = pidns.virtual_records(view, shared)
         for member in pids:
             log.info("write %d", member)
-            writer.write_process(images[member])
+            writer.write_process(pidns.virtual_process(view, images[member]))
         writer.write_inventory(Inventory(
             ptckpt_version=__version__,
             kernel_release=os.uname().release,
@@ -177,12 +183,14 @@ def dump(pid: int, directory: str | None = None, *,
             page_size=os.sysconf("SC_PAGE_SIZE"),
             xfeatures=xcr0,
             xstate_size=xsize,
-            root_pid=pid,
-            pids=tuple(pids),
+            root_pid=view.of(pid),
+            pids=tuple(map(view.of, pids)),
             realtime_ns=realtime,
             monotonic_ns=monotonic,
             boottime_ns=boottime,
             hostname=socket.gethostname(),
+            pid_level=view.level,
+            real_pids=view.pairs(),
         ), shared)
         writer.commit()
     except BaseException:
@@ -201,7 +209,7 @@ def dump(pid: int, directory: str | None = None, *,
         result.frozen_seconds = time.monotonic() - frozen_at
     if events:
         log.info("plugins: post_dump")
-        events.run("post_dump", [ProcessHandle(p, p) for p in result.pids])
+        events.run("post_dump", [ProcessHandle(p, view.of(p)) for p in result.pids])
     result.seconds = time.monotonic() - started
     return result
 
@@ -217,21 +225,25 @@ def running_tree(root: int) -> list[int]:
     return out
 
 
-def _plugins_frozen(events: Plugins, session: Session, images: dict[int, ProcessImage]):
+def _plugins_frozen(events: Plugins, session: Session, images: dict[int, ProcessImage],
+                    view: pidns.PidView):
     """The shared resources offered for election, then `frozen` for every member; the fds
-    the plugins claimed as external are marked so in the images."""
-    events.elect(_shared_resources(images))
+    the plugins claimed as external are marked so in the images.  Plugins see the
+    image's pids (proc.vpid, holders, claims)."""
+    events.elect(_shared_resources(images, view))
     handles = []
     for p, im in images.items():
-        tasks = {t.tid: t for t in session.threads_of(p)}
-        handles.append(ProcessHandle(p, p, im, tasks=tasks,
-                                     remote_scope=functools.partial(_leader_scope, tasks[p], p, im)))
+        leader = next(t for t in session.threads_of(p) if t.tid == p)
+        handles.append(ProcessHandle(p, view.of(p), pidns.virtual_process(view, im),
+                                     tasks={view.of(t.tid): t for t in session.threads_of(p)},
+                                     remote_scope=functools.partial(_leader_scope, leader, p, im)))
     log.info("plugins: frozen")
     events.run("frozen", handles)
-    claimed = events.external()
+    claimed = {(view.real(vp), fd): note for (vp, fd), note in events.external().items()}
     for (p, fd) in claimed:
         if p not in images or fd not in {f.fd for f in images[p].fds}:
-            raise PluginError(claimed[(p, fd)], "frozen", f"claimed fd {fd} of {p}, which it does not have")
+            raise PluginError(claimed[(p, fd)], "frozen",
+                              f"claimed fd {fd} of {view.of(p)}, which it does not have")
     return {p: dataclasses.replace(im, fds=tuple(
                 dataclasses.replace(f, external=claimed[(p, f.fd)]) if (p, f.fd) in claimed else f
                 for f in im.fds)) for p, im in images.items()}
@@ -244,21 +256,22 @@ def _leader_scope(task, pid: int, image: ProcessImage):
             yield remote
 
 
-def _shared_resources(images: dict[int, ProcessImage]) -> list[SharedResource]:
-    """Descriptions held by more than one process, and memory objects mapped by more than one."""
+def _shared_resources(images: dict[int, ProcessImage], view: pidns.PidView) -> list[SharedResource]:
+    """Descriptions held by more than one process, and memory objects mapped by more than one
+    (holders by the image's pids)."""
     by_desc: dict[int, SharedResource] = {}
     for p, im in images.items():
         for f in im.fds:
             res = by_desc.setdefault(f.desc, SharedResource("fd", f.desc, f.path, []))
-            res.holders.append((p, f.fd))
+            res.holders.append((view.of(p), f.fd))
     by_mem: dict[tuple, SharedResource] = {}
     for p, im in images.items():
         for v in im.vmas:
             key = memory.shared_object_key(v)
             if key is not None:
                 res = by_mem.setdefault(key, SharedResource("memory", key, v.path, []))
-                if p not in {q for q, _ in res.holders}:
-                    res.holders.append((p, v.start))
+                if view.of(p) not in {q for q, _ in res.holders}:
+                    res.holders.append((view.of(p), v.start))
     return [r for r in list(by_desc.values()) + list(by_mem.values())
             if len({p for p, _ in r.holders}) > 1]
 
@@ -425,7 +438,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
+def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int):
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
@@ -463,7 +476,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter):
             fds=tuple(fds),
             locks=tuple(locks.to_records(locks.dump_process_locks(pid, [f.fd for f in fds]))),
         )
-        pages = writer.pages_writer(pid)
+        pages = writer.pages_writer(vpid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages)
         for run in runs:
             pages.add_run(run.vaddr, run.npages, run.offset)

@@ -160,6 +160,10 @@ def restore(directory: str, *, pidns: bool = False,
 
     `plugins` get the restore events (ptckpt.plugins): pre_restore, restored, resumed;
     every plugin the image was made with must be among them.
+
+    An image of a tree that lived in a pid namespace of its own records the pids
+    it had there; it is restored in a new pid namespace whether `pidns` is asked
+    or not.
     """
     started = time.monotonic()
     _raise_nofile()
@@ -167,6 +171,12 @@ def restore(directory: str, *, pidns: bool = False,
     with ImageReader(directory) as image:
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
+        if image.inventory.pid_level and not pidns:
+            log.info("the tree lived in a pid namespace of its own: restored in a new one")
+            pidns = True
+        if pidns and root == 1:
+            raise UnsupportedResource(root, "the root was the init (pid 1) of its pid namespace: "
+                                            "restoring a namespace's init is not supported yet")
         procs = {p: image.process(p) for p in members}
         plugin_mod.check_present(image.plugin_data, plugins)
         events = Plugins(plugins, image.path, restore=True, data=image.plugin_data)

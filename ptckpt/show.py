@@ -73,6 +73,13 @@ def _pages_json(reader: ImageReader, pid: int) -> dict[str, Any]:
     }
 
 
+def _pid_rows(reader: ImageReader) -> list[dict[str, Any]]:
+    """Every process and thread: its virtual pid (the image's) and the real one at dump."""
+    real = dict(reader.inventory.real_pids)
+    return [{"virtual": tid, "real": real.get(tid, tid), "process": pid}
+            for pid in reader.pids for tid in reader.process(pid).task.tids]
+
+
 def _process_json(reader: ImageReader, pid: int) -> dict[str, Any]:
     proc = reader.process(pid)
     return {
@@ -103,6 +110,7 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "path": reader.path,
             "format_version": reader.version,
             "inventory": record_to_json(reader.inventory),
+            "pids": _pid_rows(reader),
             "processes": [_process_json(reader, pid) for pid in reader.pids],
             "zombies": [record_to_json(z) for z in reader.zombies],
             "pipes": [record_to_json(p) for p in reader.pipes],
@@ -223,6 +231,20 @@ def _shared_table(reader: ImageReader) -> str:
     return _table(["KIND", "ID", "WHAT"], rows, right=(1,)) if rows else ""
 
 
+def _pid_heading(inv) -> str:
+    if inv.pid_level:
+        return (f"pids (virtual -> real): the tree lived in a pid namespace {inv.pid_level} level(s) "
+                f"below the dumper's; a restore gives it the virtual pids in a new one")
+    return "pids (virtual -> real): the tree lived in the dumper's pid namespace, virtual = real"
+
+
+def _pid_table(inv, procs) -> str:
+    real = dict(inv.real_pids)
+    rows = [[tid, real.get(tid, tid), "process" if tid == p.task.pid else f"thread of {p.task.pid}",
+             _printable(p.task.comm)] for p in procs for tid in p.task.tids]
+    return _table(["VIRTUAL", "REAL", "WHAT", "COMM"], rows, right=(0, 1))
+
+
 def image_summary(directory: str | os.PathLike) -> str:
     """Human-readable tables of an image: tasks, then threads, VMAs and fds per process.
 
@@ -242,7 +264,7 @@ def image_summary(directory: str | os.PathLike) -> str:
         [[p.task.pid, p.task.ppid, _printable(p.task.comm), len(p.threads), _printable(p.task.exe)]
          for p in procs],
         right=(0, 1, 3))
-    parts = [head, _section("tasks:", tasks)]
+    parts = [head, _section("tasks:", tasks), _section(_pid_heading(inv), _pid_table(inv, procs))]
     if shared:
         parts.append(_section("shared by the tree:", shared))
     if inv.fd_kinds_unsupported:

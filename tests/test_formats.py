@@ -314,7 +314,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0400" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0500" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
@@ -334,6 +334,16 @@ def test_golden_bytes():
     old = parse_record(EntryKind.TASK, build_record(task)[:-5], version=1)
     assert (old.pdeath_signal, old.child_subreaper) == (0, False)
     assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
+
+
+def test_inventory_pid_namespace_fields_since_format_5():
+    inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5, 6), 1, 2, 3, "h",
+                    pid_level=1, real_pids=((5, 4005), (6, 4006)))
+    raw = build_record(inv)
+    assert raw.endswith(bytes.fromhex("01" "02" "05000000a50f0000" "06000000a60f0000"))
+    assert parse_record(EntryKind.INVENTORY, raw) == inv
+    old = parse_record(EntryKind.INVENTORY, raw[:-18], version=4)     # a format-4 image
+    assert (old.pid_level, old.real_pids) == (0, ())
 
 
 def test_header_parse_round_trip():

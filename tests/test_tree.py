@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -120,6 +121,66 @@ def test_tree_in_a_fresh_pid_namespace(spawn, ptckpt, tmp_path):
             kill_pids([init])                     # ends the namespace
         kill_pids(kids)
         reap_orphans()
+
+
+def _init_of(outer: int) -> int:
+    with open(f"/proc/{outer}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_tree_living_in_a_pid_namespace_is_dumped_with_its_own_pids(spawn, ptckpt, tmp_path):
+    """Restored with --pidns, the tree knows itself by its inner pids: a dump of it records
+    those (the outer ones beside, for show), and its restore gives them back in a new namespace."""
+    target, kids = _tree(spawn, tmp_path)
+    inits = []
+    try:
+        _dump_kill(ptckpt, target, tmp_path / "img")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--pidns", "--detach")
+        assert res.returncode == 0, res.stderr
+        outer = int(res.stdout.split()[-1])
+        inits.append(_init_of(outer))
+        outer_kids = sorted(int(x) for x in open(f"/proc/{outer}/task/{outer}/children").read().split())
+        _assert_tree_goes_on(target, kids)
+        res = ptckpt("dump", outer, "-D", tmp_path / "img2", "--kill")
+        assert res.returncode == 0, res.stderr
+        with ImageReader(tmp_path / "img2") as image:
+            inv = image.inventory
+            assert (inv.root_pid, list(inv.pids), inv.pid_level) == (target.pid, [target.pid] + sorted(kids), 1)
+            assert (target.pid, outer) in inv.real_pids
+            assert sorted(r for v, r in inv.real_pids if v in kids) == outer_kids
+            root = image.process(target.pid).task
+            assert (root.ppid, root.pgid, root.sid) == (1, target.pid, target.pid)
+            assert all(image.process(k).task.ppid == target.pid for k in kids)
+        shown = ptckpt("show", tmp_path / "img2", "--summary")
+        assert shown.returncode == 0, shown.stderr
+        assert "pids (virtual -> real): the tree lived in a pid namespace 1 level(s) below" in shown.stdout
+        rows = [line.split() for line in shown.stdout.splitlines()]
+        assert [str(target.pid), str(outer), "process"] in [r[:3] for r in rows]
+        wait_until(lambda: not os.path.exists(f"/proc/{inits[0]}"), 5, message="the first namespace ended")
+        res = ptckpt("restore", "-D", tmp_path / "img2", "--detach")      # no --pidns: the image asks
+        assert res.returncode == 0, res.stderr
+        assert "in a new pid namespace" in res.stderr
+        again = int(res.stdout.split()[-1])
+        inits.append(_init_of(again))
+        assert again != target.pid
+        _assert_tree_goes_on(target, kids)        # inner pids and parents as before
+    finally:
+        kill_pids(inits)
+        kill_pids([target.pid] + kids)
+        reap_orphans()
+
+
+def test_show_prints_the_pid_table_of_a_tree_in_the_dumpers_namespace(spawn, ptckpt, tmp_path):
+    target, kids = _tree(spawn, tmp_path)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
+    assert res.returncode == 0, res.stderr
+    shown = ptckpt("show", tmp_path / "img", "--summary")
+    assert "the tree lived in the dumper's pid namespace, virtual = real" in shown.stdout
+    as_json = json.loads(ptckpt("show", tmp_path / "img").stdout)
+    assert {(r["virtual"], r["real"]) for r in as_json["pids"]} >= {(p, p) for p in [target.pid] + kids}
+    rows = [line.split()[:3] for line in shown.stdout.splitlines()]
+    for pid in [target.pid] + kids:
+        assert [str(pid), str(pid), "process"] in rows
 
 
 def test_pipe_shared_with_a_process_outside_the_tree_is_refused_naming_both_ends(spawn, ptckpt, tmp_path):

@@ -1,6 +1,13 @@
 """Pids: the restored process gets its original pid (clone3 set_tid), optionally in a fresh pid namespace.
 
-Restore half only (a dump records pids in the task records):
+Dump half: :func:`pid_view` -- the tree's pids as the tree itself sees them.
+An image records those (virtual) pids: a tree that lives in a pid namespace of
+its own (one restored with --pidns, a container) knows itself by its pids in
+that namespace, and glibc caches them in its memory, so they are what a restore
+must give back; the pids ptckpt sees (the real ones) go into the inventory, for
+the table ``ptckpt show`` prints.
+
+Restore half:
 
 * :func:`check_pids_free` -- before anything is created, name the process
   holding a pid the image needs;
@@ -14,16 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import os
 import resource
 import signal
 import struct
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from .. import procfs
-from ..errors import PidBusy, PtckptError, TargetVanished, TraceeError
+from ..formats.model import MsgImage, ProcessImage, SemImage, ShmImage, Terminal, Zombie
+from ..errors import PidBusy, PtckptError, TargetVanished, TraceeError, UnsupportedResource
 from ..restorer.stub import stub_memfd
 from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
 
@@ -36,6 +46,112 @@ PTRACE_EVENT_EXEC = 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+
+
+# --- dump: the tree's own view of its pids ---------------------------------------
+
+@dataclass(frozen=True)
+class PidView:
+    """Pids as ptckpt sees them (real) -> as the tree sees them (virtual).
+
+    `level` is how deep the tree's pid namespace is below ptckpt's (0: the same
+    namespace, every pid is its own virtual pid).  A pid not visible in the tree's
+    namespace (a parent or session leader outside it) is virtual 0, as the kernel
+    itself shows it there (getppid() of a namespace's init, NSsid).
+    """
+
+    level: int = 0
+    virtual: dict[int, int] = field(default_factory=dict)
+
+    def of(self, pid: int) -> int:
+        if not self.level or pid <= 0:
+            return pid
+        return self.virtual.get(pid, 0)
+
+    def real(self, vpid: int) -> int:
+        """The pid ptckpt sees of the tree's `vpid` (vpid itself if unknown)."""
+        if not self.level:
+            return vpid
+        return next((r for r, v in self.virtual.items() if v == vpid), vpid)
+
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """(virtual, real) of every process and thread of the tree, for the inventory."""
+        return tuple(sorted((v, r) for r, v in self.virtual.items() if v > 0)) if self.level else ()
+
+
+def pid_view(root: int, members: Iterable[int], zombies: Iterable[int] = ()) -> PidView:
+    """Read the NSpid, NSpgid and NSsid lines of every member, thread and zombie (frozen).
+
+    Every member must live in the root's pid namespace: a process in a namespace
+    nested below it would need one of its own at restore, which is not done yet.
+    """
+    root_status = procfs.read_status(root)
+    level = len(root_status.nspid) - 1
+    virtual: dict[int, int] = {}
+
+    def note(status: procfs.Status, pid: int, what: str) -> None:
+        if len(status.nspid) != level + 1:
+            raise UnsupportedResource(pid, f"{what} {pid} lives in a pid namespace nested below the "
+                                           f"tree's (NSpid {' '.join(map(str, status.nspid))}): "
+                                           f"not supported yet")
+        virtual[pid] = status.nspid[level]
+        for numbers in (status.nspgid, status.nssid):     # 0 where the group is not visible
+            if len(numbers) == level + 1:
+                virtual.setdefault(numbers[0], numbers[level])
+
+    for pid in members:
+        status = procfs.read_status(pid)
+        note(status, pid, "process")
+        for tid in procfs.list_tids(pid):
+            if tid != pid:
+                note(procfs.read_status(pid, tid), tid, "thread")
+        if status.ppid not in virtual:
+            try:
+                parent = procfs.read_status(status.ppid)
+            except PtckptError:
+                continue
+            virtual[status.ppid] = parent.nspid[level] if len(parent.nspid) > level else 0
+    for pid in zombies:
+        with contextlib.suppress(PtckptError):
+            note(procfs.read_status(pid), pid, "zombie")
+    return PidView(level, virtual if level else {})
+
+
+def virtual_process(view: PidView, image: ProcessImage) -> ProcessImage:
+    """`image` with every pid it records as the tree sees it."""
+    if not view.level:
+        return image
+    v = view.of
+    t = image.task
+    return dataclasses.replace(
+        image,
+        task=dataclasses.replace(t, pid=v(t.pid), ppid=v(t.ppid), pgid=v(t.pgid), sid=v(t.sid),
+                                 tids=tuple(map(v, t.tids))),
+        threads=tuple(dataclasses.replace(th, tid=v(th.tid)) for th in image.threads),
+        pending=tuple(dataclasses.replace(s, tid=v(s.tid)) for s in image.pending),
+        locks=tuple(dataclasses.replace(lk, pid=v(lk.pid)) for lk in image.locks))
+
+
+def virtual_records(view: PidView, records: list) -> list:
+    """The image-wide records with their pids as the tree sees them (plugin data is
+    already keyed by the image's pids: plugins see those)."""
+    if not view.level:
+        return records
+    v = view.of
+    out = []
+    for r in records:
+        if isinstance(r, Zombie):
+            r = dataclasses.replace(r, pid=v(r.pid), ppid=v(r.ppid), pgid=v(r.pgid), sid=v(r.sid))
+        elif isinstance(r, Terminal):
+            r = dataclasses.replace(r, fg_pgrp=v(r.fg_pgrp), sid=v(r.sid))
+        elif isinstance(r, ShmImage):
+            r = dataclasses.replace(r, cpid=v(r.cpid), lpid=v(r.lpid))
+        elif isinstance(r, SemImage):
+            r = dataclasses.replace(r, pids=tuple(map(v, r.pids)))
+        elif isinstance(r, MsgImage):
+            r = dataclasses.replace(r, lspid=v(r.lspid), lrpid=v(r.lrpid))
+        out.append(r)
+    return out
 
 
 def pid_holder(pid: int) -> str | None:
