@@ -4,7 +4,8 @@ Real processes only, no ptrace: the emulator server and its line protocol,
 SAVE_STATE/LOAD_STATE between two emulators, and the testbench run to
 completion - deterministic when uninterrupted, different when the emulator's
 state or the testbench's design_state was tampered with, unharmed by
-SIGSTOP/SIGCONT.  Protocol and interfaces: fixtures/emulator/README.md.
+SIGSTOP/SIGCONT; --per-connection (a fresh state per concurrent client) and
+the testbench's `width` key.  Protocol and interfaces: fixtures/emulator/README.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (EXIT_BADVALUE, EXIT_SYSCALL, EXIT_USAGE, FIXTURES_DIR, fixture_build,
-                      proc_stat, wait_until)
+                      proc_stat, process_table, wait_until)
 
 EMU_DIR = FIXTURES_DIR / "emulator"
 EMULATOR = EMU_DIR / "emulator.py"
@@ -62,11 +63,13 @@ class Emulator:
         return Client(self.address)
 
 
-def start_emulator(spawn, where: str = "tcp", path: Path | None = None) -> Emulator:
+def start_emulator(spawn, where: str = "tcp", path: Path | None = None,
+                   options: tuple[str, ...] = ()) -> Emulator:
+    """options: more emulator arguments, e.g. ("--per-connection",)."""
     if where == "tcp":
-        target = spawn(str(EMULATOR), "--tcp", "127.0.0.1:0", out=False)
+        target = spawn(str(EMULATOR), "--tcp", "127.0.0.1:0", *options, out=False)
     else:
-        target = spawn(str(EMULATOR), "--unix", path, out=False)
+        target = spawn(str(EMULATOR), "--unix", path, *options, out=False)
     assert len(target.preamble) == 1, target.describe()
     m = re.fullmatch(r"LISTENING (tcp) (\S+) (\d+)|LISTENING (unix) (\S+)", target.preamble[0])
     assert m, target.describe()
@@ -166,6 +169,22 @@ def poke(pid: int, addr: int, data: bytes) -> None:
 def stop(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: proc_stat(pid).state == "T", 5, message=f"pid {pid} to stop")
+
+
+def stop_between_transactions(tb) -> None:
+    """SIGSTOP the testbench at a moment with no command outstanding."""
+    for _ in range(100):
+        stop(tb.pid)
+        if peek(tb.pid, tb.symbols["txn_pending"], 4) == b"\0\0\0\0":
+            return
+        os.kill(tb.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    pytest.fail("the testbench always had a transaction pending")
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """The child processes of pid: {pid: state}."""
+    return {child: st.state for child, st in process_table().items() if st.ppid == pid}
 
 
 # --- the emulator alone ------------------------------------------------------------------
@@ -283,6 +302,76 @@ def test_emulator_unix_socket_file(spawn, tmp_path):
     emu.target.signal(signal.SIGTERM)
     assert emu.target.wait_exit(5) == 0
     assert not path.exists()
+
+
+def test_emulator_per_connection(spawn):
+    """--per-connection: concurrent clients, each with a fresh state of its own
+    (a forked child each); clients that leave are reaped; SHUTDOWN from any
+    client stops the whole server, exit 0."""
+    emu = start_emulator(spawn, options=("--per-connection",))
+    clients = []
+    try:
+        a, b = emu.client(), emu.client()
+        clients += [a, b]
+        fresh = b("HASH")
+        # Both are served at once: without --per-connection b would wait in
+        # the backlog until a leaves, and these replies would never come.
+        assert a("WRITE_REG 3 0x1234") == ""
+        assert a("READ_REG 3") == "0x0000000000001234"
+        assert b("READ_REG 3") == "0x" + "0" * 16
+        assert b("STEP 5") == "5"
+        assert a("STEP 0") == "0"
+        assert b("WRITE_MEM 0 ff") == "1"
+        assert a("READ_MEM 0 1") == "00"
+        a.send("STEP 2", "PING")            # pipelined, interleaved with b
+        b.send("STEP 1")
+        assert b.reply() == "OK 6"
+        assert [a.reply(), a.reply()] == ["OK 2", "OK PONG"]
+        assert a("HASH") != b("HASH") != fresh
+        # One child per connection; one that left is reaped (no zombie).
+        wait_until(lambda: len(children_of(emu.target.pid)) == 2, 5,
+                   message=lambda: f"two children: {children_of(emu.target.pid)}")
+        assert a.raw("QUIT") == "OK BYE"
+        assert a.rfile.readline() == b""
+        a.close()
+        wait_until(lambda: len(children_of(emu.target.pid)) == 1, 5,
+                   message=lambda: f"the QUIT child reaped: {children_of(emu.target.pid)}")
+        # A new client starts from zero again; the state of b is untouched.
+        c = emu.client()
+        clients.append(c)
+        assert c("HASH") == fresh and c("STEP 0") == "0"
+        assert b("STEP 0") == "6" and b("READ_MEM 0 1") == "ff"
+        kids = set(children_of(emu.target.pid))
+        assert len(kids) == 2
+        # SHUTDOWN from one client ends the server and the other clients.
+        assert c.raw("SHUTDOWN") == "OK BYE"
+        assert emu.target.wait_exit(10) == 0
+        assert b.rfile.readline() == b""
+        wait_until(lambda: all(proc_stat(pid) is None for pid in kids), 5,
+                   message=lambda: f"children stopped and reaped: {kids}")
+        assert emu.target.stderr_text() == ""
+    finally:
+        for cl in clients:
+            cl.close()
+
+
+def test_emulator_per_connection_sigterm(spawn, tmp_path):
+    """SIGTERM on a --per-connection server stops it and its children, exit 0,
+    and the unix socket file is removed."""
+    path = tmp_path / "pc.sock"
+    emu = start_emulator(spawn, "unix", path, options=("--per-connection",))
+    with emu.client() as a, emu.client() as b:
+        a("WRITE_REG 0 1")
+        assert b("READ_REG 0") == "0x" + "0" * 16
+        kids = set(children_of(emu.target.pid))
+        assert len(kids) == 2
+        emu.target.signal(signal.SIGTERM)
+        assert emu.target.wait_exit(10) == 0
+        wait_until(lambda: all(proc_stat(pid) is None for pid in kids), 5,
+                   message=lambda: f"children stopped and reaped: {kids}")
+        assert a.rfile.readline() == b"" and b.rfile.readline() == b""
+    assert not path.exists()
+    assert emu.target.stderr_text() == ""
 
 
 # --- the testbench ------------------------------------------------------------------------
@@ -461,3 +550,54 @@ def test_testbench_failures(spawn, testbench_bin, tmp_path):
     emu.target.kill()
     assert tb.wait_exit(5) == EXIT_SYSCALL
     assert re.search(r"ERROR (emulator closed|send|recv)", tb.stderr_text())
+
+
+# A short run for the width tests (about 0.1 s).
+SHORT = "init_steps 8\ninit_sleep_us 1000\nvectors 40\nvector_sleep_us 1000\n"
+
+
+def test_testbench_width(spawn, testbench_bin, tmp_path):
+    """width 64 is the default (same signature), width 32 differs; the runs on
+    one --per-connection emulator agree with a run on a fresh plain emulator."""
+    plain = start_emulator(spawn)
+    shared = start_emulator(spawn, options=("--per-connection",))
+    runs = {
+        "plain": start_testbench(spawn, testbench_bin, tmp_path, plain.address, SHORT, "plain"),
+        "none": start_testbench(spawn, testbench_bin, tmp_path, shared.address, SHORT, "none"),
+        "w64": start_testbench(spawn, testbench_bin, tmp_path, shared.address,
+                               SHORT + "width 64\n", "w64"),
+        "w32": start_testbench(spawn, testbench_bin, tmp_path, shared.address,
+                               SHORT + "width=32\n", "w32"),
+    }
+    sig = {name: finish(tb)["SIGNATURE"] for name, tb in runs.items()}
+    assert sig["none"] == sig["plain"]
+    assert sig["w64"] == sig["none"]
+    assert sig["w32"] != sig["w64"]
+    for bad in ("0", "65", "-1"):
+        tb = start_testbench(spawn, testbench_bin, tmp_path, shared.address,
+                             SHORT + f"width {bad}\n", f"bad{bad}", ready=False)
+        assert tb.wait_exit(5) == EXIT_USAGE, tb.describe()
+        assert "width" in tb.stderr_text()
+
+
+def test_testbench_width_masks_upper_faults(spawn, testbench_bin, tmp_path):
+    """With width 32, a bit flipped in the upper half of design_state is masked
+    (the same signature), one in the lower half is not."""
+    config = "init_steps 8\ninit_sleep_us 1000\nvectors 100\nvector_sleep_us 10000\nwidth 32\n"
+    emu = start_emulator(spawn, options=("--per-connection",))
+    ref, upper, lower = (start_testbench(spawn, testbench_bin, tmp_path, emu.address, config,
+                                         name) for name in ("ref", "upper", "lower"))
+    for tb, bit in ((upper, 40), (lower, 0)):
+        tb.wait_for_line(r"^REGION 1$")
+        stop_between_transactions(tb)
+        addr = tb.symbols["design_state"]
+        words = struct.unpack("<4Q", peek(tb.pid, addr, 32))
+        poke(tb.pid, addr, struct.pack("<4Q", *(w ^ (1 << bit) for w in words)))
+        vectors_done = sum(line.startswith("vector ")
+                           for line in (tb.slot / "run.log").read_text().splitlines())
+        os.kill(tb.pid, signal.SIGCONT)
+        assert vectors_done < 90, "the fault came too late to be seen"
+    sig = {name: finish(tb)["SIGNATURE"] for name, tb in
+           (("ref", ref), ("upper", upper), ("lower", lower))}
+    assert sig["upper"] == sig["ref"]
+    assert sig["lower"] != sig["ref"]
