@@ -13,6 +13,11 @@
   root and exe under OLD is reopened under NEW (pre_restore rewrites the image's
   paths); and the tree runs in a private mount namespace where NEW is bind-mounted
   on OLD, so paths under OLD that it opens later land under NEW too.
+* :class:`InheritStdio` -- ``restore --inherit-stdio``: the root's fds 0, 1 and 2 are
+  ptckpt's own instead of what they were at dump (a campaign gives each run its files).
+* :class:`Inject` -- ``restore --inject SPEC --seed N``: faults (bit flips, values,
+  registers; ptckpt.faults) made in the restored process before it runs, every
+  random choice from the seed, each logged.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fcntl
+import json
+import logging
 import os
+import random
 import socket
 from collections.abc import Sequence
 
-from .errors import UsageError
+from . import faults
+from .errors import PluginError, UsageError
 from .plugins import Plugin
+
+log = logging.getLogger("ptckpt.faults")
 
 
 def _pairs(values: Sequence[str], option: str) -> list[tuple[str, str]]:
@@ -184,3 +195,68 @@ class RemapPath(Plugin):
                 ctx.moved(new)
                 if os.path.isdir(old) and old != new:
                     ctx.bind_mount(new, old)
+
+
+class Inject(Plugin):
+    """Faults made at restore, in the restored event (memory, fds and registers in place,
+    nothing run yet): each spec in order, in the root or the process its pid= names.
+    `faults` lists what was done; with `log_path` it is also written there as JSON."""
+
+    name = "inject"
+    version = "1"
+    recorded = False
+
+    def __init__(self, specs: Sequence[str], seed: int, log_path: str | None = None):
+        self.specs = [faults.parse_spec(s) for s in specs]
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.log_path = log_path
+        self.faults: list[faults.Fault] = []
+        self._members: list[int] = []
+
+    def pre_restore(self, proc, ctx) -> None:
+        self._members.append(proc.vpid)
+
+    def restored(self, proc, ctx) -> None:
+        root = self._members[0] if self._members else proc.vpid
+        unknown = sorted({s.pid for s in self.specs if s.pid and s.pid not in self._members})
+        if unknown:
+            raise PluginError(self.name, "restored", f"--inject pid={unknown[0]}: the image has no such "
+                                                     f"process (it has {' '.join(map(str, self._members))})")
+        for spec in self.specs:
+            if (spec.pid or root) == proc.vpid:
+                fault = faults.inject(proc, spec, self.rng)
+                log.info("fault (seed %d): %s", self.seed, fault)
+                self.faults.append(fault)
+        if self.log_path and proc.vpid == self._members[-1]:
+            self.write_log()
+
+    def write_log(self) -> None:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"seed": self.seed, "specs": [s.text for s in self.specs],
+                       "faults": [x.to_dict() for x in self.faults]}, f, indent=2)
+
+
+class InheritStdio(Plugin):
+    """The root gets ptckpt's stdin, stdout and stderr at fds 0-2 (the image's are left out)."""
+
+    name = "inherit-stdio"
+    version = "1"
+    recorded = False
+
+    def __init__(self):
+        self.root = 0
+
+    def pre_restore(self, proc, ctx) -> None:
+        if self.root:
+            return
+        self.root = proc.vpid
+        proc.image = dataclasses.replace(proc.image, fds=tuple(
+            dataclasses.replace(f, skipped=True) if f.fd <= 2 else f for f in proc.image.fds))
+        for number in (0, 1, 2):
+            try:
+                os.fstat(number)
+            except OSError:
+                continue
+            ctx.install_fd(proc.vpid, number, number)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import sys
 from typing import Annotated, Optional
 
@@ -109,6 +110,12 @@ def restore(
                                                            help="With --new-pty: run COMMAND with the pty's master as its stdin and stdout (e.g. 'socat - UNIX-LISTEN:/tmp/job.sock') instead of relaying; PTCKPT_PTS and PTCKPT_PID are set for it.")] = None,
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY",
                                                              help="What a file changed since the dump (size, mtime, inode, build-id) does: strict (refuse, the default), warn or ignore; PATTERN=POLICY for the paths matching PATTERN (first match wins). Repeatable.")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", metavar="SPEC",
+                                                        help="Make a fault before the restored process runs: flip:symbol=NAME[+OFF],bits=N | flip:addr=A,bits=N[,size=B] | set:symbol=NAME,value=V[,size=B] | reg:name=REG,value=V|bits=N; pid=P for another process than the root. Repeatable.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of every random choice of --inject (default: a random one, printed).")] = None,
+    inherit_stdio: Annotated[bool, typer.Option("--inherit-stdio", help="The root's stdin, stdout and stderr are ptckpt's own, not what they were at dump.")] = False,
+    faults_log: Annotated[Optional[str], typer.Option("--faults-log", metavar="FILE",
+                                                      help="Write the seed and the faults made (JSON) to FILE.")] = None,
 ) -> None:
     """Recreate the checkpointed process so that it continues where it was frozen.
 
@@ -137,8 +144,15 @@ def restore(
     from .plugins import load_plugin
     become_subreaper()
     try:
-        from .builtins import Reconnect, RemapPath, SetEnv
+        from .builtins import InheritStdio, Inject, Reconnect, RemapPath, SetEnv
         loaded = [load_plugin(spec) for spec in plugin or ()]
+        if inherit_stdio:
+            loaded.append(InheritStdio())
+        injector = None
+        if inject:
+            seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
+            injector = Inject(inject, seed, faults_log)
+            loaded.append(injector)
         if reconnect or remap_addr:
             loaded.append(Reconnect(remap_addr or ()))
         if remap_path:
@@ -150,6 +164,8 @@ def restore(
         raise _fail(err) from None
     for warning in result.warnings:
         typer.echo(f"ptckpt: warning: {warning}", err=True)
+    for fault in injector.faults if injector else ():
+        typer.echo(f"ptckpt: fault (seed {injector.seed}): {fault}", err=True)
     if new_pty and result.pty_master < 0:
         typer.echo("ptckpt: warning: --new-pty: the image's stdio was on no terminal", err=True)
     elif new_pty:

@@ -179,6 +179,10 @@ class ProcessHandle:
         over the mapped executable and libraries (PIE and ASLR applied)."""
         return self._table().resolve(expr)
 
+    def symbol_extent(self, expr: str) -> tuple[int, int]:
+        """(address, bytes of the symbol's object from there on, 0 if unknown) of `expr`."""
+        return self._table().extent(expr)
+
     def read_symbol(self, expr: str, size: int) -> bytes:
         return self.read(self.symbol(expr), size)
 

@@ -399,9 +399,14 @@ class SymbolTable:
 
     def resolve(self, expr: str) -> int:
         """The address of "0x7f00..", "NAME", "NAME+16", "NAME-0x8" or "OBJECT:NAME[+OFF]"."""
+        return self.extent(expr)[0]
+
+    def extent(self, expr: str) -> tuple[int, int]:
+        """(address, bytes of the symbol's object from there on; 0 for a plain address or a
+        symbol of unknown size) of an expression as :meth:`resolve` takes it."""
         text = expr.strip()
         try:
-            return int(text, 0)
+            return int(text, 0), 0
         except ValueError:
             pass
         m = _EXPR.fullmatch(text)
@@ -412,7 +417,8 @@ class SymbolTable:
             raise BadSymbolExpression(expr, f"{sym.name} is thread-local ({sym.object}): "
                                             "each thread has its own copy")
         offset = int(m["offset"], 0) if m["offset"] else 0
-        return sym.address - offset if m["sign"] == "-" else sym.address + offset
+        offset = -offset if m["sign"] == "-" else offset
+        return sym.address + offset, max(sym.size - offset, 0) if 0 <= offset < sym.size else 0
 
 
 def _symbol(name: str, raw: _RawSymbol, loaded: _Loaded) -> Symbol:

@@ -1,0 +1,113 @@
+"""Fault injection at restore (ptckpt.faults, restore --inject/--seed): memory by symbol or
+address, registers, every random choice from the seed, each fault logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+
+from ptckpt.errors import ExitCode, UsageError
+from ptckpt.faults import parse_spec
+
+from conftest import kill_pids, reap_orphans, wait_until
+from test_restore import _dump_kill, _one_line, _restore
+
+
+def test_spec_language():
+    s = parse_spec("flip:symbol=design_state+8,bits=3,size=16")
+    assert (s.kind, s.symbol, s.bits, s.size, s.addr, s.pid) == ("flip", "design_state+8", 3, 16, None, 0)
+    s = parse_spec("set:addr=0x1000,value=0xff,size=2,pid=7")
+    assert (s.kind, s.addr, s.value, s.size, s.pid) == ("set", 0x1000, 0xff, 2, 7)
+    s = parse_spec("reg:name=rax,bits=2")
+    assert (s.kind, s.register, s.bits, s.value) == ("reg", "rax", 2, None)
+    for bad, why in [("zap:symbol=x", "KIND"), ("flip:bits=1", "symbol=NAME or addr"),
+                     ("flip:symbol=x,addr=1", "one of them"), ("set:symbol=x", "value"),
+                     ("flip:symbol=x,colour=red", "'colour=red'"), ("flip:symbol=x,bits=two", "not a number"),
+                     ("reg:value=1", "name="), ("reg:name=rax", "value=V or bits=N"),
+                     ("flip:symbol=x,bits=0", "bits must be"), ("set:symbol=x,value=1,size=3", "size")]:
+        with pytest.raises(UsageError, match=why):
+            parse_spec(bad)
+
+
+def _counter_image(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    return target
+
+
+def _value(target) -> int:
+    text = open(target.out_path).read()
+    return int(text) if text.endswith("\n") else 0
+
+
+def test_set_by_symbol_takes_effect_and_is_logged(spawn, ptckpt, tmp_path):
+    target = _counter_image(spawn, ptckpt, tmp_path)
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--inject", "set:symbol=poke,value=5000000",
+                     "--seed", "3", "--faults-log", tmp_path / "faults.json")
+        assert res.returncode == 0, res.stderr
+        assert "fault (seed 3): set:symbol=poke,value=5000000: poke at 0x" in res.stderr
+        wait_until(lambda: _value(target) > 5000000, 10, message="the counter goes on from the poked value")
+        log = json.loads((tmp_path / "faults.json").read_text())
+        assert log["seed"] == 3 and log["specs"] == ["set:symbol=poke,value=5000000"]
+        (fault,) = log["faults"]
+        assert (fault["target"], fault["pid"], fault["after"]) == ("poke", target.pid, (5000000).to_bytes(8, "little").hex())
+        assert oct((tmp_path / "faults.json").stat().st_mode & 0o777) == "0o600"
+    finally:
+        kill_pids([target.pid])
+
+
+def _flip_run(ptckpt, tmp_path, seed: int, name: str):
+    """Restore (waiting) with one bit of `counter` flipped: the counter sees it (exit 4)."""
+    log = tmp_path / f"{name}.json"
+    res = ptckpt("restore", "-D", tmp_path / "img", "--inject", "flip:symbol=counter,bits=1",
+                 "--seed", seed, "--faults-log", log, "--file-policy", "warn")
+    return res, json.loads(log.read_text())["faults"][0]
+
+
+def test_flip_is_chosen_by_the_seed_and_detected_by_the_program(spawn, ptckpt, tmp_path):
+    target = _counter_image(spawn, ptckpt, tmp_path)
+    try:
+        first, fault = _flip_run(ptckpt, tmp_path, 42, "a")
+        assert first.returncode == 4, first.stderr            # "BAD counter": the program noticed
+        assert fault["bits"] == sorted(random.Random(42).sample(range(64), 1))
+        before, after = (int.from_bytes(bytes.fromhex(fault[k]), "little") for k in ("before", "after"))
+        assert before ^ after == 1 << fault["bits"][0]
+        second, again = _flip_run(ptckpt, tmp_path, 42, "b")
+        assert (second.returncode, again) == (4, fault), "the same seed makes the same fault"
+        _third, other = _flip_run(ptckpt, tmp_path, 43, "c")
+        assert other["bits"] == sorted(random.Random(43).sample(range(64), 1))
+    finally:
+        kill_pids([target.pid])
+        reap_orphans()
+
+
+def test_register_fault_crashes_the_program(spawn, ptckpt, tmp_path):
+    target = _counter_image(spawn, ptckpt, tmp_path)
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--inject", "reg:name=rip,value=0x10", "--seed", "1")
+        assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+        assert "register rip of" in res.stderr
+    finally:
+        kill_pids([target.pid])
+        reap_orphans()
+
+
+def test_bad_injections_are_refused_cleanly(spawn, ptckpt, tmp_path):
+    target = _counter_image(spawn, ptckpt, tmp_path)
+    try:
+        _one_line(ptckpt("restore", "-D", tmp_path / "img", "--inject", "flip:bits=1"), ExitCode.USAGE,
+                  "symbol=NAME or addr")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--inject", "flip:symbol=no_such_symbol")
+        assert res.returncode != 0 and "no_such_symbol" in res.stderr and "Traceback" not in res.stderr
+        assert "killed" in res.stderr and not os.path.exists(f"/proc/{target.pid}")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--inject", "set:symbol=poke,value=1,pid=99999")
+        assert res.returncode != 0 and "pid=99999" in res.stderr
+        assert not os.path.exists(f"/proc/{target.pid}"), "nothing half-restored is left"
+        assert _restore(ptckpt, tmp_path / "img") == target.pid   # the image is as it was
+    finally:
+        kill_pids([target.pid])
