@@ -194,6 +194,51 @@ def restore(
 
 
 @app.command()
+def campaign(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
+    inject: Annotated[list[str], typer.Option("--inject", metavar="SPEC", help="Fault made in every run (as for restore --inject). Repeatable.")],
+    out: Annotated[str, typer.Option("-o", "--out", help="Directory for results.csv, results.json and runs/NNNN/{stdout,stderr,faults.json}.")],
+    runs: Annotated[int, typer.Option("--runs", help="How many runs (each with its own seed: --seed, --seed+1, ...).")] = 10,
+    jobs: Annotated[int, typer.Option("--jobs", help="Runs at the same time.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the first run.")] = 1,
+    timeout: Annotated[str, typer.Option("--timeout", help="A run still going after this (30s, 2m ...) is killed and counted as hung.")] = "60s",
+    check: Annotated[Optional[str], typer.Option("--check", metavar="CMD", help="Shell command judging each run (exit 0: right); it gets PTCKPT_STDOUT, PTCKPT_RUN_DIR, PTCKPT_SEED, PTCKPT_STATUS. Without it, a run is right when its stdout equals the reference run's.")] = None,
+    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC", help="Plugin for every restore. Repeatable.")] = None,
+    file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY", help="As for restore (runs rewrite their files: warn or ignore is usual). Repeatable.")] = None,
+    set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
+    remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
+) -> None:
+    """Restore an image many times with faults injected, each run in its own pid namespace.
+
+    One reference run without faults comes first; then --runs runs, --jobs at a
+    time, each with its own seed. Every run is classified masked, detected,
+    crashed, hung (killed at --timeout) or error; the table goes to stdout and to
+    OUT/results.csv and OUT/results.json.
+
+    Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
+    """
+    from .campaign import CampaignSpec, parse_duration, run_campaign
+    extra: list[str] = []
+    for option, values in (("--plugin", plugin), ("--file-policy", file_policy), ("--set-env", set_env),
+                           ("--remap-path", remap_path)):
+        for v in values or ():
+            extra += [option, v]
+    try:
+        from .faults import parse_spec
+        for text in inject:
+            parse_spec(text)
+        result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
+                                           timeout=parse_duration(timeout), check=check or "", restore_args=extra))
+    except PtckptError as err:
+        raise _fail(err) from None
+    for r in result.runs:
+        faults = "; ".join(f"{f['target']}" + (f" bits {','.join(map(str, f['bits']))}" if f["bits"] else "")
+                           for f in r.faults)
+        typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {faults}  {r.reason}".rstrip())
+    typer.echo(result.summary())
+
+
+@app.command()
 def show(
     directory: Annotated[str, typer.Argument(help="Image directory written by `ptckpt dump`.")],
     summary: Annotated[bool, typer.Option("--summary", help="Human-readable tables instead of JSON.")] = False,

@@ -1,0 +1,316 @@
+"""Restart campaigns: restore one image many times, each run with its own faults and seed.
+
+``run_campaign(CampaignSpec(...))`` makes N runs (plus, when there is no check,
+one reference run without faults first, whose stdout tells masked from
+detected), at most `jobs` at a time.  Each run is ``ptckpt restore --pidns
+--inherit-stdio --inject ... --seed S`` with its stdout and stderr in
+OUT/runs/NNNN/, so pids never collide and nothing of one run is seen by another;
+a run still going at the timeout is killed (its whole pid namespace) and counted
+as hung.  Outcomes:
+
+    masked    exit 0, the check passes (or, without a check, the same stdout as the
+              reference run)
+    detected  the program failed (exit status not 0), the check failed, or the stdout
+              differs from the reference
+    crashed   killed by a signal
+    hung      killed at the timeout
+    error     the restore itself failed (its "ptckpt: error:" line is kept)
+
+OUT/results.csv and OUT/results.json hold one row per run: seed, faults, status,
+signature, check verdict, outcome, seconds.
+
+Runs go through a :class:`Backend` (submit, wait, cancel): :class:`LocalBackend`
+runs them as processes on this machine; a cluster engine implements the same three.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from .errors import UsageError
+
+log = logging.getLogger("ptckpt.campaign")
+
+OUTCOMES = ("masked", "detected", "crashed", "hung", "error")
+
+
+def parse_duration(text: str) -> float:
+    """'30s', '2m', '500ms', '1h' or plain seconds -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(text))
+    if m is None:
+        raise UsageError(f"bad duration {text!r} (e.g. 30s, 2m, 500ms)")
+    return float(m[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: what a backend executes."""
+
+    index: int                  # 0: the reference run (no faults)
+    seed: int
+    argv: tuple[str, ...]       # the command (ptckpt restore ...)
+    directory: str              # its own directory: stdout, stderr, faults.json
+    timeout: float
+
+
+@dataclass
+class RunResult:
+    index: int
+    seed: int
+    status: int | None          # shell-style: 128+N for a signal; None if killed at the timeout
+    seconds: float
+    timed_out: bool = False
+    faults: list[dict] = field(default_factory=list)
+    signature: str = ""
+    check: str = ""             # "pass" | "fail" | "" (no check)
+    outcome: str = ""
+    reason: str = ""
+
+
+class Backend:
+    """Where runs execute.  submit() starts a run (it may queue it); wait() blocks until at
+    least one run has ended and returns the (index, status, seconds, timed_out) of those
+    that did; cancel() kills everything still going."""
+
+    def submit(self, run: RunSpec) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> list[tuple[int, int | None, float, bool]]:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+class LocalBackend(Backend):
+    """Runs on this machine, `jobs` at a time, each in its own process group."""
+
+    def __init__(self, jobs: int = 1):
+        self.jobs = max(1, jobs)
+        self.queue: list[RunSpec] = []
+        self.running: dict[int, tuple[RunSpec, subprocess.Popen, float]] = {}
+
+    def submit(self, run: RunSpec) -> None:
+        self.queue.append(run)
+        self._start()
+
+    def _start(self) -> None:
+        while self.queue and len(self.running) < self.jobs:
+            run = self.queue.pop(0)
+            os.makedirs(run.directory, mode=0o700, exist_ok=True)
+            with open(os.path.join(run.directory, "stdout"), "wb") as out, \
+                    open(os.path.join(run.directory, "stderr"), "wb") as err:
+                proc = subprocess.Popen(run.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        start_new_session=True, close_fds=True)
+            self.running[run.index] = (run, proc, time.monotonic())
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """The run's pid namespace (its init is the restore's child) and the restore itself."""
+        for child in _children(proc.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def wait(self) -> list[tuple[int, int | None, float, bool]]:
+        while True:
+            done = []
+            now = time.monotonic()
+            for index, (run, proc, started) in list(self.running.items()):
+                status = proc.poll()
+                timed_out = status is None and now - started > run.timeout
+                if timed_out:
+                    self._kill(proc)
+                if status is not None or timed_out:
+                    del self.running[index]
+                    shell = None if timed_out else (128 - status if status < 0 else status)
+                    done.append((index, shell, now - started, timed_out))
+            if done:
+                self._start()
+                return done
+            if not self.running and not self.queue:
+                return []
+            time.sleep(0.02)
+
+    def cancel(self) -> None:
+        self.queue.clear()
+        for _run, proc, _started in self.running.values():
+            self._kill(proc)
+        self.running.clear()
+
+
+@dataclass
+class CampaignSpec:
+    image: str
+    runs: int
+    inject: Sequence[str]
+    out: str
+    seed: int = 1
+    jobs: int = 1
+    timeout: float = 60.0
+    check: str = ""                         # a shell command; exit 0: the run's result is right
+    restore_args: Sequence[str] = ()        # more options for every restore (--plugin, --file-policy ...)
+
+
+@dataclass
+class CampaignResult:
+    runs: list[RunResult]
+    reference: RunResult
+    out: str
+
+    def counts(self) -> Counter:
+        return Counter(r.outcome for r in self.runs)
+
+    def summary(self) -> str:
+        counts = self.counts()
+        parts = [f"{counts.get(o, 0)} {o}" for o in OUTCOMES if o != "error" or counts.get(o)]
+        return f"{len(self.runs)} runs: " + ", ".join(parts) + f"; results in {self.out}"
+
+
+def _restore_argv(spec: CampaignSpec, seed: int, directory: str, faults: bool) -> tuple[str, ...]:
+    argv = [sys.executable, "-m", "ptckpt", "restore", "-D", os.path.abspath(spec.image), "--pidns",
+            "--inherit-stdio", *spec.restore_args]
+    if faults:
+        for text in spec.inject:
+            argv += ["--inject", text]
+        argv += ["--seed", str(seed), "--faults-log", os.path.join(directory, "faults.json")]
+    return tuple(argv)
+
+
+def _signature(directory: str) -> str:
+    with open(os.path.join(directory, "stdout"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _ptckpt_error(directory: str) -> str:
+    with open(os.path.join(directory, "stderr"), errors="replace") as f:
+        return next((line.strip() for line in f if line.startswith("ptckpt: error:")), "")
+
+
+def _run_check(check: str, run: RunSpec, status: int | None) -> str:
+    env = dict(os.environ, PTCKPT_RUN_DIR=run.directory, PTCKPT_STDOUT=os.path.join(run.directory, "stdout"),
+               PTCKPT_SEED=str(run.seed), PTCKPT_STATUS=str(status))
+    try:
+        res = subprocess.run(check, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, timeout=max(run.timeout, 10))
+    except subprocess.TimeoutExpired:
+        return "fail"
+    return "pass" if res.returncode == 0 else "fail"
+
+
+def classify(result: RunResult, reference_signature: str, error: str) -> None:
+    """Set result.outcome and result.reason (see the module docstring)."""
+    if result.timed_out:
+        result.outcome, result.reason = "hung", "killed at the timeout"
+    elif error:
+        result.outcome, result.reason = "error", error
+    elif result.status is not None and result.status > 128:
+        result.outcome, result.reason = "crashed", f"signal {result.status - 128}"
+    elif result.status != 0:
+        result.outcome, result.reason = "detected", f"exit status {result.status}"
+    elif result.check == "fail":
+        result.outcome, result.reason = "detected", "the check failed"
+    elif not result.check and result.signature != reference_signature:
+        result.outcome, result.reason = "detected", "stdout differs from the reference run"
+    else:
+        result.outcome, result.reason = "masked", ""
+
+
+def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out) -> tuple[RunResult, str]:
+    result = RunResult(run.index, run.seed, status, round(seconds, 3), timed_out)
+    path = os.path.join(run.directory, "faults.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            result.faults = json.load(f)["faults"]
+    result.signature = _signature(run.directory)
+    if spec.check and not timed_out:
+        result.check = _run_check(spec.check, run, status)
+    return result, _ptckpt_error(run.directory)
+
+
+def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> CampaignResult:
+    if spec.runs < 1:
+        raise UsageError("--runs must be at least 1")
+    if not spec.inject:
+        raise UsageError("a campaign needs at least one --inject SPEC")
+    backend = backend or LocalBackend(spec.jobs)
+    os.makedirs(spec.out, mode=0o700, exist_ok=True)
+    runs_dir = os.path.join(spec.out, "runs")
+
+    def make(index: int) -> RunSpec:
+        directory = os.path.join(runs_dir, "reference" if index == 0 else f"{index:04d}")
+        seed = spec.seed + index - 1 if index else 0
+        return RunSpec(index, seed, _restore_argv(spec, seed, directory, index > 0), directory, spec.timeout)
+
+    first = 1 if spec.check else 0               # with a check no reference is needed
+    specs = {i: make(i) for i in range(first, spec.runs + 1)}
+    results: dict[int, RunResult] = {}
+    ref = RunResult(0, 0, None, 0.0, outcome="none")
+    try:
+        if not first:
+            backend.submit(specs[0])             # the reference first, alone: its stdout is the yardstick
+            for index, status, seconds, timed_out in backend.wait():
+                ref, error = _result(spec, specs[index], status, seconds, timed_out)
+            if ref.timed_out or ref.status != 0:
+                why = error or ("timed out" if ref.timed_out else f"exit status {ref.status}")
+                raise UsageError(f"the reference run (no faults) did not succeed: {why} (see {specs[0].directory})")
+            ref.outcome = "reference"
+        for i in range(1, spec.runs + 1):
+            backend.submit(specs[i])
+        while len(results) < spec.runs:
+            for index, status, seconds, timed_out in backend.wait():
+                result, error = _result(spec, specs[index], status, seconds, timed_out)
+                classify(result, ref.signature, error)
+                log.info("run %d (seed %d): %s %s", index, result.seed, result.outcome, result.reason)
+                results[index] = result
+    finally:
+        backend.cancel()
+    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out)
+    write_results(done)
+    return done
+
+
+def _fault_text(faults: list[dict]) -> str:
+    return "; ".join(f"{f['target']} bits {','.join(map(str, f['bits']))}" if f["bits"]
+                     else f"{f['target']} = {f['after']}" for f in faults)
+
+
+def write_results(result: CampaignResult) -> None:
+    rows = ([result.reference] if result.reference.outcome == "reference" else []) + result.runs
+    columns = ["index", "seed", "outcome", "reason", "status", "signature", "check", "seconds", "faults"]
+    fd = os.open(os.path.join(result.out, "results.csv"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow([r.index, r.seed, r.outcome, r.reason, "" if r.status is None else r.status, r.signature,
+                        r.check, r.seconds, _fault_text(r.faults)])
+    fd = os.open(os.path.join(result.out, "results.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"summary": dict(result.counts()), "reference": asdict(result.reference),
+                   "runs": [asdict(r) for r in result.runs]}, f, indent=2)

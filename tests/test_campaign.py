@@ -1,0 +1,143 @@
+"""Restart campaigns (ptckpt campaign): one checkpoint of the emulator testbench restored many
+times, two at a time, each run in its own pid namespace with its own seed and faults."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ptckpt.campaign import parse_duration
+from ptckpt.errors import UsageError
+
+from conftest import kill_pids, reap_orphans
+from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
+from test_restore import _dump_kill
+
+VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
+# A 32-bit design: a flipped bit in the upper half of a design_state word is masked.
+CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 500\nvector_sleep_us 2000\n"
+
+
+def _rows(out: Path) -> list[dict]:
+    with open(out / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _leftovers(exe: str) -> list[int]:
+    """Processes still running `exe` (restored runs that were not ended)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/exe") == exe:
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture
+def testbench_image(spawn, ptckpt, testbench_bin, tmp_path):
+    """The testbench checkpointed at its region of interest, and an emulator serving every run."""
+    emulator = start_emulator(spawn, options=("--per-connection",))
+    bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG)
+    bench.wait_for_line("REGION 1", timeout=10)
+    for attempt in range(5):                 # the vendor plugin refuses a freeze mid-transaction
+        image = tmp_path / f"img{attempt}"
+        res = ptckpt("dump", bench.pid, "-D", image, "--kill", "--plugin", VENDOR)
+        if res.returncode == 0:
+            break
+        assert "dump again" in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
+    bench.wait_exit(10)
+    yield image, dict(os.environ, EMULATOR_ADDRESS=emulator.address)
+    kill_pids(_leftovers(str(testbench_bin)))
+    reap_orphans()
+
+
+def _campaign(ptckpt, image, env, out, *extra):
+    res = ptckpt("campaign", "-D", image, "--plugin", VENDOR, "--file-policy", "warn", "-o", out,
+                 "--inject", "flip:symbol=design_state,bits=1", "--timeout", "30s", *extra, env=env)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_campaign_of_twenty_runs_masks_and_detects_and_repeats(ptckpt, testbench_image, testbench_bin, tmp_path):
+    image, env = testbench_image
+    res = _campaign(ptckpt, image, env, tmp_path / "results", "--runs", "20", "--jobs", "2", "--seed", "100")
+    rows = _rows(tmp_path / "results")
+    assert [r["index"] for r in rows] == [str(i) for i in range(21)]      # the reference, then 20 runs
+    ref, runs = rows[0], rows[1:]
+    assert ref["outcome"] == "reference" and ref["status"] == "0"
+    assert [r["seed"] for r in runs] == [str(100 + i) for i in range(20)]
+    outcomes = {r["outcome"] for r in runs}
+    assert outcomes == {"masked", "detected"}, rows
+    data = json.loads((tmp_path / "results" / "results.json").read_text())
+    for run in data["runs"]:
+        (fault,) = run["faults"]
+        (bit,) = fault["bits"]
+        assert fault["target"] == "design_state"
+        # width 32: the upper half of each 64-bit word never reaches the design
+        assert run["outcome"] == ("masked" if bit % 64 >= 32 else "detected"), run
+        assert run["status"] == 0 and run["outcome"] in ("masked", "detected")
+        stdout = Path(tmp_path / "results" / "runs" / f"{run['index']:04d}" / "stdout").read_text()
+        assert stdout.startswith("SIGNATURE ")
+        assert (run["signature"] == ref["signature"]) == (run["outcome"] == "masked")
+    assert f"20 runs: {data['summary'].get('masked', 0)} masked, {data['summary'].get('detected', 0)} detected, " \
+           f"0 crashed, 0 hung" in res.stdout
+    assert _leftovers(str(testbench_bin)) == [], "nothing is left running"
+    # the same seeds give the same faults and outcomes
+    _campaign(ptckpt, image, env, tmp_path / "again", "--runs", "3", "--seed", "100")
+    again = json.loads((tmp_path / "again" / "results.json").read_text())["runs"]
+    assert [(r["seed"], r["faults"], r["outcome"]) for r in again] == \
+           [(r["seed"], r["faults"], r["outcome"]) for r in data["runs"][:3]]
+
+
+def test_campaign_check_command_judges_runs(ptckpt, testbench_image, tmp_path):
+    image, env = testbench_image
+    ref = tmp_path / "ref.txt"
+    _campaign(ptckpt, image, env, tmp_path / "first", "--runs", "1", "--seed", "7")
+    signature = (tmp_path / "first" / "runs" / "reference" / "stdout").read_text().split("\n")[0]
+    ref.write_text(signature + "\n")
+    _campaign(ptckpt, image, env, tmp_path / "checked", "--runs", "4", "--seed", "7", "--jobs", "2",
+              "--check", f'head -n1 "$PTCKPT_STDOUT" | cmp -s - {ref}')
+    rows = _rows(tmp_path / "checked")
+    assert len(rows) == 4, "no reference run with a check"
+    first = _rows(tmp_path / "first")[1]
+    assert rows[0]["outcome"] == first["outcome"], "same seed, same verdict through the check"
+    for r in rows:
+        assert r["check"] == ("pass" if r["outcome"] == "masked" else "fail")
+
+
+def test_runs_that_hang_are_killed_and_runs_that_crash_are_counted(spawn, ptckpt, tmp_path):
+    target = spawn("counter")                      # never ends by itself: every run hangs
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    try:
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "hung", "--runs", "2", "--jobs", "2",
+                     "--inject", "set:symbol=poke,value=77", "--check", "true", "--timeout", "1s",
+                     "--file-policy", "ignore")
+        assert res.returncode == 0, res.stderr
+        assert [r["outcome"] for r in _rows(tmp_path / "hung")] == ["hung", "hung"]
+        assert "0 masked, 0 detected, 0 crashed, 2 hung" in res.stdout
+        assert not os.path.exists(f"/proc/{target.pid}") or open(f"/proc/{target.pid}/stat").read().split()[2] == "Z"
+        assert _leftovers(str(target.argv[0])) == []
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "crash", "--runs", "2",
+                     "--inject", "reg:name=rip,value=0x10", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == 0, res.stderr
+        rows = _rows(tmp_path / "crash")
+        assert [(r["outcome"], r["reason"]) for r in rows] == [("crashed", "signal 11")] * 2
+    finally:
+        kill_pids(_leftovers(str(target.argv[0])))
+        reap_orphans()
+
+
+def test_durations_and_bad_campaigns(ptckpt, tmp_path):
+    assert (parse_duration("30s"), parse_duration("2m"), parse_duration("500ms"), parse_duration("3")) == \
+           (30, 120, 0.5, 3)
+    with pytest.raises(UsageError):
+        parse_duration("soon")
+    res = ptckpt("campaign", "-D", tmp_path / "nothing", "-o", tmp_path / "out", "--inject", "flip:bits=1")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "symbol=NAME or addr" in res.stderr
