@@ -68,6 +68,7 @@ def dump(
                                                         help="Load a plugin: module:Class, a file path (file.py or file.py:Class) or an entry point name of group ptckpt.plugins. Repeatable.")] = None,
     skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
                                                            help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
+    critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long to wait for a critical section the program marked (ptckpt.app, ptckpt.h) to end before giving up.")] = "10s",
 ) -> None:
     """Checkpoint process PID into an image directory.
 
@@ -77,11 +78,13 @@ def dump(
     from .plugins import load_plugin
     try:
         from .builtins import External
+        from .campaign import parse_duration
         loaded = [load_plugin(spec) for spec in plugin or ()]
         if external:
             loaded.append(External(external))
         result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
-                       save_files=save_file or (), skip_files=skip_file or (), plugins=loaded)
+                       save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
+                       critical_timeout=parse_duration(critical_timeout))
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(result.directory)
@@ -236,6 +239,64 @@ def campaign(
                            for f in r.faults)
         typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {faults}  {r.reason}".rstrip())
     typer.echo(result.summary())
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="The command to run (after --).")],
+    directory: Annotated[Optional[str], typer.Option("-D", "--directory", help="Where checkpoints (ckpt-NNNN) and the control socket go (default ./ptckpt-run-PID).")] = None,
+    interval: Annotated[Optional[str], typer.Option("--interval", help="Take a checkpoint this often (30s, 5m ...).")] = None,
+    critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long a checkpoint waits for a critical section (ptckpt.app) to end.")] = "10s",
+) -> None:
+    """Run COMMAND under ptckpt: checkpoints at intervals, on the program's request
+    (ptckpt.app / ptckpt.h) and on `ptckpt control`; ends with COMMAND's exit status.
+
+    Example: ptckpt run -D /tmp/run --interval 30s -- ./testbench out /slot3 tcp:127.0.0.1:5000
+    """
+    from .campaign import parse_duration
+    from .resources.pids import become_subreaper
+    from .run import Supervisor
+    try:
+        every = parse_duration(interval) if interval else 0.0
+        sup = Supervisor(command, directory or f"ptckpt-run-{os.getpid()}", interval=every,
+                         critical_timeout=parse_duration(critical_timeout))
+        become_subreaper()
+        status = sup.run()
+    except PtckptError as err:
+        raise _fail(err) from None
+    for c in sup.state.checkpoints:
+        typer.echo(f"ptckpt: checkpoint ({c.reason}) {c.image} in {c.seconds:.3f} s", err=True)
+    for f in sup.state.failures:
+        typer.echo(f"ptckpt: checkpoint ({f['reason']}) failed: {f['error']}", err=True)
+    raise typer.Exit(code=status)
+
+
+@app.command()
+def control(
+    target: Annotated[str, typer.Argument(help="The run: its control socket, its -D directory, or the pid of `ptckpt run` or of its command.")],
+    command: Annotated[str, typer.Argument(help="checkpoint | status | stop")],
+) -> None:
+    """Talk to a `ptckpt run`: take a checkpoint now, print its status (JSON), or stop it.
+
+    Example: ptckpt control /tmp/run checkpoint
+    """
+    from .run import control as _control
+    if command not in ("checkpoint", "status", "stop"):
+        typer.echo(f"ptckpt: error: unknown command {command!r} (checkpoint, status, stop)", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
+    try:
+        reply = _control(target, command)
+    except PtckptError as err:
+        raise _fail(err) from None
+    if not reply.get("ok"):
+        typer.echo(f"ptckpt: error: {reply.get('error')}", err=True)
+        raise typer.Exit(code=ExitCode.CONTROL)
+    if command == "checkpoint":
+        typer.echo(reply["image"])
+    elif command == "status":
+        typer.echo(json.dumps(reply, indent=2))
+    else:
+        typer.echo(f"stopped {reply['stopped']}")
 
 
 @app.command()

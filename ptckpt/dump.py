@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import __version__, procfs
+from . import __version__, appblock, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
@@ -103,7 +103,7 @@ def _refuse_if_traced(pid: int) -> None:
 def dump(pid: int, directory: str | None = None, *,
          mode: DumpMode = DumpMode.LEAVE_RUNNING,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
-         plugins: Sequence[Plugin] = ()) -> DumpResult:
+         plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
@@ -111,6 +111,11 @@ def dump(pid: int, directory: str | None = None, *,
     `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
     contents go into the image, to be put back by the restore; fds of files matching
     `skip_files` are recorded but not reopened by a restore.
+
+    A program that marks critical sections (ptckpt.app, ptckpt.h) is not frozen inside
+    one: the dump waits up to `critical_timeout` seconds, then fails (CriticalSection,
+    naming it) and the program runs on.  After a leave-running dump such a program
+    reads CONTINUED in its app block.
     """
     for pattern in (*save_files, *skip_files):
         try:
@@ -139,11 +144,7 @@ def dump(pid: int, directory: str | None = None, *,
             raise
     try:
         log.info("freeze the tree of %d", pid)
-        try:
-            pids, zombies = freeze_tree_frozen(session, pid)
-        except AccessDenied:
-            _refuse_if_traced(pid)
-            raise
+        pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout)
         result.pids = pids
         frozen_at = time.monotonic()
         realtime, monotonic, boottime = process.current_clocks()
@@ -199,6 +200,10 @@ def dump(pid: int, directory: str | None = None, *,
             session.resume_all()
         raise
     log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
+    if mode is DumpMode.LEAVE_RUNNING:
+        for p, addr in blocks.items():           # the program learns it continues after a dump
+            with contextlib.suppress(PtckptError):
+                appblock.mark(p, addr, appblock.CONTINUED, result.directory)
     if mode is DumpMode.KILL:
         for member in reversed(result.pids):
             session.kill_process(member)
@@ -212,6 +217,29 @@ def dump(pid: int, directory: str | None = None, *,
         events.run("post_dump", [ProcessHandle(p, view.of(p)) for p in result.pids])
     result.seconds = time.monotonic() - started
     return result
+
+
+def _freeze_outside_critical(session: Session, root: int, timeout: float):
+    """Freeze the tree when none of its processes is inside a critical section (their app
+    blocks say): wait for that, freeze, and if one entered a section in between, thaw and
+    wait again.  (pids, zombies, app blocks {pid: address})."""
+    deadline = time.monotonic() + timeout
+    blocks = appblock.locate_all(running_tree(root))
+    while True:
+        if blocks:
+            waited = appblock.wait_outside_critical(blocks, deadline, timeout)
+            if waited > 0.01:
+                log.info("waited %.3f s for a critical section to end", waited)
+        try:
+            pids, zombies = freeze_tree_frozen(session, root)
+        except AccessDenied:
+            _refuse_if_traced(root)
+            raise
+        blocks.update(appblock.locate_all(p for p in pids if p not in blocks))
+        if appblock.busy(blocks) is None:
+            return pids, zombies, {p: a for p, a in blocks.items() if p in pids}
+        log.info("a critical section began while freezing: thaw and wait")
+        session.resume_all()                      # the session is empty again, ready to re-freeze
 
 
 def running_tree(root: int) -> list[int]:

@@ -34,6 +34,8 @@ class ExitCode:
     NOT_AN_IMAGE = 16
     MISSING_FEATURE = 17  # `ptckpt check`: dump/restore cannot work here
     PLUGIN = 18           # a plugin failed, or one the image needs is not loaded
+    CRITICAL_SECTION = 19  # the target stayed in a critical section (ptckpt.app) too long
+    CONTROL = 20          # `ptckpt control`: no such run, or it does not answer
 
 
 class PtckptError(Exception):
@@ -269,3 +271,20 @@ class Incompatible(PtckptError):
     """This machine (CPU, kernel) cannot run what the image holds."""
 
     exit_code = ExitCode.INCOMPATIBLE
+
+
+class CriticalSection(ProcessError):
+    """The program stayed inside a critical section (ptckpt.app / ptckpt.h) past the timeout."""
+
+    exit_code = ExitCode.CRITICAL_SECTION
+
+    def __init__(self, pid: int, section: str, timeout: float):
+        super().__init__(pid, f"process {pid} stayed in critical section {section!r} for {timeout:g} s: not dumped, "
+                              f"it runs on (a longer --critical-timeout waits more)")
+        self.section = section
+
+
+class ControlError(PtckptError):
+    """`ptckpt control`: the run cannot be found or does not answer."""
+
+    exit_code = ExitCode.CONTROL

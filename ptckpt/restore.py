@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import procfs
+from . import appblock, procfs
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
@@ -144,7 +144,8 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 
 def restore(directory: str, *, pidns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
-            new_pty: bool = False, plugins: Sequence[Plugin] = ()) -> RestoreResult:
+            new_pty: bool = False, plugins: Sequence[Plugin] = (),
+            hold_timeout: float = 30.0) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -160,6 +161,10 @@ def restore(directory: str, *, pidns: bool = False,
 
     `plugins` get the restore events (ptckpt.plugins): pre_restore, restored, resumed;
     every plugin the image was made with must be among them.
+
+    A program with an app block (ptckpt.app, ptckpt.h) reads RESTORED there.  If it
+    asked to hold the resume (hold_resume()), only that thread runs until it says
+    ready(), up to `hold_timeout` seconds (then a warning, and the rest runs too).
 
     An image of a tree that lived in a pid namespace of its own records the pids
     it had there; it is restored in a new pid namespace whether `pidns` is asked
@@ -238,6 +243,10 @@ def restore(directory: str, *, pidns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
+                blocks = {p: a for p in members
+                          if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
+                for p, addr in blocks.items():        # the program learns it was restored
+                    appblock.mark(created[p].tgid, addr, appblock.RESTORED, image.path)
                 log.info("resume %s", " ".join(map(str, members)))
                 for p in members:
                     if procs[p].task.state == "T":
@@ -246,8 +255,7 @@ def restore(directory: str, *, pidns: bool = False,
                 for obj in image.sysv:
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
-                for task in to_detach:
-                    task.detach()
+                result.warnings += resume_holding_first(to_detach, blocks, created, hold_timeout)
                 if events:
                     log.info("plugins: resumed")
                     events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])
@@ -690,6 +698,47 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
             threads.set_final_state(tasks[t.tid], t)
     return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
+
+
+def _virtual_tid(task) -> int:
+    try:
+        return procfs.read_status(task.tgid, task.tid).nspid[-1]
+    except PtckptError:
+        return task.tid
+
+
+def resume_holding_first(tasks: list, blocks: dict[int, int], created: dict, timeout: float) -> list[str]:
+    """Let every restored thread go; a thread the program named in its app block's
+    hold_tid goes first, alone, until it clears it (the program is in a well-behaved
+    state again).  Warnings for a hold that outlasted `timeout`."""
+    holds = {}                                          # tgid -> (image pid, block, held tid)
+    for p, addr in blocks.items():
+        tid = appblock.hold_tid(created[p].tgid, addr)
+        if tid:
+            holds[created[p].tgid] = (p, addr, tid)
+    first = [t for t in tasks if t.tgid in holds and _virtual_tid(t) == holds[t.tgid][2]]
+    for task in first:
+        task.detach()
+    warnings = []
+    deadline = time.monotonic() + timeout
+    for task in first:
+        p, addr, _tid = holds[task.tgid]
+        log.info("resume: thread %d of %d runs alone until the program is ready", task.tid, p)
+        while True:
+            try:
+                if not appblock.hold_tid(task.tgid, addr):
+                    break
+            except PtckptError:
+                break                                   # it exited
+            if time.monotonic() > deadline:
+                warnings.append(f"process {p} held the other threads for more than {timeout:g} s "
+                                f"(hold_resume without ready): they run now")
+                break
+            time.sleep(0.001)
+    for task in tasks:
+        if task not in first:
+            task.detach()
+    return warnings
 
 
 def wait_restored(result: RestoreResult) -> int:
