@@ -224,11 +224,19 @@ class Inject(Plugin):
             raise PluginError(self.name, "restored", f"--inject pid={unknown[0]}: the image has no such "
                                                      f"process (it has {' '.join(map(str, self._members))})")
         for spec in self.specs:
-            if (spec.pid or root) == proc.vpid:
-                fault = faults.inject(proc, spec, self.rng)
-                log.info("fault (seed %d): %s", self.seed, fault)
-                self.faults.append(fault)
+            if (spec.pid or root) != proc.vpid:
+                continue
+            if spec.kind == "call":
+                faults.at_call(proc, spec, self.rng, self._record)
+            else:
+                self._record(faults.inject(proc, spec, self.rng))
         if self.log_path and proc.vpid == self._members[-1]:
+            self.write_log()
+
+    def _record(self, fault: faults.Fault) -> None:
+        log.info("fault (seed %d): %s", self.seed, fault)
+        self.faults.append(fault)
+        if self.log_path:
             self.write_log()
 
     def write_log(self) -> None:

@@ -15,6 +15,10 @@ another process by its image pid)::
     set:addr=0xADDR,value=V[,size=BYTES]         default 8, or the symbol's size if smaller)
     reg:name=REG,value=V[,tid=T]                 set a register (rip, rax, ... as in
     reg:name=REG,bits=N[,tid=T]                  ProcessHandle.registers) or flip N bits
+    call:function=F,n=N,arg=I,value=V            at the Nth call of F (a breakpoint, once the
+    call:function=F,n=N,ret=V                    process runs): set argument I (0 = rdi ...),
+    call:function=F,n=N,flip=SYMBOL,bits=B       make that call return V, or flip B bits of
+                                                 SYMBOL; then the program runs on untraced
 
 Plugin authors call :func:`flip_bits`, :func:`set_value`, :func:`flip_register`
 and :func:`set_register` with a :class:`ptckpt.plugins.ProcessHandle`, or
@@ -23,16 +27,19 @@ and :func:`set_register` with a :class:`ptckpt.plugins.ProcessHandle`, or
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .errors import UsageError
 
-KINDS = ("flip", "set", "reg")
+KINDS = ("flip", "set", "reg", "call")
 _KEYS = {
     "flip": {"symbol", "addr", "bits", "size", "pid"},
     "set": {"symbol", "addr", "value", "size", "pid"},
     "reg": {"name", "value", "bits", "tid", "pid"},
+    "call": {"function", "n", "arg", "value", "ret", "flip", "bits", "size", "pid"},
 }
 
 
@@ -50,6 +57,11 @@ class FaultSpec:
     register: str = ""
     tid: int = 0
     pid: int = 0                # 0: the root
+    function: str = ""          # call: the function whose Nth call makes the fault
+    n: int = 1
+    arg: int | None = None      # call: argument index (0: rdi ...) set to value
+    ret: int | None = None      # call: the return value that call gets
+    flip: str = ""              # call: flip bits of this symbol at the call
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,9 +113,18 @@ def parse_spec(text: str) -> FaultSpec:
     for key in ("size", "bits", "tid", "pid"):
         if key in values:
             args[key] = _int(text, key, values[key])
-    if "value" in values:
-        args["value"] = _int(text, "value", values["value"])
-    if kind == "reg":
+    for key in ("value", "n", "arg", "ret"):
+        if key in values:
+            args[key] = _int(text, key, values[key])
+    if kind == "call":
+        actions = [("arg" in values and "value" in values), "ret" in values, "flip" in values]
+        if "function" not in values or sum(actions) != 1 or ("arg" in values) != ("value" in values):
+            raise UsageError(f"--inject {text!r}: call needs function=F and one of arg=I,value=V | ret=V | "
+                             f"flip=SYMBOL")
+        args["function"], args["flip"] = values["function"], values.get("flip", "")
+        if args.get("n", 1) < 1 or not 0 <= args.get("arg", 0) < 6:
+            raise UsageError(f"--inject {text!r}: n must be >= 1 and arg 0..5")
+    elif kind == "reg":
         if "name" not in values:
             raise UsageError(f"--inject {text!r}: reg needs name=REGISTER")
         if ("value" in values) == ("bits" in values):
@@ -172,6 +193,33 @@ def set_register(proc, name: str, value: int, tid: int = 0, *, spec: str = "reg"
     proc.set_registers(tid or None, **{name: new})
     return Fault(spec, proc.vpid, f"register {name} of {tid or proc.vpid}", 0, (),
                  f"{regs[name]:#x}", f"{new:#x}")
+
+
+def at_call(proc, spec: FaultSpec, rng: random.Random, record: Callable[[Fault], None]) -> None:
+    """A breakpoint on spec.function (restored event): at its spec.n-th call the fault is
+    made and passed to `record`, and the breakpoint goes."""
+    def callback(hit) -> bool:
+        if hit.number < spec.n:
+            return True
+        where = f"call {hit.number} of {spec.function}"
+        if spec.arg is not None:
+            before = hit.arg(spec.arg)
+            hit.set_arg(spec.arg, spec.value)
+            record(Fault(spec.text, proc.vpid, f"{where}: argument {spec.arg}", 0, (), f"{before:#x}",
+                         f"{hit.arg(spec.arg):#x}"))
+        elif spec.ret is not None:
+            def returned(ret) -> None:
+                before = ret.regs["rax"]
+                ret.set(rax=spec.ret)
+                record(Fault(spec.text, proc.vpid, f"{where}: return value", 0, (), f"{before:#x}",
+                             f"{ret.regs['rax']:#x}"))
+            hit.on_return(returned)
+        else:
+            flip = FaultSpec(spec.text, "flip", symbol=spec.flip, bits=spec.bits, size=spec.size)
+            fault = inject(hit.proc, flip, rng)
+            record(dataclasses.replace(fault, pid=proc.vpid, target=f"{where}: {fault.target}"))
+        return False
+    proc.break_at(spec.function, callback)
 
 
 def inject(proc, spec: FaultSpec, rng: random.Random) -> Fault:

@@ -144,7 +144,8 @@ class ProcessHandle:
 
     def __init__(self, pid: int, vpid: int, image: ProcessImage | None = None, *,
                  tasks: dict | None = None, remote_scope: Callable | None = None,
-                 fd_installer: Callable | None = None, reg_overrides: dict | None = None):
+                 fd_installer: Callable | None = None, reg_overrides: dict | None = None,
+                 breakpoints: list | None = None):
         self.pid = pid                    # as ptckpt sees it
         self.vpid = vpid                  # the image's pid (what the process sees)
         self.image = image
@@ -152,6 +153,7 @@ class ProcessHandle:
         self._remote_scope = remote_scope
         self._install = fd_installer
         self._regs = reg_overrides if reg_overrides is not None else {}
+        self._breakpoints = breakpoints
         self._symbols = None
 
     def __repr__(self) -> str:
@@ -238,6 +240,18 @@ class ProcessHandle:
             raise PluginError("-", "set_registers", f"no such registers: {', '.join(sorted(unknown))}")
         regs.update(values)
         self._regs[tid] = regs
+
+    # breakpoints
+    def break_at(self, expr: str, callback: Callable) -> None:
+        """restored: stop at `expr` (a function: "name", "lib:name", an address) each time it
+        is reached once the process runs; `callback(hit)` (ptckpt.breakpoints.Hit: the call's
+        number, its registers and arguments to change, on_return) returns True to go on
+        counting, False when done.  Once no breakpoint is left the process runs untraced."""
+        from .breakpoints import Breakpoint
+        if self._breakpoints is None:
+            raise PluginError("-", "break_at", f"breakpoints are set in the restored event "
+                                               f"(process {self.vpid})")
+        self._breakpoints.append(Breakpoint(self.symbol(expr), callback, expr))
 
     # injected syscalls and fds
     def syscall(self, name: str, *args: int) -> int:

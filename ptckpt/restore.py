@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import appblock, procfs
+from . import appblock, breakpoints, procfs
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
@@ -63,6 +63,7 @@ class RestoreResult:
     terminal: int = -1            # shell job: ptckpt's terminal fd the tree was put in front of ...
     foreground_was: int = 0       # ... and the process group that was its foreground before
     pids: dict[int, int] = field(default_factory=dict)    # image (virtual) pid -> pid seen here
+    exit_status: int | None = None  # its wait status when it ended already (and was reaped) at return
 
     def summary(self) -> str:
         where = f" in a new pid namespace (init {self.init_pid})" if self.init_pid else ""
@@ -236,10 +237,11 @@ def restore(directory: str, *, pidns: bool = False,
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 to_detach = []
+                breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
                 for p in members:
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
-                                              handed, epolls.get(p, []), events, channel)
+                                              handed, epolls.get(p, []), events, channel, breaks[p])
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
@@ -255,10 +257,18 @@ def restore(directory: str, *, pidns: bool = False,
                 for obj in image.sysv:
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
-                result.warnings += resume_holding_first(to_detach, blocks, created, hold_timeout)
+                traced = {created[p].tgid: p for p in members if breaks[p]}
+                result.warnings += resume_holding_first([t for t in to_detach if t.tgid not in traced],
+                                                        blocks, created, hold_timeout)
                 if events:
                     log.info("plugins: resumed")
                     events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])
+                for tgid, p in traced.items():
+                    log.info("resume %d with %d breakpoint(s)", p, len(breaks[p]))
+                    status = breakpoints.run(tgid, [t for t in to_detach if t.tgid == tgid], breaks[p],
+                                             ProcessHandle(tgid, p, procs[p]))
+                    if status is not None and tgid == result.pid:
+                        result.exit_status = status
             except BaseException as err:
                 if master >= 0:
                     os.close(master)
@@ -634,7 +644,7 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
-            channel: int = -1):
+            channel: int = -1, breaks: list | None = None):
     """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
@@ -684,7 +694,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 events.run("restored", [ProcessHandle(
                     leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
                     fd_installer=functools.partial(_install_fd, remote, channel, chan),
-                    reg_overrides=overrides)])
+                    reg_overrides=overrides, breakpoints=breaks)])
             if chan >= 0:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
@@ -744,7 +754,8 @@ def resume_holding_first(tasks: list, blocks: dict[int, int], created: dict, tim
 def wait_restored(result: RestoreResult) -> int:
     """Wait for the restored process (or its --pidns init) and return a shell-style exit status."""
     target = result.init_pid or result.pid
-    while True:
+    status = result.exit_status if not result.init_pid else None
+    while status is None:
         try:
             got, status = os.waitpid(target, 0)
         except ChildProcessError:

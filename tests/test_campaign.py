@@ -141,3 +141,18 @@ def test_durations_and_bad_campaigns(ptckpt, tmp_path):
         parse_duration("soon")
     res = ptckpt("campaign", "-D", tmp_path / "nothing", "-o", tmp_path / "out", "--inject", "flip:bits=1")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "symbol=NAME or addr" in res.stderr
+
+
+def test_campaign_with_breakpoint_faults(ptckpt, testbench_image, testbench_bin, tmp_path):
+    """The faults come at run time: at the 5th STEP after the restore a design_state bit flips."""
+    image, env = testbench_image
+    res = ptckpt("campaign", "-D", image, "--plugin", VENDOR, "--file-policy", "warn", "-o", tmp_path / "bp",
+                 "--inject", "call:function=step,n=5,flip=design_state,bits=1", "--runs", "4", "--jobs", "2",
+                 "--seed", "9", "--timeout", "30s", env=env)
+    assert res.returncode == 0, res.stderr
+    runs = json.loads((tmp_path / "bp" / "results.json").read_text())["runs"]
+    assert len(runs) == 4 and {r["outcome"] for r in runs} <= {"masked", "detected"}, runs
+    for r in runs:
+        (fault,) = r["faults"]
+        assert fault["target"] == "call 5 of step: design_state" and len(fault["bits"]) == 1
+    assert _leftovers(str(testbench_bin)) == []

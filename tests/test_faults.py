@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import pytest
 
@@ -111,3 +112,52 @@ def test_bad_injections_are_refused_cleanly(spawn, ptckpt, tmp_path):
         assert _restore(ptckpt, tmp_path / "img") == target.pid   # the image is as it was
     finally:
         kill_pids([target.pid])
+
+
+def test_call_fault_changes_an_argument_at_the_nth_call_then_runs_untraced(spawn, ptckpt, tmp_path):
+    """pause_us(us) runs once per step of appctl: its 5th call after the restore sleeps 1.5 s."""
+    target = spawn("appctl", "count", 1000)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--seed", "1", "--faults-log",
+                     tmp_path / "faults.json", "--inject", "call:function=pause_us,n=5,arg=0,value=1500000")
+        assert res.returncode == 0, res.stderr
+        assert "call 5 of pause_us: argument 0" in res.stderr and "0x3e8 -> 0x16e360" in res.stderr
+        with open(f"/proc/{target.pid}/status") as f:
+            assert "TracerPid:\t0" in f.read(), "untraced once the fault is made"
+        stuck = _value(target)
+        time.sleep(0.8)
+        assert _value(target) == stuck, "the 5th step sleeps 1.5 s"
+        wait_until(lambda: _value(target) > stuck + 20, 10, message="then it counts on")
+        (fault,) = json.loads((tmp_path / "faults.json").read_text())["faults"]
+        assert (fault["before"], fault["after"]) == (hex(1000), hex(1500000))
+    finally:
+        kill_pids([target.pid])
+
+
+def test_call_fault_on_a_return_value(spawn, ptckpt, tmp_path):
+    target = spawn("appctl", "count", 1000)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--inject",
+                     "call:function=next_value,n=3,ret=1000000")
+        assert res.returncode == 0, res.stderr
+        assert "call 3 of next_value: return value" in res.stderr
+        wait_until(lambda: _value(target) > 1000000, 10, message="the counter goes on from the changed return")
+    finally:
+        kill_pids([target.pid])
+
+
+def test_call_fault_in_libc_flips_memory_and_the_waiting_restore_reports_the_exit(spawn, ptckpt, tmp_path):
+    """A breakpoint on libc's nanosleep; at its 6th call a bit of `counter` flips, the counter
+    fixture notices (exit 4), and the waiting restore reports that although its breakpoint
+    loop saw the end first."""
+    target = _counter_image(spawn, ptckpt, tmp_path)
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--seed", "5",
+                     "--inject", "call:function=libc.so.6:clock_nanosleep,n=6,flip=counter,bits=1")
+        assert res.returncode == 4, res.stderr
+        assert "call 6 of libc.so.6:clock_nanosleep: counter" in res.stderr
+    finally:
+        kill_pids([target.pid])
+        reap_orphans()
