@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,19 +38,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from . import procfs
 from .errors import UsageError
 
 log = logging.getLogger("ptckpt.campaign")
 
 OUTCOMES = ("masked", "detected", "crashed", "hung", "error")
-
-
-def parse_duration(text: str) -> float:
-    """'30s', '2m', '500ms', '1h' or plain seconds -> seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(text))
-    if m is None:
-        raise UsageError(f"bad duration {text!r} (e.g. 30s, 2m, 500ms)")
-    return float(m[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
 
 
 @dataclass(frozen=True)
@@ -94,14 +86,6 @@ class Backend:
         raise NotImplementedError
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
 class LocalBackend(Backend):
     """Runs on this machine, `jobs` at a time, each in its own process group."""
 
@@ -126,7 +110,7 @@ class LocalBackend(Backend):
 
     def _kill(self, proc: subprocess.Popen) -> None:
         """The run's pid namespace (its init is the restore's child) and the restore itself."""
-        for child in _children(proc.pid):
+        for child in procfs.children_or_none(proc.pid):
             try:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:

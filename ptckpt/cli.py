@@ -78,7 +78,7 @@ def dump(
     from .plugins import load_plugin
     try:
         from .builtins import External
-        from .campaign import parse_duration
+        from .units import parse_duration
         loaded = [load_plugin(spec) for spec in plugin or ()]
         if external:
             loaded.append(External(external))
@@ -220,7 +220,8 @@ def campaign(
 
     Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
     """
-    from .campaign import CampaignSpec, parse_duration, run_campaign
+    from .campaign import CampaignSpec, run_campaign
+    from .units import parse_duration
     extra: list[str] = []
     for option, values in (("--plugin", plugin), ("--file-policy", file_policy), ("--set-env", set_env),
                            ("--remap-path", remap_path)):
@@ -253,7 +254,7 @@ def run(
 
     Example: ptckpt run -D /tmp/run --interval 30s -- ./testbench out /slot3 tcp:127.0.0.1:5000
     """
-    from .campaign import parse_duration
+    from .units import parse_duration
     from .resources.pids import become_subreaper
     from .run import Supervisor
     try:

@@ -1147,6 +1147,14 @@ def list_tids(pid: int, *, procfs: str = "/proc") -> list[int]:
 
 
 @_wrap_exceptions
+def children_or_none(pid: int) -> list[int]:
+    """read_children, or [] for a process that is gone (or never was)."""
+    try:
+        return read_children(pid)
+    except (PtckptError, OSError):
+        return []
+
+
 def read_children(pid: int, *, procfs: str = "/proc") -> list[int]:
     """Children of every thread of pid, sorted (union of task/*/children).
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from . import appblock
+from . import appblock, procfs
 from .errors import ControlError, PtckptError, UsageError
 
 log = logging.getLogger("ptckpt.run")
@@ -215,19 +215,11 @@ def control_socket(target: str) -> str:
             raise ControlError(f"no run at {target}: no such socket")
         return target
     pid = int(target)
-    for candidate in [pid] + _children(pid):
+    for candidate in [pid] + procfs.children_or_none(pid):
         path = _environ(candidate).get(ENV)
         if path:
             return path
     raise ControlError(f"process {pid} is not a `ptckpt run` nor run by one (no {ENV} in its environment)")
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ptckpt.campaign import parse_duration
+from ptckpt.units import parse_duration
 from ptckpt.errors import UsageError
 
 from conftest import kill_pids, reap_orphans
@@ -19,7 +19,7 @@ from test_restore import _dump_kill
 
 VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
 # A 32-bit design: a flipped bit in the upper half of a design_state word is masked.
-CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 500\nvector_sleep_us 2000\n"
+CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 1200\nvector_sleep_us 1500\n"
 
 
 def _rows(out: Path) -> list[dict]:

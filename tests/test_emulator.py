@@ -457,14 +457,7 @@ def test_testbench_stop_cont_and_design_state_faults(spawn, testbench_bin, tmp_p
         tb.wait_for_line(r"^REGION 1$")
     # Fault injection, the testbench stopped between two transactions.
     addr = faulty.symbols["design_state"]
-    for _ in range(100):
-        stop(faulty.pid)
-        if peek(faulty.pid, faulty.symbols["txn_pending"], 4) == b"\0\0\0\0":
-            break
-        os.kill(faulty.pid, signal.SIGCONT)
-        time.sleep(0.001)
-    else:
-        pytest.fail("the testbench always had a transaction pending")
+    stop_between_transactions(faulty)
     words = struct.unpack("<4Q", peek(faulty.pid, addr, 32))
     assert any(words), "design_state was never filled"
     poke(faulty.pid, addr, struct.pack("<4Q", *(w ^ 1 for w in words)))

@@ -58,7 +58,7 @@ def stop(pid: int) -> None:
 
 # --- the machinery ------------------------------------------------------------------
 
-EXPECTED = {"fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads"}
+EXPECTED = {"appctl", "fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads"}
 
 
 def test_every_fixture_compiles(fixture_bins):

@@ -88,6 +88,16 @@ def pid_view(root: int, members: Iterable[int], zombies: Iterable[int] = ()) -> 
     root_status = procfs.read_status(root)
     level = len(root_status.nspid) - 1
     virtual: dict[int, int] = {}
+    if level == 0:
+        for pid in members:                    # only the check: pids are their own virtual pids
+            try:
+                nested = len(procfs.read_status(pid).nspid) != 1
+            except PtckptError:
+                continue                       # gone: the freeze or the capture tells
+            if nested:
+                raise UnsupportedResource(pid, f"process {pid} lives in a pid namespace of its own "
+                                               f"below the tree's root: not supported yet")
+        return PidView()
 
     def note(status: procfs.Status, pid: int, what: str) -> None:
         if len(status.nspid) != level + 1:
@@ -100,11 +110,16 @@ def pid_view(root: int, members: Iterable[int], zombies: Iterable[int] = ()) -> 
                 virtual.setdefault(numbers[0], numbers[level])
 
     for pid in members:
-        status = procfs.read_status(pid)
+        try:
+            status = procfs.read_status(pid)
+            tids = procfs.list_tids(pid)
+        except (PtckptError, OSError):
+            continue                           # gone: the freeze or the capture tells
         note(status, pid, "process")
-        for tid in procfs.list_tids(pid):
+        for tid in tids:
             if tid != pid:
-                note(procfs.read_status(pid, tid), tid, "thread")
+                with contextlib.suppress(PtckptError):     # a thread exiting as we read
+                    note(procfs.read_status(pid, tid), tid, "thread")
         if status.ppid not in virtual:
             try:
                 parent = procfs.read_status(status.ppid)
@@ -114,7 +129,7 @@ def pid_view(root: int, members: Iterable[int], zombies: Iterable[int] = ()) -> 
     for pid in zombies:
         with contextlib.suppress(PtckptError):
             note(procfs.read_status(pid), pid, "zombie")
-    return PidView(level, virtual if level else {})
+    return PidView(level, virtual)
 
 
 def virtual_process(view: PidView, image: ProcessImage) -> ProcessImage:
