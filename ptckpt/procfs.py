@@ -1146,7 +1146,6 @@ def list_tids(pid: int, *, procfs: str = "/proc") -> list[int]:
     return tids
 
 
-@_wrap_exceptions
 def children_or_none(pid: int) -> list[int]:
     """read_children, or [] for a process that is gone (or never was)."""
     try:
@@ -1155,6 +1154,7 @@ def children_or_none(pid: int) -> list[int]:
         return []
 
 
+@_wrap_exceptions
 def read_children(pid: int, *, procfs: str = "/proc") -> list[int]:
     """Children of every thread of pid, sorted (union of task/*/children).
 
