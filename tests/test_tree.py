@@ -41,12 +41,16 @@ while True:
 
 
 def _line(path) -> list[str]:
-    """The member's state line; its file is rewritten all the time, so a partial read retries."""
-    for _ in range(1000):
+    """The member's state line; its file is rewritten all the time (truncated, then written),
+    so a partial read retries, for up to 3 s: a writer descheduled between its truncate
+    and its write leaves the file empty that long on a loaded machine."""
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
         text = open(path).read()
         assert not text.startswith("FAIL"), text
         if text.endswith("\n"):
             return text.split()
+        time.sleep(0.001)
     raise AssertionError(f"{path} never held a whole line")
 
 
