@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import procfs
-from .app import (LAYOUT, MAGIC, MEMFD_NAME, OFF_GENERATION, OFF_HOLD_TID, OFF_REQUEST, OFF_STATE, SYMBOL,
+from .app import (LAYOUT, MAGIC, MEMFD_NAME, OFF_GENERATION, OFF_LAST_IMAGE, OFF_REQUEST, OFF_STATE, SYMBOL,
                   CONTINUED, FAILED, RESTORED)
 from .errors import CriticalSection, PtckptError
 from .tracee import AddressSpace
@@ -127,21 +127,20 @@ def wait_outside_critical(blocks: dict[int, int], deadline: float, timeout: floa
 def mark(pid: int, addr: int, state: int, image: str) -> None:
     """The program learns that a dump (CONTINUED) or a restore (RESTORED) happened, or that
     the checkpoint it asked for failed (FAILED)."""
+    gen = read(pid, addr).generation
+    room = LAYOUT.size - OFF_LAST_IMAGE
+    path = os.fsencode(image)[:room - 1]
     with AddressSpace(pid) as mem:
-        gen = struct.unpack("<Q", mem.read(addr + OFF_GENERATION, 8))[0]
-        path = os.fsencode(image)[:167]
-        mem.write(addr + LAYOUT.size - 168, path + bytes(168 - len(path)))
+        mem.write(addr + OFF_LAST_IMAGE, path + bytes(room - len(path)))
         mem.write(addr + OFF_STATE, struct.pack("<i", state))
         mem.write(addr + OFF_REQUEST, struct.pack("<i", 0))
         mem.write(addr + OFF_GENERATION, struct.pack("<Q", gen + 1))     # last: the program polls it
 
 
 def hold_tid(pid: int, addr: int) -> int:
-    with AddressSpace(pid) as mem:
-        return struct.unpack("<i", mem.read(addr + OFF_HOLD_TID, 4))[0]
+    return read(pid, addr).hold_tid
 
 
 def requested(pid: int, addr: int) -> bool:
     """Has the program asked for a checkpoint (ptckpt.app.checkpoint)?"""
-    with AddressSpace(pid) as mem:
-        return struct.unpack("<i", mem.read(addr + OFF_REQUEST, 4))[0] != 0
+    return read(pid, addr).request != 0

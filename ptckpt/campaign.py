@@ -279,7 +279,8 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
     return done
 
 
-def _fault_text(faults: list[dict]) -> str:
+def fault_text(faults: list[dict]) -> str:
+    """The faults of a run, one phrase each (the results table's column)."""
     return "; ".join(f"{f['target']} bits {','.join(map(str, f['bits']))}" if f["bits"]
                      else f"{f['target']} = {f['after']}" for f in faults)
 
@@ -293,7 +294,7 @@ def write_results(result: CampaignResult) -> None:
         w.writerow(columns)
         for r in rows:
             w.writerow([r.index, r.seed, r.outcome, r.reason, "" if r.status is None else r.status, r.signature,
-                        r.check, r.seconds, _fault_text(r.faults)])
+                        r.check, r.seconds, fault_text(r.faults)])
     fd = os.open(os.path.join(result.out, "results.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"summary": dict(result.counts()), "reference": asdict(result.reference),

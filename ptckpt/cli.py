@@ -220,7 +220,7 @@ def campaign(
 
     Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
     """
-    from .campaign import CampaignSpec, run_campaign
+    from .campaign import CampaignSpec, fault_text, run_campaign
     from .units import parse_duration
     extra: list[str] = []
     for option, values in (("--plugin", plugin), ("--file-policy", file_policy), ("--set-env", set_env),
@@ -236,9 +236,7 @@ def campaign(
     except PtckptError as err:
         raise _fail(err) from None
     for r in result.runs:
-        faults = "; ".join(f"{f['target']}" + (f" bits {','.join(map(str, f['bits']))}" if f["bits"] else "")
-                           for f in r.faults)
-        typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {faults}  {r.reason}".rstrip())
+        typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {fault_text(r.faults)}  {r.reason}".rstrip())
     typer.echo(result.summary())
 
 

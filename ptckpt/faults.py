@@ -172,27 +172,26 @@ def set_value(proc, address: int, value: int, size: int = 8, *, spec: str = "set
     return Fault(spec, proc.vpid, target or f"{address:#x}", address, (), before.hex(), after.hex())
 
 
-def flip_register(proc, name: str, nbits: int, rng: random.Random, tid: int = 0, *, spec: str = "reg") -> Fault:
+def _write_register(proc, name: str, tid: int, spec: str, change: Callable[[int], int],
+                    bits: tuple[int, ...] = ()) -> Fault:
+    """Register `name` of thread `tid` (the leader for 0) becomes change(its value)."""
     regs = proc.registers(tid or None)
     if name not in regs:
         raise UsageError(f"--inject {spec!r}: no register {name!r} (one of {', '.join(regs)})")
-    bits = _choose_bits(nbits, 64, rng, spec)
-    new = regs[name]
-    for b in bits:
-        new ^= 1 << b
+    new = change(regs[name]) & (2**64 - 1)
     proc.set_registers(tid or None, **{name: new})
-    return Fault(spec, proc.vpid, f"register {name} of {tid or proc.vpid}", 0, tuple(bits),
+    return Fault(spec, proc.vpid, f"register {name} of {tid or proc.vpid}", 0, bits,
                  f"{regs[name]:#x}", f"{new:#x}")
+
+
+def flip_register(proc, name: str, nbits: int, rng: random.Random, tid: int = 0, *, spec: str = "reg") -> Fault:
+    bits = tuple(_choose_bits(nbits, 64, rng, spec))
+    mask = sum(1 << b for b in bits)
+    return _write_register(proc, name, tid, spec, lambda old: old ^ mask, bits)
 
 
 def set_register(proc, name: str, value: int, tid: int = 0, *, spec: str = "reg") -> Fault:
-    regs = proc.registers(tid or None)
-    if name not in regs:
-        raise UsageError(f"--inject {spec!r}: no register {name!r} (one of {', '.join(regs)})")
-    new = value & (2**64 - 1)
-    proc.set_registers(tid or None, **{name: new})
-    return Fault(spec, proc.vpid, f"register {name} of {tid or proc.vpid}", 0, (),
-                 f"{regs[name]:#x}", f"{new:#x}")
+    return _write_register(proc, name, tid, spec, lambda _old: value)
 
 
 def at_call(proc, spec: FaultSpec, rng: random.Random, record: Callable[[Fault], None]) -> None:

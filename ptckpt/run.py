@@ -216,24 +216,19 @@ def control_socket(target: str) -> str:
         return target
     pid = int(target)
     for candidate in [pid] + procfs.children_or_none(pid):
-        path = _environ(candidate).get(ENV)
+        path = _control_env(candidate)
         if path:
             return path
     raise ControlError(f"process {pid} is not a `ptckpt run` nor run by one (no {ENV} in its environment)")
 
 
-def _environ(pid: int) -> dict[str, str]:
+def _control_env(pid: int) -> str | None:
+    """PTCKPT_CONTROL in the process's environment, or None."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode(errors="replace")] = value.decode(errors="surrogateescape")
-    return out
+        entries = procfs.read_environ(pid)
+    except PtckptError:
+        return None
+    return next((e.partition("=")[2] for e in entries if e.startswith(ENV + "=")), None)
 
 
 def control(target: str, command: str, timeout: float = 120.0) -> dict:

@@ -418,7 +418,7 @@ class SymbolTable:
                                             "each thread has its own copy")
         offset = int(m["offset"], 0) if m["offset"] else 0
         offset = -offset if m["sign"] == "-" else offset
-        return sym.address + offset, max(sym.size - offset, 0) if 0 <= offset < sym.size else 0
+        return sym.address + offset, sym.size - offset if 0 <= offset < sym.size else 0
 
 
 def _symbol(name: str, raw: _RawSymbol, loaded: _Loaded) -> Symbol:
