@@ -47,9 +47,11 @@ from ptckpt.formats.model import (
     Fd,
     GhostFile,
     HeldLock,
+    InetSocket,
     Inventory,
     Mm,
     MsgImage,
+    NetlinkSocket,
     PageRun,
     PendingSignal,
     PipeBuffer,
@@ -662,6 +664,8 @@ class ImageReader:
         self.saved_files: tuple[SavedFile, ...] = ()
         self.fd_states: tuple = ()                # EventfdState ... EpollState, by desc
         self.terminals: tuple[Terminal, ...] = ()
+        self.inet_sockets: tuple[InetSocket, ...] = ()
+        self.netlink_sockets: tuple[NetlinkSocket, ...] = ()
         self.plugin_data: tuple[PluginData, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
@@ -757,6 +761,8 @@ class ImageReader:
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
         self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
+        self.inet_sockets = tuple(e for e in entries if isinstance(e, InetSocket))
+        self.netlink_sockets = tuple(e for e in entries if isinstance(e, NetlinkSocket))
         self.plugin_data = tuple(e for e in entries if isinstance(e, PluginData))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")

@@ -99,6 +99,8 @@ class Inventory:
                               # (0: the same); every pid in the image is as the tree saw it
     real_pids: tuple[tuple[int, int], ...] = ()  # (virtual, real) per process and thread when
                               # pid_level > 0, real: as the dumper saw it (since format 5)
+    netlock: str = ""         # the network lock (ptckpt.netlock id) holding the dumped TCP
+                              # connections until a restore releases it (since format 6)
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,72 @@ class UnixSocket:
     shutdown: int             # RCV_SHUTDOWN 1 | SEND_SHUTDOWN 2
     queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
+
+
+class InetMode(enum.IntEnum):
+    """How an inet socket comes back (InetSocket.mode)."""
+
+    PLAIN = 0            # made again from its addresses and options (unbound, bound, listening, UDP)
+    REPAIRED = 1         # an established or half-closed TCP connection, rebuilt with TCP_REPAIR
+    CLOSED = 2           # dump --tcp-close: the connection comes back reset (ECONNRESET, then EOF)
+    PENDING = 3          # a connection in a listener's accept queue (its client end is in the tree)
+
+
+@dataclass(frozen=True)
+class InetSocket:
+    """An AF_INET or AF_INET6 socket held inside the tree (TCP or UDP).
+
+    Addresses are text as the socket module prints them ("" when unbound); `state` is the
+    kernel's TCP state number (a UDP socket: 7 TCP_CLOSE, 1 TCP_ESTABLISHED once connected).
+    The TCP_REPAIR fields describe a REPAIRED connection: `snd_seq` is write_seq (the
+    sequence number after the last byte queued, a FIN not counted), `rcv_seq` is rcv_nxt
+    (after the last byte received, a FIN not counted); `send_queue` holds every byte not yet
+    acknowledged, the last `unsent` of them never sent; `window` is struct tcp_repair_window.
+    """
+
+    ino: int                                   # socket inode (a PENDING one: a number of ptckpt's)
+    family: int                                # AF_INET 2, AF_INET6 10
+    type: int                                  # SOCK_STREAM 1, SOCK_DGRAM 2
+    protocol: int                              # IPPROTO_TCP 6, IPPROTO_UDP 17
+    state: int
+    mode: int = InetMode.PLAIN
+    src: str = ""
+    sport: int = 0
+    dst: str = ""
+    dport: int = 0
+    shutdown: int = 0                          # RCV_SHUTDOWN 1 | SEND_SHUTDOWN 2
+    backlog: int = 0                           # listen() backlog
+    options: tuple[tuple[int, int, bytes], ...] = ()   # (level, optname, value) to set again
+    rcv_seq: int = 0
+    snd_seq: int = 0
+    recv_queue: bytes = b""
+    send_queue: bytes = b""
+    unsent: int = 0
+    mss: int = 0
+    tcp_options: int = 0                       # tcp_info.tcpi_options (TCPI_OPT_*)
+    snd_wscale: int = 0
+    rcv_wscale: int = 0
+    timestamp: int = 0                         # TCP_TIMESTAMP
+    window: tuple[int, ...] = ()               # snd_wl1, snd_wnd, max_window, rcv_wnd, rcv_wup
+    listener: int = 0                          # PENDING: inode of the listener whose queue held it
+    peer: int = 0                              # the other end's inode when it is in the tree too
+    datagrams: tuple[tuple[str, int, bytes], ...] = ()  # UDP: queued (sender address, port, payload)
+    multicast: tuple[tuple[int, str], ...] = ()         # (ifindex, group) memberships
+    filter: bytes = b""                        # classic BPF socket filter (struct sock_filter[])
+
+
+@dataclass(frozen=True)
+class NetlinkSocket:
+    """An AF_NETLINK socket held inside the tree, bound or not, with nothing queued."""
+
+    ino: int
+    type: int                                  # SOCK_RAW 3 or SOCK_DGRAM 2
+    protocol: int                              # NETLINK_ROUTE 0 ...
+    portid: int                                # bound port id (0: not bound)
+    groups: int                                # multicast group bitmask (groups 1-32)
+    dst_portid: int = 0                        # connect()ed destination
+    dst_group: int = 0
+    options: tuple[tuple[int, int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)

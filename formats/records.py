@@ -22,7 +22,7 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL* TERMINAL*
+                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
     PAGEMAP file   := PAGE_RUN*
@@ -99,6 +99,9 @@ from ptckpt.formats.model import (
     FdKind,
     GhostFile,
     HeldLock,
+    InetSocket,
+    NetlinkSocket,
+    InetMode,
     Inventory,
     Mm,
     MsgImage,
@@ -121,10 +124,11 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 5                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 6                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
+                                   # 6: network sockets (INET_SOCKET, NETLINK_SOCKET, the lock)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -163,6 +167,8 @@ class EntryKind(enum.IntEnum):
     MQUEUE = 36
     EPOLL = 37
     TERMINAL = 38
+    INET_SOCKET = 39
+    NETLINK_SOCKET = 40
     TASK = 10
     CREDS = 11
     MM = 12
@@ -309,6 +315,7 @@ InventoryRecord = Record(Inventory, Struct(
     "fd_kinds_unsupported" / PrefixedArray(VarInt, Text),
     "pid_level" / Since(5, VarInt),
     "real_pids" / Since(5, PrefixedArray(VarInt, CSequence(Int32ul, Int32ul))),
+    "netlock" / Since(6, Utf8),
 ))
 
 # --- TASK --------------------------------------------------------------------
@@ -728,6 +735,81 @@ TerminalRecord = Record(Terminal, Struct(
 ))
 
 
+# --- INET_SOCKET ---------------------------------------------------------------
+# ip(7), ipv6(7), tcp(7), udp(7); inet_diag (include/uapi/linux/inet_diag.h) for the
+# state; getsockopt(2) values of the options that differ from a new socket's; TCP_REPAIR
+# (include/uapi/linux/tcp.h: TCP_REPAIR_QUEUE, TCP_QUEUE_SEQ, TCP_REPAIR_WINDOW = struct
+# tcp_repair_window, TCP_TIMESTAMP, TCP_INFO tcpi_options/tcpi_{snd,rcv}_wscale, TCP_MAXSEG)
+# with both queues read by MSG_PEEK in repair mode; ioctl SIOCOUTQNSD for the unsent part;
+# UDP datagrams peeked with SO_PEEK_OFF (socket(7)) with their senders; MCAST_MSFILTER
+# (struct group_filter) for multicast memberships; SO_GET_FILTER (struct sock_filter[]).
+_SOCKOPTS = PrefixedArray(VarInt, CSequence(Int32sl, Int32sl, Blob))
+
+
+class _OptionsAdapter(Adapter):
+    """[(level, name, value)] <-> tuple of tuples."""
+
+    def _decode(self, obj, context, path):
+        return tuple((o[0], o[1], bytes(o[2])) for o in obj)
+
+    def _encode(self, obj, context, path):
+        return [list(o) for o in obj]
+
+
+class _DatagramAdapter(Adapter):
+    def _decode(self, obj, context, path):
+        return tuple((d[0], d[1], bytes(d[2])) for d in obj)
+
+    def _encode(self, obj, context, path):
+        return [list(d) for d in obj]
+
+
+InetSocketRecord = Record(InetSocket, Struct(
+    "ino" / Int64ul,
+    "family" / Int16ul,
+    "type" / Int16ul,
+    "protocol" / Int16ul,
+    "state" / Int8ul,
+    "mode" / IntEnumOf(Int8ul, InetMode),
+    "src" / Utf8,
+    "sport" / Int16ul,
+    "dst" / Utf8,
+    "dport" / Int16ul,
+    "shutdown" / Int8ul,
+    "backlog" / Int32ul,
+    "options" / _OptionsAdapter(_SOCKOPTS),
+    "rcv_seq" / Int32ul,
+    "snd_seq" / Int32ul,
+    "recv_queue" / Blob,
+    "send_queue" / Blob,
+    "unsent" / Int32ul,
+    "mss" / Int32ul,
+    "tcp_options" / Int8ul,
+    "snd_wscale" / Int8ul,
+    "rcv_wscale" / Int8ul,
+    "timestamp" / Int32ul,
+    "window" / PrefixedArray(VarInt, Int32ul),
+    "listener" / Int64ul,
+    "peer" / Int64ul,
+    "datagrams" / _DatagramAdapter(PrefixedArray(VarInt, CSequence(Utf8, Int16ul, Blob))),
+    "multicast" / PrefixedArray(VarInt, CSequence(Int32ul, Utf8)),
+    "filter" / Blob,
+))
+
+# --- NETLINK_SOCKET ------------------------------------------------------------
+# netlink(7): struct sockaddr_nl of getsockname/getpeername (nl_pid, nl_groups).
+NetlinkSocketRecord = Record(NetlinkSocket, Struct(
+    "ino" / Int64ul,
+    "type" / Int16ul,
+    "protocol" / Int16ul,
+    "portid" / Int32ul,
+    "groups" / Int32ul,
+    "dst_portid" / Int32ul,
+    "dst_group" / Int32ul,
+    "options" / _OptionsAdapter(_SOCKOPTS),
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -749,6 +831,8 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.MQUEUE: MqueueRecord,
     EntryKind.EPOLL: EpollRecord,
     EntryKind.TERMINAL: TerminalRecord,
+    EntryKind.INET_SOCKET: InetSocketRecord,
+    EntryKind.NETLINK_SOCKET: NetlinkSocketRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -770,7 +854,8 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.SYSV_MSG, EntryKind.GHOST_FILE, EntryKind.SAVED_FILE,
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
-                                   EntryKind.EPOLL, EntryKind.TERMINAL}),
+                                   EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
+                                   EntryKind.NETLINK_SOCKET}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -805,7 +890,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -28,6 +28,9 @@ from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_na
 from ptckpt.formats.model import (
     GP_REG_NAMES,
     EpollState,
+    InetMode,
+    InetSocket,
+    NetlinkSocket,
     EpollTarget,
     EventfdState,
     InotifyState,
@@ -188,6 +191,17 @@ def sample_records() -> list:
             EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10),
             Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
                      sid=-1, controlling=True, desc=11),
+            InetSocket(ino=88, family=10, type=1, protocol=6, state=8, mode=InetMode.REPAIRED, src="::1",
+                       sport=8080, dst="::ffff:127.0.0.1", dport=45000, shutdown=1, options=((1, 2, b"\1\0\0\0"),),
+                       rcv_seq=2**32 - 1, snd_seq=5, recv_queue=b"r" * 3000, send_queue=b"s" * 70000, unsent=100,
+                       mss=65483, tcp_options=7, snd_wscale=10, rcv_wscale=7, timestamp=123456,
+                       window=(1, 2, 3, 4, 5), peer=89),
+            InetSocket(ino=90, family=2, type=2, protocol=17, state=7, src="0.0.0.0", sport=53,
+                       datagrams=(("127.0.0.1", 4000, b"q"), ("10.0.0.2", 65535, b"")),
+                       multicast=((0, "239.1.2.3"),), filter=bytes(range(16))),
+            InetSocket(ino=(1 << 62) | 1, family=2, type=1, protocol=6, state=1, mode=InetMode.PENDING,
+                       src="127.0.0.1", sport=80, dst="127.0.0.1", dport=40000, listener=91, peer=92),
+            NetlinkSocket(ino=93, type=3, protocol=0, portid=4242, groups=0x11, dst_portid=0, dst_group=0),
             PluginData(name="vendor", version="1.2", pid=-1, key="", data=b""),
             PluginData(name="vendor", version="1.2", pid=100, key="emulator-state", data=b"\x00state")]
 
@@ -314,7 +328,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0500" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0600" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
@@ -340,10 +354,18 @@ def test_inventory_pid_namespace_fields_since_format_5():
     inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5, 6), 1, 2, 3, "h",
                     pid_level=1, real_pids=((5, 4005), (6, 4006)))
     raw = build_record(inv)
-    assert raw.endswith(bytes.fromhex("01" "02" "05000000a50f0000" "06000000a60f0000"))
+    assert raw.endswith(bytes.fromhex("01" "02" "05000000a50f0000" "06000000a60f0000" "00"))
     assert parse_record(EntryKind.INVENTORY, raw) == inv
-    old = parse_record(EntryKind.INVENTORY, raw[:-18], version=4)     # a format-4 image
+    old = parse_record(EntryKind.INVENTORY, raw[:-19], version=4)     # a format-4 image
     assert (old.pid_level, old.real_pids) == (0, ())
+
+
+def test_inventory_netlock_since_format_6():
+    inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5,), 1, 2, 3, "h", netlock="ab12")
+    raw = build_record(inv)
+    assert raw.endswith(b"\x04ab12") and parse_record(EntryKind.INVENTORY, raw) == inv
+    old = parse_record(EntryKind.INVENTORY, raw[:-5], version=5)      # a format-5 image
+    assert old.netlock == "" and old.pid_level == 0
 
 
 def test_header_parse_round_trip():
