@@ -58,7 +58,8 @@ def stop(pid: int) -> None:
 
 # --- the machinery ------------------------------------------------------------------
 
-EXPECTED = {"appctl", "fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads"}
+EXPECTED = {"appctl", "fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads",
+            "tcppair", "udpserver", "tcplisten"}
 
 
 def test_every_fixture_compiles(fixture_bins):
