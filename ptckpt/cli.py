@@ -69,6 +69,8 @@ def dump(
     skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
                                                            help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long to wait for a critical section the program marked (ptckpt.app, ptckpt.h) to end before giving up.")] = "10s",
+    tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (TCP_REPAIR: sequence numbers, both queues, options) under a network lock; without it (or --tcp-close, --external fd:N) a tree holding one is refused.")] = False,
+    tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed (the program sees a reset, then EOF); connections not yet accepted are dropped.")] = False,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
@@ -84,7 +86,8 @@ def dump(
             loaded.append(External(external))
         result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                        save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
-                       critical_timeout=parse_duration(critical_timeout))
+                       critical_timeout=parse_duration(critical_timeout),
+                       tcp_established=tcp_established, tcp_close=tcp_close)
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(result.directory)
@@ -95,6 +98,7 @@ def dump(
 def restore(
     directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
     pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
+    netns: Annotated[bool, typer.Option("--netns", help="Restore into a fresh network namespace (loopback up), where the image's ports are free: with --pidns, copies of one server image run at once.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
     plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
@@ -162,7 +166,8 @@ def restore(
             loaded.insert(0, RemapPath(remap_path))
         if set_env or unset_env:
             loaded.append(SetEnv(set_env or (), unset_env or ()))
-        result = _restore(directory, pidns=pidns, file_policy=policy, new_pty=new_pty, plugins=loaded)
+        result = _restore(directory, pidns=pidns, netns=netns, file_policy=policy, new_pty=new_pty,
+                          plugins=loaded)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:
@@ -258,7 +263,8 @@ def run(
     try:
         every = parse_duration(interval) if interval else 0.0
         sup = Supervisor(command, directory or f"ptckpt-run-{os.getpid()}", interval=every,
-                         critical_timeout=parse_duration(critical_timeout))
+                         critical_timeout=parse_duration(critical_timeout),
+                       tcp_established=tcp_established, tcp_close=tcp_close)
         become_subreaper()
         status = sup.run()
     except PtckptError as err:

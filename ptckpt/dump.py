@@ -36,8 +36,8 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pids as pidns, pipes, process,
-                        signals, sockets, sysvipc, terminals, threads)
+from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
+                        process, signals, sockets, sysvipc, terminals, threads)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -103,8 +103,13 @@ def _refuse_if_traced(pid: int) -> None:
 def dump(pid: int, directory: str | None = None, *,
          mode: DumpMode = DumpMode.LEAVE_RUNNING,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
-         plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0) -> DumpResult:
+         plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
+         tcp_established: bool = False, tcp_close: bool = False) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
+
+    Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
+    network lock: ptckpt.resources.inet), come back closed with `tcp_close`, and refuse
+    the dump otherwise (ConnectionNotAllowed, naming the connection and the ways out).
 
     `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
 
@@ -117,6 +122,8 @@ def dump(pid: int, directory: str | None = None, *,
     naming it) and the program runs on.  After a leave-running dump such a program
     reads CONTINUED in its app block.
     """
+    if tcp_established and tcp_close:
+        raise UsageError("--tcp-established and --tcp-close exclude each other")
     for pattern in (*save_files, *skip_files):
         try:
             filepolicy.check_pattern(pattern)
@@ -131,6 +138,8 @@ def dump(pid: int, directory: str | None = None, *,
     writer.create()
     session = Session()
     result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
+    net = inet.InetDump(inet.Policy(established=tcp_established, close=tcp_close,
+                                    leave_running=mode is DumpMode.LEAVE_RUNNING), result.directory)
     frozen_at = None
     events = Plugins(plugins, result.directory)
     if events:
@@ -167,7 +176,7 @@ def dump(pid: int, directory: str | None = None, *,
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
         if events:
             images = _plugins_frozen(events, session, images, view)
-        images, shared = capture_sharing_frozen(pid, images)
+        images, shared = capture_sharing_frozen(pid, images, net)
         shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)
@@ -192,11 +201,14 @@ def dump(pid: int, directory: str | None = None, *,
             hostname=socket.gethostname(),
             pid_level=view.level,
             real_pids=view.pairs(),
+            netlock=net.lock.id if net.lock is not None and mode is DumpMode.KILL else "",
         ), shared)
         writer.commit()
     except BaseException:
         writer.abort()
         with contextlib.suppress(PtckptError):   # the original error is the one to report
+            net.abort()
+        with contextlib.suppress(PtckptError):
             session.resume_all()
         raise
     log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
@@ -207,9 +219,11 @@ def dump(pid: int, directory: str | None = None, *,
     if mode is DumpMode.KILL:
         for member in reversed(result.pids):
             session.kill_process(member)
+        net.release(killed=True)                 # silently: the connections were in repair mode
         result.frozen_seconds = time.monotonic() - frozen_at
         _wait_gone(pid)
     else:
+        net.release(killed=False)                # repair mode off, the lock gone, then it runs
         session.resume_all()
         result.frozen_seconds = time.monotonic() - frozen_at
     if events:
@@ -343,9 +357,12 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
             order.append(member)
 
 
-def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
+def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet.InetDump | None = None):
     """What the members of a frozen tree share (their fd descriptions numbered already):
     (the images, image-wide records of the pipes and sockets inside the tree).
+
+    Inet sockets go through `net` (the dump's policy for TCP connections, and what it
+    holds until the dump ends); without it, a tree holding one is refused.
 
     An fd of a kind no restore can make again is refused, by name.  A pipe or
     socket that a process outside the tree also holds is refused,
@@ -379,7 +396,10 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage]):
             raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
+    if net is None:
+        net = inet.InetDump(inet.Policy(), "")
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
+                    + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
                     + _fd_states(fds) + _terminals(root, fds[root])
                     + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 

@@ -36,6 +36,7 @@ class ExitCode:
     PLUGIN = 18           # a plugin failed, or one the image needs is not loaded
     CRITICAL_SECTION = 19  # the target stayed in a critical section (ptckpt.app) too long
     CONTROL = 20          # `ptckpt control`: no such run, or it does not answer
+    CONNECTION = 21       # a TCP connection needs --tcp-established, --tcp-close or --external
 
 
 class PtckptError(Exception):
@@ -209,6 +210,20 @@ class UnsupportedResource(PtckptError):
         super().__init__(f"process {pid}: {what} is not supported")
         self.pid = pid
         self.what = what
+
+
+class ConnectionNotAllowed(PtckptError):
+    """An established TCP connection that the dump was not asked to take (--tcp-established)."""
+
+    exit_code = ExitCode.CONNECTION
+
+    def __init__(self, pid: int, fd: int, connection: str, why: str = ""):
+        super().__init__(f"process {pid} fd {fd}: TCP connection {connection}{why} is dumped only with "
+                         f"--tcp-established; or --tcp-close (it comes back closed) or --external fd:{fd} "
+                         f"(re-made at restore: --reconnect or a plugin)")
+        self.pid = pid
+        self.fd = fd
+        self.connection = connection
 
 
 class SharedOutside(PtckptError):

@@ -39,13 +39,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import appblock, breakpoints, procfs
+from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind
-from .resources import (anonfds, epoll, filepolicy, files, locks, memory, pids, pipes, process, signals,
-                        sockets, sysvipc, terminals, threads)
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, MsgImage, PageRun,
+                            ProcessImage, SemImage, ShmImage, VmaKind)
+from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
+                        signals, sockets, sysvipc, terminals, threads)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -143,7 +145,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 
 # --- create, fix up, resume ---------------------------------------------------------
 
-def restore(directory: str, *, pidns: bool = False,
+def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
             hold_timeout: float = 30.0) -> RestoreResult:
@@ -170,6 +172,12 @@ def restore(directory: str, *, pidns: bool = False,
     An image of a tree that lived in a pid namespace of its own records the pids
     it had there; it is restored in a new pid namespace whether `pidns` is asked
     or not.
+
+    With `netns` the tree gets a network namespace of its own (loopback up), where
+    its sockets are made: copies of one server image listen on the same ports at
+    once.  A TCP connection to a peer outside the image cannot go there (refused).
+    TCP connections dumped with --tcp-established are rebuilt in repair mode and
+    leave it, and the image's network lock goes, once every process is rebuilt.
     """
     started = time.monotonic()
     _raise_nofile()
@@ -207,6 +215,11 @@ def restore(directory: str, *, pidns: bool = False,
         verdict = filepolicy.evaluate([i for i in identities if i not in moved], file_policy)
         if verdict.refused:
             raise filepolicy.FilesChanged(verdict.refused)
+        if netns:
+            outside = [r for r in image.inet_sockets if r.mode is InetMode.REPAIRED and not r.peer]
+            if outside:
+                raise UnsupportedResource(root, f"{inet.describe(outside[0])} leads outside the image: "
+                                                f"it cannot be restored into a new network namespace (--netns)")
         helpers = group_helpers(procs, image.zombies)
         if not pidns:
             pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
@@ -214,16 +227,20 @@ def restore(directory: str, *, pidns: bool = False,
         pages = {}
         handed: dict = {}
         channel = -1
+        net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
+        ns_fd = netns_mod.new_netns() if netns else -1
         try:
             for p in members:
                 fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
                 pages[p] = (_open_pages(fd), data_offset)
             files.put_back_saved_files(list(image.saved_files))
-            handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events))
-            master = handed.pop("pty-master", -1)
-            channel = handed.pop("plugin-channel-ours", -1)
-            log.info("create %d", root)
-            stub = pids.start_stub(root, pidns=pidns)
+            with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
+                # the tree's sockets are made in its network namespace, and it is born there
+                handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events), net)
+                master = handed.pop("pty-master", -1)
+                channel = handed.pop("plugin-channel-ours", -1)
+                log.info("create %d", root)
+                stub = pids.start_stub(root, pidns=pidns)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
                                    warnings=[f"the image left out {u}" for u in left_out]
                                    + [f"changed since the dump: {w}" for w in verdict.warnings])
@@ -245,6 +262,7 @@ def restore(directory: str, *, pidns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
+                net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
                 for p, addr in blocks.items():        # the program learns it was restored
@@ -270,6 +288,7 @@ def restore(directory: str, *, pidns: bool = False,
                     if status is not None and tgid == result.pid:
                         result.exit_status = status
             except BaseException as err:
+                net.abort()
                 if master >= 0:
                     os.close(master)
                 for kind, ipc_id in ipc_made:
@@ -283,7 +302,12 @@ def restore(directory: str, *, pidns: bool = False,
                     raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
                                         f"killed: {err}") from err
                 raise
+        except BaseException:
+            net.abort()
+            raise
         finally:
+            if ns_fd >= 0:
+                os.close(ns_fd)
             for fd, _ in pages.values():
                 os.close(fd)
             for fd in handed.values():
@@ -494,7 +518,8 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
                 rep.setdefault(f.desc, f)
     stdio = _root_stdio(root)
     pipe_inos = {b.ino for b in image.pipes}
-    socket_inos = {u.ino for u in image.unix_sockets}
+    socket_inos = ({u.ino for u in image.unix_sockets} | {r.ino for r in image.inet_sockets}
+                   | {r.ino for r in image.netlink_sockets})
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     states = {s.desc for s in image.fd_states}
     out = {}
@@ -520,7 +545,7 @@ def _root_stdio(root: ProcessImage) -> set[int]:
 
 def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
                   new_pty: bool = False, installs: Sequence[tuple[int, int, int]] = (),
-                  channel: bool = False) -> dict:
+                  channel: bool = False, net: inet.InetRestore | None = None) -> dict:
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
@@ -539,6 +564,14 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         opened.update(sockets.create_unix_sockets(
             image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
             cwd_of))
+        inet_inos = {r.ino for r in image.inet_sockets}
+        if inet_inos:
+            net = net if net is not None else inet.InetRestore(image.inet_sockets)
+            opened.update(net.create({d: f for d, f in plan.items()
+                                      if f.kind is FdKind.SOCKET and f.ino in inet_inos}))
+        netlink_inos = {r.ino for r in image.netlink_sockets}
+        opened.update(netlink.create_netlink_sockets(
+            image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
         made = {}
         for state in image.fd_states:
             f = plan.get(state.desc)

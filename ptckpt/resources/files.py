@@ -263,11 +263,36 @@ def is_unix(f: Fd) -> bool:
     return f.kind is FdKind.SOCKET and ("family", "AF_UNIX") in f.details
 
 
+def restorable_socket(f: Fd) -> bool:
+    """A socket of a family and type a restore makes again: unix, TCP and UDP over IPv4 and
+    IPv6, netlink (its family, type and protocol come from the dump's socket details)."""
+    d = dict(f.details)
+    family, kind, proto = d.get("family", ""), d.get("type", ""), d.get("protocol", "")
+    if family in ("AF_UNIX", "AF_NETLINK"):
+        return True
+    return family in ("AF_INET", "AF_INET6") and (kind, proto) in (
+        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"))
+
+
 def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     """'fd 7 -> anon_inode:[io_uring] (io_uring)' for each fd no restore can make again
-    (unix sockets it can; descriptions in `exempt` are the shell job's stdio)."""
-    return [f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})"
-            for f in fds if f.kind not in RESTORABLE_KINDS and not is_unix(f) and f.desc not in exempt]
+    (descriptions in `exempt` are the shell job's stdio)."""
+    out = []
+    for f in fds:
+        if f.desc in exempt or f.kind in RESTORABLE_KINDS:
+            continue
+        if f.kind is FdKind.SOCKET:
+            if restorable_socket(f):
+                continue
+            d = dict(f.details)
+            family, kind = d.get("family", "an unknown family"), d.get("type", "")
+            noun = ("a packet socket" if family == "AF_PACKET" else "a raw socket" if kind == "SOCK_RAW"
+                    else "a socket of this family and type")
+            proto = f", protocol {d['protocol']}" if d.get("protocol") not in (None, "0") else ""
+            out.append(f"fd {f.fd} -> {f.path} ({noun}: {family} {kind}{proto})")
+            continue
+        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
+    return out
 
 
 # --- restore half ------------------------------------------------------------

@@ -1,0 +1,740 @@
+"""Inet sockets held inside a tree: TCP and UDP over IPv4 and IPv6.
+
+Dump half: :class:`InetDump` looks at every AF_INET/AF_INET6 socket of a frozen tree
+through a copy of its fd (pidfd_getfd) and decides, before it changes anything, how
+each comes back (:class:`~ptckpt.formats.model.InetMode`):
+
+* unbound, bound and listening TCP sockets and UDP sockets: PLAIN, from their
+  addresses, options (:mod:`.sockopts`), backlog, and for UDP the datagrams queued
+  (peeked with SO_PEEK_OFF, each with its sender), multicast memberships and a
+  classic BPF filter;
+* established and half-closed TCP connections: REPAIRED with ``--tcp-established``
+  (locked with :mod:`ptckpt.netlock`, then read in repair mode, :mod:`.tcp`), CLOSED
+  with ``--tcp-close``, else refused naming the connection and the ways out
+  (:class:`~ptckpt.errors.ConnectionNotAllowed`);
+* connections in a listener's accept queue: PENDING.  The dump takes them out of
+  the queue (accept on its copy of the listener) to read what their peers sent;
+  the restore queues them again by connecting their client end to the restored
+  listener and sending it.  That works when the client end is in the tree too, or
+  is a socket its process already closed (an orphan on this host); a client held
+  by a process outside the tree is refused (``--tcp-close`` drops such
+  connections).  A leave-running dump cannot put them back and refuses them.
+* SYN_SENT, urgent data not read yet, a reset connection with a pending error or
+  unread bytes, an eBPF filter, a source-filtered multicast membership: refused by
+  name.
+
+Restore half: :class:`InetRestore` makes them all in ptckpt (inside the tree's new
+network namespace when there is one), before any stub exists; the stubs inherit
+them (restore.build_handoff).  Repaired connections stay in repair mode until
+:meth:`InetRestore.finish`, called when the processes are rebuilt: the network
+lock goes, repair mode ends with a window probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno as _errno
+import fcntl
+import ipaddress
+import logging
+import os
+import select
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import inetdiag, netlock, procfs, rawpkt
+from ..errors import ConnectionNotAllowed, PtckptError, RestoreFailed, UnsupportedResource
+from ..formats.model import Fd, FdKind, InetMode, InetSocket
+from ..tracee import pidfd_getfd
+from . import sockopts, tcp
+
+log = logging.getLogger("ptckpt.inet")
+
+INET_FAMILIES = {"AF_INET": socket.AF_INET, "AF_INET6": socket.AF_INET6}
+RCV_SHUTDOWN, SEND_SHUTDOWN = 1, 2
+O_ACCMODE = 0o3
+PENDING_BASE = 1 << 62          # ids of accept-queue connections (they have no inode)
+SO_PEEK_OFF = 42
+_TCP, _UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+
+
+def inet_family(f: Fd) -> int:
+    """AF_INET or AF_INET6 for an inet socket fd (from the dump's socket details), else 0."""
+    if f.kind is not FdKind.SOCKET:
+        return 0
+    return INET_FAMILIES.get(dict(f.details).get("family", ""), 0)
+
+
+def is_inet(f: Fd) -> bool:
+    if not inet_family(f):
+        return False
+    kind = dict(f.details).get("type", "")
+    proto = dict(f.details).get("protocol", "")
+    return (kind == "SOCK_STREAM" and proto in ("0", "6")) or (kind == "SOCK_DGRAM" and proto in ("0", "17"))
+
+
+def endpoint(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def describe(r: InetSocket) -> str:
+    """'TCP 127.0.0.1:8080 -> 127.0.0.1:45000 (ESTABLISHED)', as show and messages print it."""
+    proto = "TCP" if r.protocol == _TCP else "UDP"
+    here = endpoint(r.src, r.sport) if r.src or r.sport else "unbound"
+    there = f" -> {endpoint(r.dst, r.dport)}" if r.dport else ""
+    state = tcp.state_name(r.state) if r.protocol == _TCP else ("connected" if r.dport else "")
+    return f"{proto} {here}{there}" + (f" ({state})" if state else "")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a dump does with TCP connections (the dump's flags)."""
+
+    established: bool = False        # --tcp-established: dump them with TCP_REPAIR
+    close: bool = False              # --tcp-close: they come back closed; pending ones are dropped
+    leave_running: bool = True       # the target runs on after the dump
+
+
+# --- dump half -----------------------------------------------------------------------
+
+@dataclass
+class _Sock:
+    """One inet socket of the tree during the dump (a copy of one holder's fd)."""
+
+    pid: int
+    fd: Fd
+    sock: socket.socket
+    family: int
+    proto: int
+    state: int
+    src: str = ""
+    sport: int = 0
+    dst: str = ""
+    dport: int = 0
+    mode: InetMode = InetMode.PLAIN
+    pending: list = field(default_factory=list)     # listener: inetdiag records of its accept queue
+
+
+@dataclass
+class InetDump:
+    """The inet sockets of a frozen tree: records, and what the dump holds while it runs
+    (the network lock, the connections in repair mode, accept-queue connections)."""
+
+    policy: Policy
+    image_dir: str
+    lock: netlock.NetLock | None = None           # the image's: held until a restore
+    queue_lock: netlock.NetLock | None = None     # accept-queue connections: held while the dump runs
+    clients: set[int] = field(default_factory=set)   # inodes of client ends of queued connections
+    orphans: list[tuple[socket.socket, object]] = field(default_factory=list)
+    repaired: list[tuple[socket.socket, int]] = field(default_factory=list)
+    accepted: list[socket.socket] = field(default_factory=list)
+    copies: list[socket.socket] = field(default_factory=list)
+
+    def capture_frozen(self, fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[InetSocket]:
+        """Records for every inet socket description of the tree (those in `skip` are the
+        root's stdio).  Refusals come before anything is changed."""
+        holders: dict[int, tuple[int, Fd]] = {}
+        for pid, flist in fds.items():
+            for f in flist:
+                if is_inet(f) and f.desc not in skip and not f.external:
+                    holders.setdefault(f.desc, (pid, f))
+        if not holders:
+            return []
+        socks = [self._open(pid, f) for pid, f in holders.values()]
+        diag = inetdiag.inet_sockets() if any(s.proto == _TCP for s in socks) else []
+        inodes = {s.fd.ino for s in socks}
+        for s in socks:
+            self._classify(s, diag, inodes, fds)
+        records = self._lock_and_read([s for s in socks if s.mode is InetMode.REPAIRED
+                                       or s.pending], diag, inodes)
+        return [records.get(s.fd.ino) or self._plain(s) for s in socks] + records.get("pending", [])
+
+    # -- reading -------------------------------------------------------------------
+
+    def _open(self, pid: int, f: Fd) -> _Sock:
+        copy = pidfd_getfd(pid, f.fd)
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            raise
+        self.copies.append(sock)
+        s = _Sock(pid, f, sock, sock.family, sock.proto or (_TCP if sock.type == socket.SOCK_STREAM else _UDP),
+                  state=tcp.CLOSE)
+        with contextlib.suppress(OSError):
+            s.src, s.sport = sock.getsockname()[:2]
+        with contextlib.suppress(OSError):
+            s.dst, s.dport = sock.getpeername()[:2]
+        if s.proto == _TCP:
+            s.state = tcp.tcp_info_head(sock)[0]
+        elif s.dport:
+            s.state = tcp.ESTABLISHED
+        if s.sport == 0 and s.src in ("0.0.0.0", "::"):
+            s.src = ""
+        return s
+
+    def _refuse(self, s: _Sock, what: str) -> None:
+        raise UnsupportedResource(s.pid, f"fd {s.fd.fd} ({_short(s)}): {what}")
+
+    def _classify(self, s: _Sock, diag, inodes: set[int], fds) -> None:
+        """Decide how `s` comes back; refuse what cannot (nothing is changed here)."""
+        if s.proto == _UDP:
+            return
+        if s.state == tcp.LISTEN:
+            _state, _opts, _s, _r = tcp.tcp_info_head(s.sock)
+            queued = _listener_counts(s.sock)[1]
+            if queued:
+                self._classify_pending(s, diag, inodes, fds)
+            return
+        if s.state in tcp.REPAIRABLE:
+            conn = f"{endpoint(s.src, s.sport)} -> {endpoint(s.dst, s.dport)} ({tcp.state_name(s.state)})"
+            if tcp.urgent_pending(s.sock):
+                self._refuse(s, "urgent (out-of-band) data not read yet; restoring the urgent pointer "
+                                "is not possible (let the program read it first)")
+            if self.policy.close:
+                s.mode = InetMode.CLOSED
+            elif self.policy.established:
+                s.mode = InetMode.REPAIRED
+            else:
+                raise ConnectionNotAllowed(s.pid, s.fd.fd, conn)
+            return
+        if s.state == tcp.CLOSE:
+            if _poll(s.sock) & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
+                self._refuse(s, "a TCP connection that was reset or closed, with a pending error or "
+                                "unread bytes; restoring those is not supported yet")
+            return
+        self._refuse(s, f"a TCP socket in state {tcp.state_name(s.state)} (a connection being set up "
+                        f"cannot be frozen; dump again once it is established)")
+
+    def _classify_pending(self, s: _Sock, diag, inodes: set[int], fds) -> None:
+        listener = next((d for d in diag if d.ino == s.fd.ino), None)
+        children = inetdiag.pending_children(listener, diag) if listener else []
+        if self.policy.close:
+            log.info("fd %d: %d connections not yet accepted are dropped (--tcp-close)", s.fd.fd, len(children))
+            return
+        if self.policy.leave_running:
+            self._refuse(s, f"{len(children) or 'some'} connections not yet accepted; a dump that "
+                            f"leaves the program running cannot put them back in its queue: dump with "
+                            f"--kill (the restore queues them again), or with --tcp-close to drop them")
+        if not self.policy.established:
+            first = children[0] if children else None
+            raise ConnectionNotAllowed(s.pid, s.fd.fd, f"{endpoint(first.src, first.sport)} <- "
+                                       f"{endpoint(first.dst, first.dport)}" if first else _short(s),
+                                       " (waiting in the accept queue)")
+        for child in children:
+            peer = _peer_of(child, diag)
+            if peer is None or (peer.ino and peer.ino not in inodes):
+                held = _holder(peer.ino, set(fds)) if peer is not None else "on another host"
+                self._refuse(s, f"the connection from {endpoint(child.dst, child.dport)} waiting in its accept "
+                                f"queue has its client end {held}: it cannot be queued again (let the "
+                                f"program accept it first, or --tcp-close drops it)")
+            if peer.ino:
+                self.clients.add(peer.ino)
+        s.pending = children
+
+    def _lock_and_read(self, socks: list[_Sock], diag, inodes: set[int]) -> dict:
+        """Lock the connections, then read each one in repair mode and take the accept queues."""
+        if not socks:
+            return {}
+        # A queued connection and its client end are made again by a real connect at restore:
+        # they are locked only while the dump reads them.  The others until their restore.
+        conns: list[netlock.Connection] = []
+        queued: list[netlock.Connection] = []
+        for s in socks:
+            if s.mode is InetMode.REPAIRED:
+                (queued if s.fd.ino in self.clients else conns).append(netlock.Connection(
+                    s.family, s.src, s.sport, s.dst, s.dport, ino=s.fd.ino,
+                    reuseaddr=s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)))
+            for child in s.pending:
+                queued.append(netlock.Connection(child.family, child.src, child.sport, child.dst, child.dport))
+        if queued:
+            self.queue_lock = netlock.lock(queued, image_dir=self.image_dir)
+        if conns:
+            self.lock = netlock.lock(conns, image_dir=self.image_dir)
+        out: dict = {}
+        for s in socks:
+            if s.mode is InetMode.REPAIRED:
+                out[s.fd.ino] = self._read_repaired(s, diag, inodes)
+        for s in socks:
+            if s.pending:
+                out.setdefault("pending", []).extend(self._take_queue(s, diag, inodes))
+        return out
+
+    def _read_repaired(self, s: _Sock, diag, inodes: set[int]) -> InetSocket:
+        options = sockopts.read_options(s.sock)          # before repair mode changes SO_REUSEADDR
+        reuse = s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        tcp.repair_on(s.sock)
+        self.repaired.append((s.sock, reuse))
+        state = tcp.read_stream_frozen(s.sock)
+        peer = _peer_of(_as_diag(s), diag)
+        return InetSocket(ino=s.fd.ino, family=s.family, type=socket.SOCK_STREAM, protocol=_TCP,
+                          mode=InetMode.REPAIRED, src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
+                          shutdown=_shutdown_of(s, diag), options=options,
+                          peer=peer.ino if peer is not None and peer.ino in inodes else 0, **state)
+
+    def _take_queue(self, s: _Sock, diag, inodes: set[int]) -> list[InetSocket]:
+        """Accept every connection waiting on listener `s` (on ptckpt's copy), in queue order,
+        and read what its peer sent: PENDING records."""
+        out = []
+        for n in range(len(s.pending)):
+            if not _poll(s.sock) & select.POLLIN:
+                break
+            child, _addr = s.sock.accept()
+            self.accepted.append(child)
+            child.setblocking(False)
+            data = bytearray()
+            with contextlib.suppress(BlockingIOError):
+                while chunk := child.recv(1 << 20):
+                    data += chunk
+            src, sport = child.getsockname()[:2]
+            dst, dport = child.getpeername()[:2]
+            peer = inetdiag.find_connection(child.family, dst, dport, src, sport)
+            out.append(InetSocket(ino=PENDING_BASE + s.fd.ino * 1000 + n, family=child.family,
+                                  type=socket.SOCK_STREAM, protocol=_TCP,
+                                  state=tcp.tcp_info_head(child)[0], mode=InetMode.PENDING, src=src,
+                                  sport=sport, dst=dst, dport=dport, recv_queue=bytes(data),
+                                  listener=s.fd.ino, peer=peer.ino if peer is not None and peer.ino in inodes else 0))
+            tcp.repair_on(child)             # closed silently when the dump ends
+            if peer is not None and not peer.ino:
+                # its client closed already: that orphan is reset when the dump ends (killed),
+                # so that the restore's stand-in client can take its address again
+                self.orphans.append((child, tcp.read_stream_frozen(child)))
+        return out
+
+    def _plain(self, s: _Sock) -> InetSocket:
+        options = sockopts.read_options(s.sock)
+        try:
+            program, _locked = sockopts.read_filter(s.sock)
+        except sockopts.EbpfFilter:
+            self._refuse(s, "an eBPF socket filter (SO_ATTACH_BPF), which cannot be read back")
+        groups: tuple = ()
+        datagrams: tuple = ()
+        if s.proto == _UDP:
+            try:
+                groups = sockopts.multicast_groups(s.sock, sockopts.host_groups())
+            except sockopts.SourceFilter as why:
+                self._refuse(s, f"a source-filtered multicast membership ({why})")
+            datagrams = tuple(peek_datagrams(s.sock))
+        backlog = _listener_counts(s.sock)[0] if s.proto == _TCP and s.state == tcp.LISTEN else 0
+        return InetSocket(ino=s.fd.ino, family=s.family,
+                          type=socket.SOCK_STREAM if s.proto == _TCP else socket.SOCK_DGRAM,
+                          protocol=s.proto, state=s.state if s.proto == _UDP or s.state == tcp.LISTEN else tcp.CLOSE,
+                          mode=InetMode.CLOSED if s.mode is InetMode.CLOSED else InetMode.PLAIN,
+                          src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
+                          shutdown=_shutdown_of(s, None), backlog=backlog, options=options,
+                          datagrams=datagrams, multicast=groups, filter=program)
+
+    # -- the end of the dump ---------------------------------------------------------
+
+    def release(self, *, killed: bool) -> None:
+        """The dump is on disk.  Leave-running: repair mode ends on every connection and the
+        lock goes.  Killed: the connections were in repair mode when their processes died,
+        so nothing was sent to their peers; the lock stays until a restore releases it."""
+        if not killed:
+            self._thaw()
+        else:
+            self._reset_orphans()
+        self._close()
+        if self.queue_lock is not None:
+            netlock.unlock(self.queue_lock)
+            self.queue_lock = None
+
+    def abort(self) -> None:
+        """The dump failed: every connection as it was, the lock gone."""
+        self._thaw()
+        self._close()
+        if self.queue_lock is not None:
+            netlock.unlock(self.queue_lock)
+            self.queue_lock = None
+
+    def _reset_orphans(self) -> None:
+        """A reset (with the right sequence number) ends each orphaned client at once."""
+        for child, state in self.orphans:
+            src, sport = child.getsockname()[:2]
+            dst, dport = child.getpeername()[:2]
+            with contextlib.suppress(PtckptError):
+                rawpkt.send_tcp(src, sport, dst, dport, seq=state["snd_seq"], ack=0, flags=rawpkt.TCP_RST,
+                                window=0, mark=netlock.PTCKPT_MARK)
+        self.orphans.clear()
+    def _thaw(self) -> None:
+        for sock, reuse in self.repaired:
+            with contextlib.suppress(OSError):
+                tcp.leave_repair(sock, reuse)
+        self.repaired.clear()
+        if self.lock is not None:
+            netlock.unlock(self.lock)
+            self.lock = None
+
+    def _close(self) -> None:
+        for sock in self.accepted + self.copies:
+            sock.close()
+        self.accepted.clear()
+        self.copies.clear()
+
+
+def _short(s: _Sock) -> str:
+    proto = "TCP" if s.proto == _TCP else "UDP"
+    here = endpoint(s.src, s.sport) if s.sport else "unbound"
+    return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if s.dport else "")
+
+
+def _poll(sock: socket.socket) -> int:
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLIN | select.POLLERR)
+    events = p.poll(0)
+    return events[0][1] if events else 0
+
+
+def _listener_counts(sock: socket.socket) -> tuple[int, int]:
+    """(backlog, connections in the accept queue) of a listener: tcp_info's tcpi_sacked and
+    tcpi_unacked hold them for a socket in LISTEN (net/ipv4/tcp.c tcp_get_info)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+    unacked, sacked = struct.unpack_from("II", info, 24)
+    return sacked, unacked
+
+
+def _as_diag(s: _Sock):
+    return inetdiag.InetSock(family=s.family, protocol=_TCP, state=s.state, src=s.src, sport=s.sport,
+                             dst=s.dst, dport=s.dport, ino=s.fd.ino, uid=0, rqueue=0, wqueue=0,
+                             ifindex=0, shutdown=0, cookie=0, v6only=None)
+
+
+def _peer_of(conn, diag):
+    """The socket at the other end of a loopback connection (by the reversed 4-tuple), or None."""
+    for d in diag:
+        if (d.sport, d.dport) == (conn.dport, conn.sport) and _same_addr(d.src, conn.dst) \
+                and _same_addr(d.dst, conn.src) and d.state not in (tcp.LISTEN, tcp.TIME_WAIT):
+            return d
+    return None
+
+
+def _same_addr(a: str, b: str) -> bool:
+    try:
+        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
+    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
+    return x == y
+
+
+def _shutdown_of(s: _Sock, diag) -> int:
+    for d in diag or inetdiag.inet_sockets(protocols=(s.proto,), families=(s.family,), inodes={s.fd.ino}):
+        if d.ino == s.fd.ino:
+            return d.shutdown
+    return 0
+
+
+def _holder(ino: int, members: set[int]) -> str:
+    if not ino:
+        return "outside this host's sockets"
+    found = procfs.fd_holders({f"socket:[{ino}]"}, members | {os.getpid()})
+    for pid, fd in next(iter(found.values()), []):
+        return f"held by pid {pid} fd {fd} ({procfs.comm_or_unknown(pid)}), outside the tree"
+    return "held by no process of the tree"
+
+
+# --- UDP queues -----------------------------------------------------------------------
+
+def peek_datagrams(sock: socket.socket) -> list[tuple[str, int, bytes]]:
+    """Every datagram queued on a UDP socket, with its sender, without consuming any:
+    MSG_PEEK walked with SO_PEEK_OFF (each peek moves the offset past one datagram);
+    the socket's own peek offset is put back."""
+    old = sock.getsockopt(socket.SOL_SOCKET, SO_PEEK_OFF)
+    out: list[tuple[str, int, bytes]] = []
+    size = 65536
+    try:
+        offset = 0
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
+        while True:
+            try:
+                data, _anc, flags, addr = sock.recvmsg(size, 0, socket.MSG_PEEK | socket.MSG_DONTWAIT
+                                                       | socket.MSG_TRUNC)
+            except BlockingIOError:
+                break
+            if flags & socket.MSG_TRUNC:         # a bigger datagram: again from its start
+                size = max(size * 2, len(data) + 1)
+                sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, offset)
+                continue
+            if not data and out and _zero_length_loop(out):
+                break
+            out.append((addr[0], addr[1], data))
+            offset += len(data)
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, old)
+    return out
+
+
+def _zero_length_loop(out) -> bool:
+    """A run of 64 empty datagrams: a peek that does not move on (the kernel skips an empty
+    datagram once peeked; a walk that sees them again is going round)."""
+    return len(out) >= 64 and all(not d for _a, _p, d in out[-64:])
+
+
+# --- restore half ---------------------------------------------------------------------
+
+@dataclass
+class InetRestore:
+    """The tree's inet sockets made again in ptckpt: {desc: fd} for the stubs, and the
+    repaired connections held until :meth:`finish`."""
+
+    records: Sequence[InetSocket]
+    netlock_id: str = ""
+    repaired: list[tuple[socket.socket, int]] = field(default_factory=list)
+    made: dict[int, socket.socket] = field(default_factory=dict)
+    temps: list[socket.socket] = field(default_factory=list)
+
+    def create(self, descs: Mapping[int, Fd]) -> dict[int, int]:
+        """Make every socket of `descs` (their Fd.ino names the record): {desc: fd}; the
+        caller owns the fds.  Listeners first, then the connections queued on them."""
+        by_ino = {r.ino: r for r in self.records}
+        pending = [r for r in self.records if r.mode is InetMode.PENDING]
+        clients = {p.ino: by_ino[p.peer] for p in pending if p.peer in by_ino}
+        try:
+            with rawpkt.RawSender(mark=netlock.PTCKPT_MARK) as raw:
+                for r in self.records:
+                    if r.mode is InetMode.PLAIN and r.protocol == _TCP:
+                        self.made[r.ino] = self._plain_tcp(r)
+                for p in pending:
+                    self._queue(p, clients.get(p.ino))
+                for r in self.records:
+                    if r.ino in self.made or r.mode is InetMode.PENDING:
+                        continue
+                    if r.mode is InetMode.REPAIRED:
+                        self.made[r.ino] = self._repaired(r, raw)
+                    elif r.mode is InetMode.CLOSED:
+                        self.made[r.ino] = self._closed(r)
+                    else:
+                        self.made[r.ino] = self._udp(r, raw)
+            out: dict[int, int] = {}
+            for d, f in descs.items():
+                s = self.made.get(f.ino)
+                if s is None:
+                    raise RestoreFailed(f"fd {f.fd} ({f.path}): no record of its socket in the image")
+                out[d] = os.dup(s.fileno())
+                fcntl.fcntl(out[d], fcntl.F_SETFL, f.flags & ~O_ACCMODE)
+            return out
+        except OSError as err:
+            self.abort()
+            raise RestoreFailed(f"inet socket: {err.strerror or err}") from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def _new(self, r: InetSocket) -> socket.socket:
+        return socket.socket(r.family, r.type, r.protocol)
+
+    def _plain_tcp(self, r: InetSocket) -> socket.socket:
+        s = self._new(r)
+        try:
+            sockopts.apply_options(s, r.options)
+            sockopts.attach_filter(s, r.filter)
+            if r.sport:
+                _bind(s, r)
+            if r.state == tcp.LISTEN:
+                s.listen(r.backlog)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def _queue(self, p: InetSocket, client: InetSocket | None) -> None:
+        """A connection waiting in a listener's accept queue, queued again: its client end
+        (the tree's own, or a stand-in for a client that had closed) connects to the
+        restored listener and sends what the server end had not read, then what it had
+        itself not yet got through."""
+        if client is not None:
+            c = self._new(client)
+            self.made[client.ino] = c
+            sockopts.apply_options(c, client.options)
+        else:
+            c = self._new(p)
+            self.temps.append(c)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        c.bind(_addr(p.family, p.dst, p.dport))
+        c.connect(_addr(p.family, p.src, p.sport))
+        data = p.recv_queue + (client.send_queue if client is not None else b"")
+        if data:
+            if c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 2 * len(data):
+                c.setsockopt(socket.SOL_SOCKET, sockopts.SO_SNDBUFFORCE, len(data) + 65536)
+            c.sendall(data)
+        closed = client is None or client.state in (tcp.FIN_WAIT1, tcp.FIN_WAIT2, tcp.CLOSING)
+        if p.state in (tcp.CLOSE_WAIT,) or closed and client is not None:
+            c.shutdown(socket.SHUT_WR)
+        if client is None:
+            c.shutdown(socket.SHUT_WR)
+
+    def _repaired(self, r: InetSocket, raw: rawpkt.RawSender) -> socket.socket:
+        reuse = sockopts.option_value(r.options, socket.SOL_SOCKET, socket.SO_REUSEADDR)
+
+        def prepare(s: socket.socket) -> None:
+            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR)}))
+
+        def send_packet(src, sport, dst, dport, *, seq, ack, flags, window):
+            raw.tcp(src, sport, dst, dport, seq=seq, ack=ack, flags=flags, window=window)
+
+        s = tcp.make_stream(r, r.family, send_packet, prepare)
+        if r.shutdown & RCV_SHUTDOWN and r.state not in (tcp.CLOSE_WAIT, tcp.LAST_ACK, tcp.CLOSING):
+            s.shutdown(socket.SHUT_RD)
+        self.repaired.append((s, reuse))
+        return s
+
+    def _closed(self, r: InetSocket) -> socket.socket:
+        """dump --tcp-close: a socket whose connection was reset (ECONNRESET once, then EOF),
+        made by connecting it in repair mode (no packet) and disconnecting it."""
+        s = self._new(r)
+        try:
+            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR)}))
+            tcp.repair_on(s)
+            s.connect(_addr(r.family, r.dst or _loopback(r.family), r.dport or 9))
+            s.setsockopt(socket.IPPROTO_TCP, tcp.TCP_REPAIR, tcp.REPAIR_OFF_NO_WP)
+            _disconnect(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR,
+                         sockopts.option_value(r.options, socket.SOL_SOCKET, socket.SO_REUSEADDR))
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def _udp(self, r: InetSocket, raw: rawpkt.RawSender) -> socket.socket:
+        s = self._new(r)
+        try:
+            sockopts.apply_options(s, r.options)
+            if r.sport:
+                _bind(s, r)
+            if r.datagrams:
+                to = r.src if r.src and not ipaddress.ip_address(r.src).is_unspecified else _loopback(r.family)
+                for sender, port, payload in r.datagrams:
+                    raw.udp(sender, port, to, r.sport, payload)
+                _check_refill(s, r)
+            if r.dport:
+                s.connect(_addr(r.family, r.dst, r.dport))
+            sockopts.join_groups(s, r.multicast)
+            sockopts.attach_filter(s, r.filter)
+            if r.shutdown & RCV_SHUTDOWN and r.shutdown & SEND_SHUTDOWN:
+                s.shutdown(socket.SHUT_RDWR)
+            elif r.shutdown:
+                s.shutdown(socket.SHUT_RD if r.shutdown & RCV_SHUTDOWN else socket.SHUT_WR)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def finish(self) -> None:
+        """The processes are rebuilt and hold their sockets: the lock goes, then repair mode
+        ends on every connection (a window probe each), with SO_REUSEADDR put back."""
+        if self.netlock_id:
+            netlock.unlock(self.netlock_id)
+        for s, reuse in self.repaired:
+            tcp.leave_repair(s, reuse)
+        self.close()
+
+    def abort(self) -> None:
+        """A failed restore: every socket closed, the repaired ones silently (repair mode):
+        their peers keep waiting under the lock, and a new restore can try again."""
+        self.close()
+
+    def close(self) -> None:
+        for s in list(self.made.values()) + self.temps:
+            s.close()
+        self.made.clear()
+        self.temps.clear()
+        self.repaired.clear()
+
+
+def _addr(family: int, host: str, port: int):
+    return (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+
+
+def _loopback(family: int) -> str:
+    return "127.0.0.1" if family == socket.AF_INET else "::1"
+
+
+def _bind(s: socket.socket, r: InetSocket) -> None:
+    try:
+        s.bind(_addr(r.family, r.src or ("0.0.0.0" if r.family == socket.AF_INET else "::"), r.sport))
+    except OSError as err:
+        if err.errno == _errno.EADDRINUSE:
+            raise OSError(err.errno, f"{describe(r)}: the address is in use (is the original still "
+                                     f"running? restore it in a network namespace of its own: --netns)") from None
+        raise OSError(err.errno, f"{describe(r)}: bind: {err.strerror}") from None
+
+
+def _check_refill(s: socket.socket, r: InetSocket) -> None:
+    """Every datagram arrived, in order, from its sender (the kernel may drop one)."""
+    got = peek_datagrams(s)
+    want = [(ipaddress.ip_address(a), p, d) for a, p, d in r.datagrams]
+    have = [(ipaddress.ip_address(a), p, d) for a, p, d in got]
+    if have != want:
+        raise OSError(_errno.EIO, f"{describe(r)}: {len(have)} of {len(want)} queued datagrams arrived "
+                                  f"when refilling its queue")
+
+
+_libc = sockopts._libc
+
+
+def _disconnect(s: socket.socket) -> None:
+    """connect(AF_UNSPEC): TCP disconnects, the socket reports ECONNRESET once."""
+    import ctypes
+    sa = ctypes.create_string_buffer(struct.pack("H14x", socket.AF_UNSPEC), 16)
+    if _libc.connect(s.fileno(), sa, 16) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def stale_lock_cleanup() -> list[str]:
+    """Locks whose dumper died (ptckpt killed mid-dump): the connections they held go on.
+
+    A lock whose owner is gone is stale unless its image is complete and names it (a
+    dump --kill that finished: the lock waits for a restore).  For a stale lock, every
+    connection still present in repair mode leaves it (the dumper died before it could),
+    then the lock goes.  Returns one line per lock removed."""
+    done = []
+    for info in netlock.list_locks():
+        if netlock.owner_alive(info):
+            continue
+        present = _repair_leftovers(info)
+        if not present and _image_holds(info):
+            continue
+        netlock.unlock(info)
+        done.append(f"removed the network lock {info.id} of a dump that did not finish "
+                    f"(pid {info.owner_pid}, {info.image_dir})"
+                    + (f"; {present} connections left repair mode" if present else ""))
+    return done
+
+
+def _image_holds(info) -> bool:
+    from ..formats.image import ImageReader
+    try:
+        with ImageReader(info.image_dir, verify_pages=False) as image:
+            return image.inventory.netlock == info.id
+    except PtckptError:
+        return False
+
+
+def _repair_leftovers(info) -> int:
+    """Connections of the lock still alive: those still in repair mode leave it."""
+    live = {}
+    for conn in info.connections:
+        if conn.ino:
+            live[conn.ino] = conn
+    if not live:
+        return 0
+    socks = {d.ino: d for d in inetdiag.inet_sockets(protocols=(_TCP,), inodes=set(live))}
+    if not socks:
+        return 0
+    found = procfs.fd_holders({f"socket:[{ino}]" for ino in socks}, set())
+    count = 0
+    for link, holders in found.items():
+        ino = int(link[8:-1])
+        pid, fd = holders[0]
+        with contextlib.suppress(PtckptError, OSError):
+            copy = socket.socket(fileno=pidfd_getfd(pid, fd))
+            with copy:
+                if tcp.in_repair(copy):
+                    tcp.leave_repair(copy, live[ino].reuseaddr)
+                    count += 1
+    return count
