@@ -248,4 +248,38 @@ def run_checks() -> list[Check]:
                      "rlimits cannot be raised above their hard limit; single-field PR_SET_MM refused", False))
     out.append(Check("CAP_CHECKPOINT_RESTORE", _cap(CAP_CHECKPOINT_RESTORE), "capability",
                      "set_tid and PR_SET_MM_MAP need CAP_SYS_ADMIN instead", False))
+    out.append(Check("TCP_REPAIR", _tcp_repair(), "setsockopt(TCP_REPAIR) on a TCP socket (CAP_NET_ADMIN)",
+                     "established TCP connections cannot be dumped (--tcp-established)", False))
+    out += _network_lock()
+    return out
+
+
+def _tcp_repair() -> bool:
+    import socket
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, 19, 1)
+        except OSError:
+            return False
+    return True
+
+
+def _network_lock() -> list[Check]:
+    """nftables for the network lock, and the locks of dumps that did not finish (removed
+    here, as every dump and restore does: their dumper was killed)."""
+    from . import netlock
+    from .resources import inet
+    why = netlock.available()
+    out = [Check("network lock (nftables)", why is None, "nft: a table of ptckpt's own per dump" if why is None
+                 else why, "established TCP connections cannot be dumped (--tcp-established)", False)]
+    if why is None:
+        removed = inet.stale_lock_cleanup()
+        held = [i for i in netlock.list_locks() if not netlock.owner_alive(i)]
+        out.append(Check("network lock leftovers", True,
+                         "; ".join(removed) if removed else "none left by an interrupted dump",
+                         "", False))
+        for info in held:
+            out.append(Check(f"network lock {info.id}", True,
+                             f"holds {len(info.connections)} TCP connections of the image {info.image_dir} "
+                             f"until it is restored (unlock by hand: nft delete table inet {info.table})", "", False))
     return out

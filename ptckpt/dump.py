@@ -131,6 +131,8 @@ def dump(pid: int, directory: str | None = None, *,
             raise UsageError(str(err)) from None
     _BUILD_IDS.clear()
     started = time.monotonic()
+    for line in inet.stale_lock_cleanup():
+        log.warning("%s", line)
     directory = directory or f"ckpt-{pid}"
     log.info("check %d", pid)
     check_target(pid)

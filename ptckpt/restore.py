@@ -181,6 +181,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     """
     started = time.monotonic()
     _raise_nofile()
+    for line in inet.stale_lock_cleanup():
+        log.warning("%s", line)
     log.info("collect %s", directory)
     with ImageReader(directory) as image:
         root = image.inventory.root_pid
