@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from . import procfs
-from .errors import UsageError
+from .errors import PtckptError, UsageError
 
 log = logging.getLogger("ptckpt.campaign")
 
@@ -176,14 +176,36 @@ class CampaignResult:
         return f"{len(self.runs)} runs: " + ", ".join(parts) + f"; results in {self.out}"
 
 
-def _restore_argv(spec: CampaignSpec, seed: int, directory: str, faults: bool) -> tuple[str, ...]:
+def _restore_argv(spec: CampaignSpec, seed: int, directory: str, faults: bool,
+                  netns: bool = False) -> tuple[str, ...]:
     argv = [sys.executable, "-m", "ptckpt", "restore", "-D", os.path.abspath(spec.image), "--pidns",
-            "--inherit-stdio", *spec.restore_args]
+            *(("--netns",) if netns else ()), "--inherit-stdio", *spec.restore_args]
     if faults:
         for text in spec.inject:
             argv += ["--inject", text]
         argv += ["--seed", str(seed), "--faults-log", os.path.join(directory, "faults.json")]
     return tuple(argv)
+
+
+def _holds_loopback_sockets(image: str) -> bool:
+    """Whether each run needs a network namespace of its own (restore --netns): the image
+    holds inet sockets on this host's loopback or wildcard addresses (listeners, UDP,
+    connections between its own processes), which the runs would otherwise fight over,
+    and no connection to a peer outside it (which a new namespace cannot reach)."""
+    import ipaddress
+    from .formats.image import ImageReader
+    from .formats.model import InetMode
+    try:
+        with ImageReader(image, verify_pages=False) as reader:
+            socks = reader.inet_sockets
+    except PtckptError:
+        return False                      # the restore reports what is wrong with the image
+    if any(r.mode is InetMode.REPAIRED and not r.peer for r in socks):
+        return False
+
+    def local(addr: str) -> bool:
+        return not addr or ipaddress.ip_address(addr).is_loopback or ipaddress.ip_address(addr).is_unspecified
+    return any(r.sport and local(r.src) for r in socks)
 
 
 def _signature(directory: str) -> str:
@@ -245,11 +267,13 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
     backend = backend or LocalBackend(spec.jobs)
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
     runs_dir = os.path.join(spec.out, "runs")
+    netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)
 
     def make(index: int) -> RunSpec:
         directory = os.path.join(runs_dir, "reference" if index == 0 else f"{index:04d}")
         seed = spec.seed + index - 1 if index else 0
-        return RunSpec(index, seed, _restore_argv(spec, seed, directory, index > 0), directory, spec.timeout)
+        return RunSpec(index, seed, _restore_argv(spec, seed, directory, index > 0, netns), directory,
+                       spec.timeout)
 
     first = 1 if spec.check else 0               # with a check no reference is needed
     specs = {i: make(i) for i in range(first, spec.runs + 1)}
