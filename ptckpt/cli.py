@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 from typing import Annotated, Optional
 
@@ -351,26 +350,9 @@ def check(
         raise typer.Exit(code=ExitCode.MISSING_FEATURE)
 
 
-class Interrupted(BaseException):
-    """SIGINT, SIGTERM or SIGHUP: unwinds the command, so a dump undoes what it did (the
-    target resumed, the network lock removed, no image left)."""
-
-    def __init__(self, signo: int):
-        super().__init__(signo)
-        self.signo = signo
-
-
-def _on_terminate(signo, _frame) -> None:
-    # once: a second signal must not interrupt the undoing of the first
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    raise Interrupted(signo)
-
-
 def main() -> None:
-    """Console-script entry point."""
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, _on_terminate)
+    """Run the command (ptckpt.entry installs the signal handlers first)."""
+    from .entry import Interrupted
     try:
         app()
     except PtckptError as err:      # pragma: no cover - commands catch their own
@@ -380,7 +362,7 @@ def main() -> None:
         typer.echo("ptckpt: interrupted", err=True)
         sys.exit(130)
     except Interrupted as stop:
-        typer.echo(f"ptckpt: interrupted by {signal.Signals(stop.signo).name}", err=True)
+        typer.echo(f"ptckpt: interrupted by {stop.name}", err=True)
         sys.exit(128 + stop.signo)
     except Exception as err:  # a bug: one line unless asked for the traceback
         if os.environ.get("PTCKPT_DEBUG"):

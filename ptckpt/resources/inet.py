@@ -129,7 +129,7 @@ class InetDump:
     queue_lock: netlock.NetLock | None = None     # accept-queue connections: held while the dump runs
     clients: set[int] = field(default_factory=set)   # inodes of client ends of queued connections
     orphans: list[tuple[socket.socket, object]] = field(default_factory=list)
-    repaired: list[tuple[socket.socket, int]] = field(default_factory=list)
+    silence: list[socket.socket] = field(default_factory=list)    # dumped connections (copies)
     accepted: list[socket.socket] = field(default_factory=list)
     copies: list[socket.socket] = field(default_factory=list)
 
@@ -264,11 +264,12 @@ class InetDump:
         return out
 
     def _read_repaired(self, s: _Sock, diag, inodes: set[int]) -> InetSocket:
+        """Read a locked connection in repair mode, for as short a time as the reading takes:
+        a target that resumes in repair mode (its dumper killed) could not use the socket."""
         options = sockopts.read_options(s.sock)          # before repair mode changes SO_REUSEADDR
-        reuse = s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
-        tcp.repair_on(s.sock)
-        self.repaired.append((s.sock, reuse))
-        state = tcp.read_stream_frozen(s.sock)
+        with tcp.repaired(s.sock):
+            state = tcp.read_stream_frozen(s.sock)
+        self.silence.append(s.sock)
         peer = _peer_of(_as_diag(s), diag)
         return InetSocket(ino=s.fd.ino, family=s.family, type=socket.SOCK_STREAM, protocol=_TCP,
                           mode=InetMode.REPAIRED, src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
@@ -330,12 +331,16 @@ class InetDump:
     # -- the end of the dump ---------------------------------------------------------
 
     def release(self, *, killed: bool) -> None:
-        """The dump is on disk.  Leave-running: repair mode ends on every connection and the
-        lock goes.  Killed: the connections were in repair mode when their processes died,
-        so nothing was sent to their peers; the lock stays until a restore releases it."""
+        """The dump is on disk.  Leave-running: the lock goes.  Killed (its processes are dead
+        by now, ptckpt's copies keep the sockets): every dumped connection is closed in repair
+        mode, so nothing goes to its peer; the lock stays until a restore releases it.  (Were
+        ptckpt killed before that, the kernel's close would send FINs, which the lock drops.)"""
         if not killed:
-            self._thaw()
+            self._unlock()
         else:
+            for sock in self.silence:
+                with contextlib.suppress(OSError):
+                    tcp.repair_on(sock)
             self._reset_orphans()
         self._close()
         if self.queue_lock is not None:
@@ -343,8 +348,9 @@ class InetDump:
             self.queue_lock = None
 
     def abort(self) -> None:
-        """The dump failed: every connection as it was, the lock gone."""
-        self._thaw()
+        """The dump failed: every connection as it was (none is left in repair mode: each was
+        only while it was read), the lock gone."""
+        self._unlock()
         self._close()
         if self.queue_lock is not None:
             netlock.unlock(self.queue_lock)
@@ -359,11 +365,7 @@ class InetDump:
                 rawpkt.send_tcp(src, sport, dst, dport, seq=state["snd_seq"], ack=0, flags=rawpkt.TCP_RST,
                                 window=0, mark=netlock.PTCKPT_MARK)
         self.orphans.clear()
-    def _thaw(self) -> None:
-        for sock, reuse in self.repaired:
-            with contextlib.suppress(OSError):
-                tcp.leave_repair(sock, reuse)
-        self.repaired.clear()
+    def _unlock(self) -> None:
         if self.lock is not None:
             netlock.unlock(self.lock)
             self.lock = None
@@ -373,6 +375,7 @@ class InetDump:
             sock.close()
         self.accepted.clear()
         self.copies.clear()
+        self.silence.clear()
 
 
 def _short(s: _Sock) -> str:
