@@ -144,13 +144,13 @@ class InetDump:
         if not holders:
             return []
         socks = [self._open(pid, f) for pid, f in holders.values()]
-        diag = inetdiag.inet_sockets() if any(s.proto == _TCP for s in socks) else []
+        diag = _Index(inetdiag.inet_sockets() if any(s.proto == _TCP for s in socks) else [])
         inodes = {s.fd.ino for s in socks}
         for s in socks:
             self._classify(s, diag, inodes, fds)
         records = self._lock_and_read([s for s in socks if s.mode is InetMode.REPAIRED
                                        or s.pending], diag, inodes)
-        return [records.get(s.fd.ino) or self._plain(s) for s in socks] + records.get("pending", [])
+        return [records.get(s.fd.ino) or self._plain(s, diag) for s in socks] + records.get("pending", [])
 
     # -- reading -------------------------------------------------------------------
 
@@ -210,8 +210,8 @@ class InetDump:
                         f"cannot be frozen; dump again once it is established)")
 
     def _classify_pending(self, s: _Sock, diag, inodes: set[int], fds) -> None:
-        listener = next((d for d in diag if d.ino == s.fd.ino), None)
-        children = inetdiag.pending_children(listener, diag) if listener else []
+        listener = diag.by_ino.get(s.fd.ino)
+        children = inetdiag.pending_children(listener, diag.socks) if listener else []
         if self.policy.close:
             log.info("fd %d: %d connections not yet accepted are dropped (--tcp-close)", s.fd.fd, len(children))
             return
@@ -225,7 +225,7 @@ class InetDump:
                                        f"{endpoint(first.dst, first.dport)}" if first else _short(s),
                                        " (waiting in the accept queue)")
         for child in children:
-            peer = _peer_of(child, diag)
+            peer = diag.peer(child)
             if peer is None or (peer.ino and peer.ino not in inodes):
                 held = _holder(peer.ino, set(fds)) if peer is not None else "on another host"
                 self._refuse(s, f"the connection from {endpoint(child.dst, child.dport)} waiting in its accept "
@@ -270,10 +270,10 @@ class InetDump:
         with tcp.repaired(s.sock):
             state = tcp.read_stream_frozen(s.sock)
         self.silence.append(s.sock)
-        peer = _peer_of(_as_diag(s), diag)
+        peer = diag.peer(s)
         return InetSocket(ino=s.fd.ino, family=s.family, type=socket.SOCK_STREAM, protocol=_TCP,
                           mode=InetMode.REPAIRED, src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
-                          shutdown=_shutdown_of(s, diag), options=options,
+                          shutdown=diag.shutdown(s), options=options,
                           peer=peer.ino if peer is not None and peer.ino in inodes else 0, **state)
 
     def _take_queue(self, s: _Sock, diag, inodes: set[int]) -> list[InetSocket]:
@@ -292,7 +292,7 @@ class InetDump:
                     data += chunk
             src, sport = child.getsockname()[:2]
             dst, dport = child.getpeername()[:2]
-            peer = inetdiag.find_connection(child.family, dst, dport, src, sport)
+            peer = diag.peer(_Ends(src, sport, dst, dport))
             out.append(InetSocket(ino=PENDING_BASE + s.fd.ino * 1000 + n, family=child.family,
                                   type=socket.SOCK_STREAM, protocol=_TCP,
                                   state=tcp.tcp_info_head(child)[0], mode=InetMode.PENDING, src=src,
@@ -305,7 +305,7 @@ class InetDump:
                 self.orphans.append((child, tcp.read_stream_frozen(child)))
         return out
 
-    def _plain(self, s: _Sock) -> InetSocket:
+    def _plain(self, s: _Sock, diag: "_Index") -> InetSocket:
         options = sockopts.read_options(s.sock)
         try:
             program, _locked = sockopts.read_filter(s.sock)
@@ -325,7 +325,7 @@ class InetDump:
                           protocol=s.proto, state=s.state if s.proto == _UDP or s.state == tcp.LISTEN else tcp.CLOSE,
                           mode=InetMode.CLOSED if s.mode is InetMode.CLOSED else InetMode.PLAIN,
                           src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
-                          shutdown=_shutdown_of(s, None), backlog=backlog, options=options,
+                          shutdown=diag.shutdown(s), backlog=backlog, options=options,
                           datagrams=datagrams, multicast=groups, filter=program)
 
     # -- the end of the dump ---------------------------------------------------------
@@ -399,36 +399,47 @@ def _listener_counts(sock: socket.socket) -> tuple[int, int]:
     return sacked, unacked
 
 
-def _as_diag(s: _Sock):
-    return inetdiag.InetSock(family=s.family, protocol=_TCP, state=s.state, src=s.src, sport=s.sport,
-                             dst=s.dst, dport=s.dport, ino=s.fd.ino, uid=0, rqueue=0, wqueue=0,
-                             ifindex=0, shutdown=0, cookie=0, v6only=None)
+@dataclass(frozen=True)
+class _Ends:
+    src: str
+    sport: int
+    dst: str
+    dport: int
 
 
-def _peer_of(conn, diag):
-    """The socket at the other end of a loopback connection (by the reversed 4-tuple), or None."""
-    for d in diag:
-        if (d.sport, d.dport) == (conn.dport, conn.sport) and _same_addr(d.src, conn.dst) \
-                and _same_addr(d.dst, conn.src) and d.state not in (tcp.LISTEN, tcp.TIME_WAIT):
-            return d
-    return None
+class _Index:
+    """The inet_diag view of the network namespace, indexed once (a dump of a thousand
+    connections asks it a thousand questions)."""
+
+    def __init__(self, socks: list):
+        self.socks = socks
+        self.by_ino = {d.ino: d for d in socks if d.ino}
+        self.by_ends = {}
+        for d in socks:
+            if d.state not in (tcp.LISTEN, tcp.TIME_WAIT):
+                self.by_ends.setdefault((_norm(d.src), d.sport, _norm(d.dst), d.dport), d)
+
+    def peer(self, conn):
+        """The socket at the other end of a connection on this host (by the reversed
+        4-tuple), or None: the peer is elsewhere."""
+        return self.by_ends.get((_norm(conn.dst), conn.dport, _norm(conn.src), conn.sport))
+
+    def shutdown(self, s: _Sock) -> int:
+        d = self.by_ino.get(s.fd.ino)
+        if d is None and s.proto == _UDP and s.sport:
+            d = next(iter(inetdiag.inet_sockets(protocols=(_UDP,), families=(s.family,), inodes={s.fd.ino})), None)
+        return d.shutdown if d is not None else 0
 
 
-def _same_addr(a: str, b: str) -> bool:
+def _norm(addr: str) -> str:
+    """An address as one text for both spellings of an IPv4 one (::ffff:a.b.c.d)."""
     try:
-        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+        x = ipaddress.ip_address(addr)
     except ValueError:
-        return a == b
-    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
-    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
-    return x == y
-
-
-def _shutdown_of(s: _Sock, diag) -> int:
-    for d in diag or inetdiag.inet_sockets(protocols=(s.proto,), families=(s.family,), inodes={s.fd.ino}):
-        if d.ino == s.fd.ino:
-            return d.shutdown
-    return 0
+        return addr
+    if isinstance(x, ipaddress.IPv6Address) and x.ipv4_mapped:
+        x = x.ipv4_mapped
+    return str(x)
 
 
 def _holder(ino: int, members: set[int]) -> str:
