@@ -335,6 +335,7 @@ class UnixSocket:
     shutdown: int             # RCV_SHUTDOWN 1 | SEND_SHUTDOWN 2
     queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
+    options: tuple[tuple[int, int, bytes], ...] = ()   # (level, optname, value) to set again (format 6)
 
 
 class InetMode(enum.IntEnum):

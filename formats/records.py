@@ -534,6 +534,21 @@ PipeRecord = Record(PipeBuffer, Struct(
     "path" / Text,
 ))
 
+# Socket options (UNIX_SOCKET, INET_SOCKET, NETLINK_SOCKET): getsockopt(2) values as
+# (level, optname, value bytes), in the order a restore sets them.
+_SOCKOPTS = PrefixedArray(VarInt, CSequence(Int32sl, Int32sl, Blob))
+
+
+class _OptionsAdapter(Adapter):
+    """[(level, name, value)] <-> tuple of tuples."""
+
+    def _decode(self, obj, context, path):
+        return tuple((o[0], o[1], bytes(o[2])) for o in obj)
+
+    def _encode(self, obj, context, path):
+        return [list(o) for o in obj]
+
+
 # --- UNIX_SOCKET -------------------------------------------------------------
 # unix(7); sock_diag(7) NETLINK_SOCK_DIAG unix_diag_msg (include/uapi/linux/
 # unix_diag.h): udiag_ino, udiag_type, udiag_state, UNIX_DIAG_NAME, UNIX_DIAG_PEER,
@@ -550,6 +565,7 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "shutdown" / Int8ul,
     "queue" / PrefixedArray(VarInt, Blob),
     "listener" / Int64ul,
+    "options" / Since(6, _OptionsAdapter(_SOCKOPTS)),
 ))
 
 # --- PAGE_RUN ----------------------------------------------------------------
@@ -743,19 +759,6 @@ TerminalRecord = Record(Terminal, Struct(
 # with both queues read by MSG_PEEK in repair mode; ioctl SIOCOUTQNSD for the unsent part;
 # UDP datagrams peeked with SO_PEEK_OFF (socket(7)) with their senders; MCAST_MSFILTER
 # (struct group_filter) for multicast memberships; SO_GET_FILTER (struct sock_filter[]).
-_SOCKOPTS = PrefixedArray(VarInt, CSequence(Int32sl, Int32sl, Blob))
-
-
-class _OptionsAdapter(Adapter):
-    """[(level, name, value)] <-> tuple of tuples."""
-
-    def _decode(self, obj, context, path):
-        return tuple((o[0], o[1], bytes(o[2])) for o in obj)
-
-    def _encode(self, obj, context, path):
-        return [list(o) for o in obj]
-
-
 class _DatagramAdapter(Adapter):
     def _decode(self, obj, context, path):
         return tuple((d[0], d[1], bytes(d[2])) for d in obj)

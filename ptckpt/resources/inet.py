@@ -182,6 +182,9 @@ class InetDump:
     def _classify(self, s: _Sock, diag, inodes: set[int], fds) -> None:
         """Decide how `s` comes back; refuse what cannot (nothing is changed here)."""
         if s.proto == _UDP:
+            if tcp.ioctl_int(s.sock, tcp.SIOCOUTQ):
+                self._refuse(s, "a datagram being built and not sent yet (UDP_CORK or MSG_MORE); "
+                                "dump again once it is sent")
             return
         if s.state == tcp.LISTEN:
             _state, _opts, _s, _r = tcp.tcp_info_head(s.sock)
@@ -547,13 +550,27 @@ class InetRestore:
             sockopts.apply_options(s, r.options)
             sockopts.attach_filter(s, r.filter)
             if r.sport:
+                shared = self._shares_port(r)
+                if shared:
+                    # several sockets of the image on one address: they were bound with
+                    # SO_REUSEPORT/SO_REUSEADDR, which some cleared afterwards
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 _bind(s, r)
-            if r.state == tcp.LISTEN:
-                s.listen(r.backlog)
+                if r.state == tcp.LISTEN:
+                    s.listen(r.backlog)
+                if shared:
+                    for opt in (socket.SO_REUSEPORT, socket.SO_REUSEADDR):
+                        s.setsockopt(socket.SOL_SOCKET, opt,
+                                     sockopts.option_value(r.options, socket.SOL_SOCKET, opt))
         except BaseException:
             s.close()
             raise
         return s
+
+    def _shares_port(self, r: InetSocket) -> bool:
+        return any(o is not r and o.mode is InetMode.PLAIN and o.protocol == r.protocol
+                   and (o.src, o.sport) == (r.src, r.sport) for o in self.records)
 
     def _queue(self, p: InetSocket, client: InetSocket | None) -> None:
         """A connection waiting in a listener's accept queue, queued again: its client end

@@ -16,9 +16,12 @@ connected by name.  Then every queue is refilled from the other end (or sent
 to the socket's name), and shutdowns are applied.  The stubs inherit the
 sockets and dup3() them into place (restore.build_handoff).
 
+Socket options (SO_PASSCRED, SO_PASSSEC, buffer sizes ...: :mod:`.sockopts`) are set
+again once the connections are made.
+
 Not kept: the sender address of each queued datagram, fds in flight
-(refused by sock_diag.peek), socket options, the owner and mode of a bound
-socket file (ptckpt binds it again).
+(refused by sock_diag.peek), the owner and mode of a bound socket file (ptckpt
+binds it again).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .. import procfs, sockdiag
 from ..errors import RestoreFailed, SharedOutside, UnsupportedResource
 from ..formats.model import Fd, UnixSocket
 from ..tracee import pidfd_getfd
+from . import sockopts
 from .files import is_unix
 
 TCP_ESTABLISHED, TCP_CLOSE, TCP_LISTEN = 1, 7, 10
@@ -75,6 +79,7 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[U
             shutdown=d.shutdown,
             queue=() if d.listening else tuple(_peek(pid, f)),
             listener=names.get(d.name, 0) if d.name and not d.listening and d.peer else 0,
+            options=_options(pid, f),
         ))
     return out
 
@@ -109,6 +114,12 @@ def _show(name: bytes | None) -> str:
     if not name:
         return "unnamed"
     return "@" + name[1:].decode(errors="replace") if name[:1] == b"\0" else name.decode(errors="replace")
+
+
+def _options(pid: int, f: Fd) -> tuple:
+    copy = pidfd_getfd(pid, f.fd)
+    with socket.socket(fileno=copy) as sock:
+        return sockopts.read_options(sock)
 
 
 def _peek(pid: int, f: Fd) -> list[bytes]:
@@ -164,6 +175,7 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
                 _refill(r, made[r.peer] if mutual else None)
         for r in records:
             _shutdown(made[r.ino], r.shutdown)
+            _call("set its options", sockopts.apply_options, made[r.ino], r.options)
         out: dict[int, int] = {}
         for d, f in descs.items():
             s = made.get(f.ino)
