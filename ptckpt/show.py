@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ast
 import os
+import socket
 import zlib
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -16,15 +18,17 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import (GP_REG_NAMES, PAGE_SIZE, GhostFile, MemfdState, PageRun, ProcessImage,
-                                  SavedFile, ShmImage, Thread, Vma)
+from ptckpt.formats.model import (GP_REG_NAMES, PAGE_SIZE, Fd, FdKind, GhostFile, InetMode, InetSocket, MemfdState,
+                                  NetlinkSocket, PageRun, ProcessImage, SavedFile, ShmImage, Thread, UnixSocket, Vma)
+
+from .resources import inet, netlink, tcp
 
 _RIP = GP_REG_NAMES.index("rip")
 _RSP = GP_REG_NAMES.index("rsp")
 
 # Byte fields shown as {"size", "crc32"} rather than hex (they are kilobytes).
 _BLOB_FIELDS = {(Thread, "xstate"), (GhostFile, "data"), (SavedFile, "data"), (MemfdState, "contents"),
-                (ShmImage, "data")}
+                (ShmImage, "data"), (InetSocket, "recv_queue"), (InetSocket, "send_queue")}
 
 
 def _json_value(value: Any) -> Any:
@@ -55,8 +59,38 @@ def record_to_json(record: Any) -> dict[str, Any]:
             out[f.name] = _blob(value)
         elif cls is Thread and f.name == "regs":
             out[f.name] = dict(zip(GP_REG_NAMES, value))
+        elif cls is InetSocket and f.name == "mode":
+            out[f.name] = _enum_name(InetMode, value)
+        elif cls is InetSocket and f.name == "datagrams":
+            out[f.name] = [{"sender": host, "port": port, **_blob(payload)} for host, port, payload in value]
         else:
             out[f.name] = _json_value(value)
+    return out
+
+
+def _enum_name(cls: type[enum.Enum], value: Any) -> Any:
+    """An enum member's name; a number the enum does not know stays a number."""
+    try:
+        return cls(value).name
+    except ValueError:
+        return value
+
+
+def _socket_holders(procs: Sequence[ProcessImage]) -> dict[int, list[tuple[int, int]]]:
+    """Socket inode -> the (pid, fd) pairs holding it, in process and fd order."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for p in procs:
+        for f in p.fds:
+            if f.kind is FdKind.SOCKET:
+                out.setdefault(f.ino, []).append((p.task.pid, f.fd))
+    return out
+
+
+def _socket_json(record: Any, holders: dict[int, list[tuple[int, int]]]) -> dict[str, Any]:
+    out = record_to_json(record)
+    out["holders"] = [list(h) for h in holders.get(record.ino, ())]
+    if isinstance(record, InetSocket) and record.protocol == socket.IPPROTO_TCP:
+        out["state_name"] = tcp.state_name(record.state)
     return out
 
 
@@ -99,13 +133,15 @@ def _process_json(reader: ImageReader, pid: int) -> dict[str, Any]:
 
 
 def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
-    """The whole image as JSON-able data; page bytes are summarised, not included.
+    """The whole image as JSON-able data; page bytes and TCP queues are summarised
+    ({"size", "crc32"}), not included; sockets carry the (pid, fd) pairs holding them.
 
     Example: ``json.dumps(image_to_json("/tmp/ckpt"), indent=2)``.
     Strings keep undecodable path bytes as surrogate escapes (json.dumps
     writes them as \\udcXX; os.fsencode of the loaded string gives the bytes back).
     """
     with ImageReader(directory) as reader:
+        holders = _socket_holders([reader.process(pid) for pid in reader.pids])
         return {
             "path": reader.path,
             "format_version": reader.version,
@@ -114,7 +150,9 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "processes": [_process_json(reader, pid) for pid in reader.pids],
             "zombies": [record_to_json(z) for z in reader.zombies],
             "pipes": [record_to_json(p) for p in reader.pipes],
-            "unix_sockets": [record_to_json(u) for u in reader.unix_sockets],
+            "unix_sockets": [_socket_json(u, holders) for u in reader.unix_sockets],
+            "inet_sockets": [_socket_json(r, holders) for r in reader.inet_sockets],
+            "netlink_sockets": [_socket_json(r, holders) for r in reader.netlink_sockets],
             "sysv": [dict(record_to_json(o), record=type(o).__name__) for o in reader.sysv],
             "ghost_files": [record_to_json(g) for g in reader.ghost_files],
             "saved_files": [record_to_json(f) for f in reader.saved_files],
@@ -202,19 +240,14 @@ def _process_tables(proc: ProcessImage, runs: list[PageRun]) -> list[str]:
 
 
 def _shared_table(reader: ImageReader) -> str:
-    """One row per image-wide record: zombies, pipes, unix sockets, SysV objects."""
+    """One row per image-wide record: zombies, pipes, files, terminals, SysV objects
+    (sockets have a table of their own)."""
     rows = []
     for z in reader.zombies:
         rows.append(["zombie", z.pid, f"child of {z.ppid}, wait status {z.wait_status:#x}"])
     for p in reader.pipes:
         rows.append(["fifo" if p.path else "pipe", p.ino,
                      f"{len(p.data)} bytes buffered of {p.capacity}" + (f", {_printable(p.path)}" if p.path else "")])
-    for u in reader.unix_sockets:
-        kind = {1: "stream", 2: "dgram", 5: "seqpacket"}.get(u.type, str(u.type))
-        name = _printable(os.fsdecode(u.name.replace(b"\0", b"@", 1))) if u.name else "unnamed"
-        what = "listening" if u.state == 10 else f"peer {u.peer}" if u.peer else "unconnected"
-        rows.append([f"unix {kind}", u.ino, f"{name}, {what}, {sum(map(len, u.queue))} bytes "
-                     f"in {len(u.queue)} queued"])
     for g in reader.ghost_files:
         rows.append(["ghost file", g.ino, f"{_printable(g.path)} (deleted), {len(g.data)} bytes"])
     for f in reader.saved_files:
@@ -229,6 +262,153 @@ def _shared_table(reader: ImageReader) -> str:
         ident = getattr(o, "shmid", getattr(o, "semid", getattr(o, "msqid", 0)))
         rows.append([f"sysv {kind}", ident, f"key {o.key:#x}"])
     return _table(["KIND", "ID", "WHAT"], rows, right=(1,)) if rows else ""
+
+
+# --- the sockets table ----------------------------------------------------------------
+
+_SOCK_TYPES = {socket.SOCK_STREAM: "stream", socket.SOCK_DGRAM: "dgram", socket.SOCK_SEQPACKET: "seqpacket",
+               socket.SOCK_RAW: "raw"}
+_FAMILIES = {socket.AF_INET: "IPv4", socket.AF_INET6: "IPv6", socket.AF_UNIX: "unix", socket.AF_NETLINK: "netlink"}
+_SHUTDOWN = {1: "shut rd", 2: "shut wr", 3: "shut rdwr"}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _inet_row(r: InetSocket, where: str) -> list[str]:
+    is_tcp = r.protocol == socket.IPPROTO_TCP
+    local = inet.endpoint(r.src, r.sport) if r.src or r.sport else "-"
+    peer = inet.endpoint(r.dst, r.dport) if r.dport else "-"
+    if not is_tcp:
+        state = "connected" if r.dport else "bound" if r.sport else "unbound"
+        size = sum(len(d[2]) for d in r.datagrams)
+        recv, send = f"{size} ({_plural(len(r.datagrams), 'dgram')})", "-"
+    else:
+        state = tcp.state_name(r.state)
+        if r.mode == InetMode.REPAIRED:
+            state += ", repaired"
+        elif r.mode == InetMode.CLOSED:
+            state = "closed (comes back reset)"
+        elif r.mode == InetMode.PENDING:
+            state += f", queued on {where}"
+        elif r.state == tcp.LISTEN:
+            state += f" (backlog {r.backlog})"
+        elif r.state == tcp.CLOSE:
+            state = "bound" if r.sport else "unbound"
+        if r.mode in (InetMode.REPAIRED, InetMode.PENDING):
+            recv = str(len(r.recv_queue))
+            send = str(len(r.send_queue)) + (f" ({r.unsent} unsent)" if r.unsent else "")
+        else:
+            recv = send = "-"                # a listener, an unconnected socket; a closed one's are dropped
+    if r.shutdown in _SHUTDOWN and r.mode != InetMode.CLOSED:
+        state += f", {_SHUTDOWN[r.shutdown]}"
+    kind = "TCP" if is_tcp else "UDP"
+    return [_FAMILIES.get(r.family, str(r.family)), kind, local, peer, state, recv, send]
+
+
+def _unix_name(name: bytes) -> str:
+    return _printable(os.fsdecode(name.replace(b"\0", b"@", 1))) if name else "-"
+
+
+def _unix_row(u: UnixSocket) -> list[str]:
+    if u.state == tcp.LISTEN:
+        state = f"LISTEN (backlog {u.backlog})"
+    elif u.peer or u.peer_name:
+        state = "ESTABLISHED" if u.type != socket.SOCK_DGRAM else "connected"
+    else:
+        state = "unconnected"
+    if u.shutdown in _SHUTDOWN:
+        state += f", {_SHUTDOWN[u.shutdown]}"
+    peer = _unix_name(u.peer_name) if u.peer_name else f"socket:[{u.peer}]" if u.peer else "-"
+    size = sum(map(len, u.queue))
+    recv = str(size) if u.type == socket.SOCK_STREAM else f"{size} ({_plural(len(u.queue), 'msg')})"
+    return ["unix", _SOCK_TYPES.get(u.type, str(u.type)), _unix_name(u.name), peer, state, recv, "-"]
+
+
+def _netlink_row(r: NetlinkSocket) -> list[str]:
+    proto = netlink.PROTOCOLS.get(r.protocol, f"protocol {r.protocol}")
+    local = f"{proto} port {r.portid}" if r.portid else f"{proto} unbound"
+    peer = f"port {r.dst_portid}" + (f" group {r.dst_group}" if r.dst_group else "") \
+        if r.dst_portid or r.dst_group else "-"
+    state = ("bound" if r.portid else "unbound") + (f", groups {r.groups:#x}" if r.groups else "")
+    return ["netlink", _SOCK_TYPES.get(r.type, str(r.type)), local, peer, state, "-", "-"]
+
+
+def _details_address(text: str) -> str:
+    """An address as the fd's socket details hold it (repr of a tuple, a path) as one cell."""
+    if text.startswith("("):
+        host, port = ast.literal_eval(text)[:2]
+        return inet.endpoint(host, port) if port or host not in ("0.0.0.0", "::") else "-"
+    if text.startswith(("b'", 'b"')):
+        return _unix_name(ast.literal_eval(text))
+    return _printable(text) or "-"
+
+
+def _unsaved_row(f: Fd, root: bool) -> list[str]:
+    """A socket fd without a record: external (a plugin re-makes it), or the root's stdio."""
+    d = dict(f.details)
+    family = {"AF_INET": "IPv4", "AF_INET6": "IPv6", "AF_UNIX": "unix", "AF_NETLINK": "netlink"}.get(
+        d.get("family", ""), d.get("family", "?"))
+    kind = d.get("type", "?").removeprefix("SOCK_").lower()
+    if family.startswith("IPv"):
+        kind = {"stream": "TCP", "dgram": "UDP"}.get(kind, kind)
+    if f.external:
+        note = f.external.split(" ")[0] if f.external.startswith(("tcp:", "unix:", "listen")) else f.external
+        state = f"external: {_printable(note)}"
+    else:
+        state = "not saved (stdio: the restore gives its own)" if root and f.fd <= 2 else "not saved"
+    return [family, kind, _details_address(d.get("local", "")), _details_address(d.get("peer", "")), state, "-", "-"]
+
+
+def _holder_text(holders: Sequence[tuple[int, int]]) -> str:
+    return ",".join(f"{p}:{n}" for p, n in holders) or "-"
+
+
+def _sockets_table(reader: ImageReader, procs: Sequence[ProcessImage]) -> str:
+    """One line per socket: who holds it (pid:fd), family, type, addresses, state (and how it
+    comes back), bytes queued each way."""
+    holders = _socket_holders(procs)
+    order = {p.task.pid: i for i, p in enumerate(procs)}
+
+    def key(ino: int) -> tuple:
+        first = holders.get(ino)
+        return (order.get(first[0][0], len(order)), first[0][1]) if first else (len(order), 0)
+
+    rows: list[tuple[tuple, list[str]]] = []
+    recorded: set[int] = set()
+    for r in reader.inet_sockets:
+        recorded.add(r.ino)
+        if r.mode == InetMode.PENDING:      # no fd yet: listed under its listener
+            rows.append((key(r.listener) + (1, r.ino), ["-"] + _inet_row(r, _holder_text(holders.get(r.listener, ())))))
+        else:
+            rows.append((key(r.ino) + (0, 0), [_holder_text(holders.get(r.ino, ()))] + _inet_row(r, "")))
+    for u in reader.unix_sockets:
+        recorded.add(u.ino)
+        rows.append((key(u.ino) + (0, 0), [_holder_text(holders.get(u.ino, ()))] + _unix_row(u)))
+    for n in reader.netlink_sockets:
+        recorded.add(n.ino)
+        rows.append((key(n.ino) + (0, 0), [_holder_text(holders.get(n.ino, ()))] + _netlink_row(n)))
+    for p in procs:
+        for f in p.fds:
+            if f.kind is FdKind.SOCKET and f.ino not in recorded:
+                recorded.add(f.ino)
+                rows.append((key(f.ino) + (0, 0), [_holder_text(holders.get(f.ino, ()))]
+                             + _unsaved_row(f, p.task.pid == procs[0].task.pid if procs else False)))
+    if not rows:
+        return ""
+    rows.sort(key=lambda row: row[0])
+    return _table(["PID:FD", "FAMILY", "TYPE", "LOCAL", "PEER", "STATE", "RECV-Q", "SEND-Q"],
+                  [r for _key, r in rows])
+
+
+def _sockets_heading(inv, reader: ImageReader) -> str:
+    if inv.netlock and any(r.mode == InetMode.REPAIRED for r in reader.inet_sockets):
+        return (f"sockets (network lock {inv.netlock} holds the repaired connections until a "
+                f"restore releases it):")
+    if inv.netlock:
+        return f"sockets (network lock {inv.netlock}):"
+    return "sockets:"
 
 
 def _pid_heading(inv) -> str:
@@ -246,7 +426,8 @@ def _pid_table(inv, procs) -> str:
 
 
 def image_summary(directory: str | os.PathLike) -> str:
-    """Human-readable tables of an image: tasks, then threads, VMAs and fds per process.
+    """Human-readable tables of an image: tasks, pids, what the tree shares, its sockets,
+    then threads, VMAs and fds per process.
 
     Example: ``print(image_summary("/tmp/ckpt"))``.
     """
@@ -255,6 +436,8 @@ def image_summary(directory: str | os.PathLike) -> str:
         procs = [reader.process(pid) for pid in reader.pids]
         runs = {pid: reader.page_runs(pid) for pid in reader.pids}
         shared = _shared_table(reader)
+        sockets = _sockets_table(reader, procs)
+        sockets_heading = _sockets_heading(inv, reader)
     when = datetime.fromtimestamp(inv.realtime_ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
     head = (f"image {_printable(str(directory))}: format {reader.version}, ptckpt {inv.ptckpt_version}, "
             f"dumped {when} on {_printable(inv.hostname)} ({_printable(inv.kernel_release)} {inv.arch}), "
@@ -267,6 +450,8 @@ def image_summary(directory: str | os.PathLike) -> str:
     parts = [head, _section("tasks:", tasks), _section(_pid_heading(inv), _pid_table(inv, procs))]
     if shared:
         parts.append(_section("shared by the tree:", shared))
+    if sockets:
+        parts.append(_section(sockets_heading, sockets))
     if inv.fd_kinds_unsupported:
         parts.append(_section("not restorable:", "\n".join("  " + _printable(s) for s in inv.fd_kinds_unsupported)))
     for proc in procs:
