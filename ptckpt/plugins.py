@@ -453,3 +453,5 @@ def receive_fd_frozen(remote, channel: int, number: int, *, cloexec: bool = Fals
     if got != number:
         remote.checked("dup3", got, number, 0o2000000 if cloexec else 0, step=f"install fd {number}")
         remote.checked("close", got, step=f"install fd {number}")
+    elif cloexec:
+        remote.checked("fcntl", number, 2, 1, step=f"set FD_CLOEXEC on fd {number}")    # F_SETFD

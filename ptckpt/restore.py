@@ -361,11 +361,13 @@ def _check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:
                                   f"plugin claimed it")
 
 
-def _install_fd(remote, channel: int, theirs: int, vpid: int, number: int, local_fd: int) -> None:
-    """A plugin's `restored`: send ptckpt's fd over the channel, the process receives it."""
+def _install_fd(remote, channel: int, theirs: int, cloexec: dict[int, bool], vpid: int, number: int,
+                local_fd: int) -> None:
+    """A plugin's `restored`: send ptckpt's fd over the channel, the process receives it (with
+    the close-on-exec flag the image's fd of that number had)."""
     with socket.socket(fileno=os.dup(channel)) as sock:
         socket.send_fds(sock, [b"f"], [local_fd])
-    plugin_mod.receive_fd_frozen(remote, theirs, number)
+    plugin_mod.receive_fd_frozen(remote, theirs, number, cloexec=cloexec.get(number, False))
 
 
 def _raise_nofile() -> None:
@@ -728,7 +730,8 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 log.info("plugins: restored %d", vpid)
                 events.run("restored", [ProcessHandle(
                     leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
-                    fd_installer=functools.partial(_install_fd, remote, channel, chan),
+                    fd_installer=functools.partial(_install_fd, remote, channel, chan,
+                                                   {f.fd: f.cloexec for f in proc.fds}),
                     reg_overrides=overrides, breakpoints=breaks)])
             if chan >= 0:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")

@@ -423,8 +423,10 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
         if f.desc in handed and not f.skipped and not f.external:
             remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0,
                            step=f"install fd {f.fd} ({f.path})")
+    cloexec = {f.fd: f.cloexec for f in fds}         # a plugin's fd in place of the image's keeps its flag
     for src, number in extra:
-        remote.checked("dup3", src, number, 0, step=f"install fd {number} (given by a plugin)")
+        remote.checked("dup3", src, number, O_CLOEXEC if cloexec.get(number) else 0,
+                       step=f"install fd {number} (given by a plugin)")
     for fd in inherited:
         if fd not in wanted and fd not in keep:
             remote.checked("close", fd, step=f"close inherited fd {fd}")

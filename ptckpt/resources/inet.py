@@ -59,6 +59,7 @@ O_ACCMODE = 0o3
 PENDING_BASE = 1 << 62          # ids of accept-queue connections (they have no inode)
 SO_PEEK_OFF = 42
 _TCP, _UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+_MAXSEG = (socket.IPPROTO_TCP, socket.TCP_MAXSEG)
 
 
 def inet_family(f: Fd) -> int:
@@ -183,8 +184,8 @@ class InetDump:
         """Decide how `s` comes back; refuse what cannot (nothing is changed here)."""
         if s.proto == _UDP:
             if tcp.ioctl_int(s.sock, tcp.SIOCOUTQ):
-                self._refuse(s, "a datagram being built and not sent yet (UDP_CORK or MSG_MORE); "
-                                "dump again once it is sent")
+                self._refuse(s, "a datagram being built and not sent yet (UDP_CORK or MSG_MORE: dump "
+                                "again once it is sent)")
             return
         if s.state == tcp.LISTEN:
             _state, _opts, _s, _r = tcp.tcp_info_head(s.sock)
@@ -195,8 +196,8 @@ class InetDump:
         if s.state in tcp.REPAIRABLE:
             conn = f"{endpoint(s.src, s.sport)} -> {endpoint(s.dst, s.dport)} ({tcp.state_name(s.state)})"
             if tcp.urgent_pending(s.sock):
-                self._refuse(s, "urgent (out-of-band) data not read yet; restoring the urgent pointer "
-                                "is not possible (let the program read it first)")
+                self._refuse(s, "urgent (out-of-band) data not read yet (its urgent pointer cannot be made "
+                                "again: let the program read it first)")
             if self.policy.close:
                 s.mode = InetMode.CLOSED
             elif self.policy.established:
@@ -206,11 +207,12 @@ class InetDump:
             return
         if s.state == tcp.CLOSE:
             if _poll(s.sock) & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
-                self._refuse(s, "a TCP connection that was reset or closed, with a pending error or "
-                                "unread bytes; restoring those is not supported yet")
+                self._refuse(s, "a reset TCP connection with a pending error or unread bytes")
             return
-        self._refuse(s, f"a TCP socket in state {tcp.state_name(s.state)} (a connection being set up "
-                        f"cannot be frozen; dump again once it is established)")
+        d = diag.by_ino.get(s.fd.ino)
+        to = f" to {endpoint(d.dst, d.dport)}" if d is not None and d.dport else ""
+        self._refuse(s, f"a TCP socket in state {tcp.state_name(s.state)}{to} (a connection being set up "
+                        f"cannot be frozen: dump again once it is established)")
 
     def _classify_pending(self, s: _Sock, diag, inodes: set[int], fds) -> None:
         listener = diag.by_ino.get(s.fd.ino)
@@ -219,9 +221,9 @@ class InetDump:
             log.info("fd %d: %d connections not yet accepted are dropped (--tcp-close)", s.fd.fd, len(children))
             return
         if self.policy.leave_running:
-            self._refuse(s, f"{len(children) or 'some'} connections not yet accepted; a dump that "
-                            f"leaves the program running cannot put them back in its queue: dump with "
-                            f"--kill (the restore queues them again), or with --tcp-close to drop them")
+            self._refuse(s, f"{len(children) or 'some'} connections not yet accepted, in a dump that "
+                            f"leaves the program running (it cannot put them back in its queue: dump "
+                            f"with --kill, and the restore queues them again, or with --tcp-close to drop them)")
         if not self.policy.established:
             first = children[0] if children else None
             raise ConnectionNotAllowed(s.pid, s.fd.fd, f"{endpoint(first.src, first.sport)} <- "
@@ -231,8 +233,8 @@ class InetDump:
             peer = diag.peer(child)
             if peer is None or (peer.ino and peer.ino not in inodes):
                 held = _holder(peer.ino, set(fds)) if peer is not None else "on another host"
-                self._refuse(s, f"the connection from {endpoint(child.dst, child.dport)} waiting in its accept "
-                                f"queue has its client end {held}: it cannot be queued again (let the "
+                self._refuse(s, f"a connection from {endpoint(child.dst, child.dport)} waiting in its accept "
+                                f"queue, whose client end is {held} (it cannot be queued again: let the "
                                 f"program accept it first, or --tcp-close drops it)")
             if peer.ino:
                 self.clients.add(peer.ino)
@@ -580,13 +582,15 @@ class InetRestore:
         if client is not None:
             c = self._new(client)
             self.made[client.ino] = c
-            sockopts.apply_options(c, client.options)
+            sockopts.apply_options(c, [o for o in client.options if o[:2] != _MAXSEG])
+            c.bind(_addr(client.family, client.src, client.sport))
+            c.connect(_addr(client.family, client.dst, client.dport))
         else:
             c = self._new(p)
             self.temps.append(c)
             c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        c.bind(_addr(p.family, p.dst, p.dport))
-        c.connect(_addr(p.family, p.src, p.sport))
+            c.bind(_addr(p.family, p.dst, p.dport))
+            c.connect(_addr(p.family, p.src, p.sport))
         data = p.recv_queue + (client.send_queue if client is not None else b"")
         if data:
             if c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 2 * len(data):
@@ -602,7 +606,7 @@ class InetRestore:
         reuse = sockopts.option_value(r.options, socket.SOL_SOCKET, socket.SO_REUSEADDR)
 
         def prepare(s: socket.socket) -> None:
-            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR)}))
+            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR), _MAXSEG}))
 
         def send_packet(src, sport, dst, dport, *, seq, ack, flags, window):
             raw.tcp(src, sport, dst, dport, seq=seq, ack=ack, flags=flags, window=window)
@@ -618,11 +622,13 @@ class InetRestore:
         made by connecting it in repair mode (no packet) and disconnecting it."""
         s = self._new(r)
         try:
-            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR)}))
+            sockopts.apply_options(s, r.options, skip=frozenset({(socket.SOL_SOCKET, socket.SO_REUSEADDR), _MAXSEG}))
             tcp.repair_on(s)
             s.connect(_addr(r.family, r.dst or _loopback(r.family), r.dport or 9))
             s.setsockopt(socket.IPPROTO_TCP, tcp.TCP_REPAIR, tcp.REPAIR_OFF_NO_WP)
             _disconnect(s)
+            with contextlib.suppress(OSError):    # both ways shut, as after a reset: EOF, not ENOTCONN
+                s.shutdown(socket.SHUT_RDWR)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR,
                          sockopts.option_value(r.options, socket.SOL_SOCKET, socket.SO_REUSEADDR))
         except BaseException:

@@ -86,6 +86,7 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_IPV6, "IPV6_RECVPKTINFO", 49, 0, (socket.AF_INET6,), None),
     (SOL_IPV6, "IPV6_TCLASS", 67, 0, (socket.AF_INET6,), None),
     (SOL_TCP, "TCP_NODELAY", 1, 0, None, (_TCP,)),
+    (SOL_TCP, "TCP_MAXSEG", 2, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_CORK", 3, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_KEEPIDLE", 4, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_KEEPINTVL", 5, 0, None, (_TCP,)),
