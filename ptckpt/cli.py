@@ -251,6 +251,8 @@ def run(
     directory: Annotated[Optional[str], typer.Option("-D", "--directory", help="Where checkpoints (ckpt-NNNN) and the control socket go (default ./ptckpt-run-PID).")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Take a checkpoint this often (30s, 5m ...).")] = None,
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long a checkpoint waits for a critical section (ptckpt.app) to end.")] = "10s",
+    tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Checkpoints take established TCP connections (as dump --tcp-established).")] = False,
+    tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Checkpoints record established TCP connections as closed (as dump --tcp-close).")] = False,
 ) -> None:
     """Run COMMAND under ptckpt: checkpoints at intervals, on the program's request
     (ptckpt.app / ptckpt.h) and on `ptckpt control`; ends with COMMAND's exit status.
@@ -264,7 +266,7 @@ def run(
         every = parse_duration(interval) if interval else 0.0
         sup = Supervisor(command, directory or f"ptckpt-run-{os.getpid()}", interval=every,
                          critical_timeout=parse_duration(critical_timeout),
-                       tcp_established=tcp_established, tcp_close=tcp_close)
+                         tcp_established=tcp_established, tcp_close=tcp_close)
         become_subreaper()
         status = sup.run()
     except PtckptError as err:

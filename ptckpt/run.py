@@ -60,13 +60,14 @@ class RunState:
 
 class Supervisor:
     def __init__(self, argv: Sequence[str], directory: str, *, interval: float = 0.0,
-                 critical_timeout: float = 10.0):
+                 critical_timeout: float = 10.0, tcp_established: bool = False, tcp_close: bool = False):
         if not argv:
             raise UsageError("ptckpt run needs a command (after --)")
         self.argv = list(argv)
         self.directory = os.path.abspath(directory)
         self.interval = interval
         self.critical_timeout = critical_timeout
+        self.tcp = dict(tcp_established=tcp_established, tcp_close=tcp_close)   # dump's TCP policy
         self.child: subprocess.Popen | None = None
         self.listener: socket.socket | None = None
         self.clients: list[socket.socket] = []
@@ -167,7 +168,7 @@ class Supervisor:
         log.info("checkpoint %d (%s) -> %s", n, reason, directory)
         try:
             result = dump(self.child.pid, directory, mode=DumpMode.LEAVE_RUNNING,
-                          critical_timeout=self.critical_timeout)
+                          critical_timeout=self.critical_timeout, **self.tcp)
         except PtckptError as err:
             self.state.failures.append({"reason": reason, "error": str(err), "at": time.time()})
             log.warning("checkpoint %d failed: %s", n, err)

@@ -156,3 +156,34 @@ def test_campaign_with_breakpoint_faults(ptckpt, testbench_image, testbench_bin,
         (fault,) = r["faults"]
         assert fault["target"] == "call 5 of step: design_state" and len(fault["bits"]) == 1
     assert _leftovers(str(testbench_bin)) == []
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_campaign_runs_of_a_server_image_each_get_a_network_namespace(spawn, ptckpt, fixture_bins, tmp_path):
+    """An image holding a listener and a UDP socket on one loopback port: two runs at once
+    would fight over the port; the campaign restores each in a network namespace of its own."""
+    port = _free_port()
+    target = spawn("netcount", port, 40, 20000)
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    from ptckpt import campaign
+    assert campaign._holds_loopback_sockets(str(image))        # so every run gets --netns
+    out = tmp_path / "results"
+    try:
+        res = ptckpt("campaign", "-D", image, "-o", out, "--runs", "4", "--jobs", "2", "--seed", "7",
+                     "--inject", "flip:symbol=spare,bits=1", "--timeout", "30s", "--file-policy", "warn")
+        assert res.returncode == 0, res.stderr
+        rows = _rows(out)
+        assert [r["outcome"] for r in rows] == ["reference"] + ["masked"] * 4, rows
+        for run in ["reference", "0001", "0002", "0003", "0004"]:
+            text = (out / "runs" / run / "stdout").read_text()
+            assert f"DONE 40 {port}" in text, text
+    finally:
+        kill_pids(_leftovers(str(fixture_bins["netcount"])))
+        reap_orphans()
