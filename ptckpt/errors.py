@@ -303,3 +303,35 @@ class ControlError(PtckptError):
     """`ptckpt control`: the run cannot be found or does not answer."""
 
     exit_code = ExitCode.CONTROL
+
+
+# --- one choke point per layer ---------------------------------------------------
+
+class OSErrorTranslator:
+    """How a layer turns an OSError into its own errors: `unavailable` (built as
+    cls(what, "<unavailable_text> (<reason>)", errno)) for the errnos that mean the kernel
+    cannot or will not, `error` (cls(what, reason, errno)) for the others.  Its `wrap(what)`
+    decorator is the choke point on a layer's public functions."""
+
+    def __init__(self, error: type, unavailable: type, errnos: frozenset[int], unavailable_text: str):
+        self.error, self.unavailable = error, unavailable
+        self.errnos, self.unavailable_text = errnos, unavailable_text
+
+    def translate(self, err: OSError, what: str, errnos: frozenset[int] | None = None) -> PtckptError:
+        reason = err.strerror or str(err) or type(err).__name__
+        if err.errno in (self.errnos if errnos is None else errnos):
+            return self.unavailable(what, f"{self.unavailable_text} ({reason})", err.errno)
+        return self.error(what, reason, err.errno)
+
+    def wrap(self, what: str, errnos: frozenset[int] | None = None):
+        import functools
+
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                try:
+                    return fn(*args, **kwargs)
+                except OSError as err:
+                    raise self.translate(err, what, errnos) from err
+            return wrapper
+        return decorate

@@ -87,7 +87,6 @@ Fields:
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from collections.abc import Iterable, Sequence
@@ -95,19 +94,15 @@ from dataclasses import dataclass
 
 from ptckpt.sockdiag import (
     _MISSING_ERRNOS_DIAG,
-    _NLMSGERR,
     _NLMSGHDR,
     NETLINK_SOCK_DIAG,
     NLM_F_DUMP,
-    NLM_F_DUMP_INTR,
     NLM_F_REQUEST,
-    NLMSG_DONE,
-    NLMSG_ERROR,
     SOCK_DIAG_BY_FAMILY,
     SockDiagError,
-    _align4,
     _attributes,
     _wrap_oserror,
+    netlink_dump,
 )
 
 # --- kernel constants ---------------------------------------------------------
@@ -155,7 +150,6 @@ _INET_DIAG_MSG_TAIL = struct.Struct("=IIIII")     # expires, rqueue, wqueue, uid
 _SOCKID_SIZE = _INET_DIAG_SOCKID.size + _INET_DIAG_SOCKID_TAIL.size
 _INET_DIAG_MSG_SIZE = _INET_DIAG_MSG_HEAD.size + _SOCKID_SIZE + _INET_DIAG_MSG_TAIL.size
 
-_NL_BUFSIZE = 1 << 16
 _NL_TIMEOUT = 5.0
 _DUMP_TRIES = 3
 
@@ -238,49 +232,6 @@ def _parse_inet_diag_msg(data: bytes, offset: int, end: int, protocol: int) -> I
                     shutdown=shutdown, cookie=c0 | (c1 << 32), v6only=v6only)
 
 
-def _parse_replies(data: bytes, seq: int, protocol: int,
-                   out: list[InetSock]) -> tuple[bool, bool]:
-    """Append the sockets of one netlink datagram to out; (done, interrupted)."""
-    offset = 0
-    interrupted = False
-    while offset + _NLMSGHDR.size <= len(data):
-        length, mtype, flags, mseq, _pid = _NLMSGHDR.unpack_from(data, offset)
-        if length < _NLMSGHDR.size or offset + length > len(data):
-            raise SockDiagError("inet_diag", f"malformed netlink message (length {length})")
-        body = offset + _NLMSGHDR.size
-        if mseq == seq:
-            interrupted |= bool(flags & NLM_F_DUMP_INTR)
-            if mtype == NLMSG_DONE:
-                return True, interrupted
-            if mtype == NLMSG_ERROR:
-                (error,) = _NLMSGERR.unpack_from(data, body)
-                if error:
-                    raise OSError(-error, os.strerror(-error))
-                return True, interrupted
-            if mtype == SOCK_DIAG_BY_FAMILY:
-                out.append(_parse_inet_diag_msg(data, body, offset + length, protocol))
-        offset += _align4(length)
-    return False, interrupted
-
-
-def _dump_once(nl: socket.socket, family: int, protocol: int, states: int,
-               seq: int) -> tuple[list[InetSock], bool]:
-    """One dump request for (family, protocol), every reply up to NLMSG_DONE."""
-    nl.sendto(_dump_request(family, protocol, states, seq), (0, 0))
-    buf = bytearray(_NL_BUFSIZE)
-    out: list[InetSock] = []
-    interrupted = False
-    while True:
-        nbytes, _anc, flags, _addr = nl.recvmsg_into([buf])
-        if flags & socket.MSG_TRUNC:
-            raise SockDiagError("inet_diag", "netlink reply truncated")
-        done, intr = _parse_replies(bytes(buf[:nbytes]), seq, protocol, out)
-        interrupted |= intr
-        if done:
-            return out, interrupted
-
-
-
 def _check_arguments(protocols: Sequence[int], families: Sequence[int], states: int) -> None:
     for protocol in protocols:
         if protocol not in _PROTOCOLS:
@@ -327,7 +278,9 @@ def inet_sockets(*, protocols: Iterable[int] = (socket.IPPROTO_TCP, socket.IPPRO
             for protocol in protocols:
                 for _attempt in range(_DUMP_TRIES):
                     seq += 1
-                    socks, interrupted = _dump_once(nl, family, protocol, states, seq)
+                    socks, interrupted = netlink_dump(
+                        nl, _dump_request(family, protocol, states, seq), seq,
+                        lambda data, body, end: _parse_inet_diag_msg(data, body, end, protocol), "inet_diag")
                     if not interrupted:
                         break
                 result.extend(s for s in socks if inodes is None or s.ino in inodes)

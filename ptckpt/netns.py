@@ -60,7 +60,6 @@ import contextlib
 import ctypes
 import errno as _errno
 import fcntl
-import functools
 import os
 import socket
 import struct
@@ -68,7 +67,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from ptckpt.errors import ExitCode, NoSuchProcess, PtckptError
+from ptckpt.errors import ExitCode, NoSuchProcess, OSErrorTranslator, PtckptError
 
 # --- kernel constants ---------------------------------------------------------
 
@@ -109,25 +108,8 @@ class NetnsUnavailable(NetnsError):
 _REFUSED = frozenset({_errno.EPERM, _errno.ENOSYS, _errno.EOPNOTSUPP})
 
 
-def _translate(err: OSError, what: str, refused: frozenset[int] = _REFUSED) -> NetnsError:
-    """The ptckpt error for an OSError met while doing `what` (see module doc)."""
-    reason = err.strerror or str(err) or type(err).__name__
-    if err.errno in refused:
-        return NetnsUnavailable(what, f"refused by the kernel ({reason})", err.errno)
-    return NetnsError(what, reason, err.errno)
-
-
-def _wrap_oserror(what: str, refused: frozenset[int] = _REFUSED):
-    """Decorator: translate OSError escaping the function into NetnsError."""
-    def decorate(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except OSError as err:
-                raise _translate(err, what, refused) from err
-        return wrapper
-    return decorate
+_ERRORS = OSErrorTranslator(NetnsError, NetnsUnavailable, _REFUSED, "refused by the kernel")
+_wrap_oserror = _ERRORS.wrap
 
 
 # --- raw calls ------------------------------------------------------------------------

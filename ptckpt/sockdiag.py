@@ -129,14 +129,13 @@ import array
 import contextlib
 import errno as _errno
 import fcntl
-import functools
 import os
 import socket
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ptckpt.errors import ExitCode, PtckptError
+from ptckpt.errors import ExitCode, OSErrorTranslator, PtckptError
 
 # --- kernel constants ---------------------------------------------------------
 
@@ -239,26 +238,9 @@ _MISSING_ERRNOS = frozenset({_errno.EPROTONOSUPPORT, _errno.EAFNOSUPPORT,
 _MISSING_ERRNOS_DIAG = _MISSING_ERRNOS | {_errno.ENOENT}
 
 
-def _translate(err: OSError, what: str,
-               missing: frozenset[int] = _MISSING_ERRNOS) -> SockDiagError:
-    """The ptckpt error for an OSError met while doing `what` (see module doc)."""
-    reason = err.strerror or str(err) or type(err).__name__
-    if err.errno in missing:
-        return SockDiagUnavailable(what, f"not supported by this kernel ({reason})", err.errno)
-    return SockDiagError(what, reason, err.errno)
-
-
-def _wrap_oserror(what: str, missing: frozenset[int] = _MISSING_ERRNOS):
-    """Decorator: translate OSError escaping the function into SockDiagError."""
-    def decorate(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except OSError as err:
-                raise _translate(err, what, missing) from err
-        return wrapper
-    return decorate
+_ERRORS = OSErrorTranslator(SockDiagError, SockDiagUnavailable, _MISSING_ERRNOS, "not supported by this kernel")
+_translate = _ERRORS.translate
+_wrap_oserror = _ERRORS.wrap
 
 
 # --- records ------------------------------------------------------------------
@@ -387,14 +369,15 @@ def _parse_unix_diag_msg(data: bytes, offset: int, end: int) -> UnixSock:
                     wqueue=wqueue, shutdown=shutdown, cookie=c0 | (c1 << 32), uid=uid)
 
 
-def _parse_replies(data: bytes, seq: int, out: list[UnixSock]) -> tuple[bool, bool]:
-    """Append the sockets in one netlink datagram to out; (done, interrupted)."""
+def _parse_replies(data: bytes, seq: int, out: list, parse, what: str) -> tuple[bool, bool]:
+    """Append what `parse(data, body, end)` makes of each SOCK_DIAG_BY_FAMILY message in one
+    netlink datagram to out; (done, interrupted)."""
     offset = 0
     interrupted = False
     while offset + _NLMSGHDR.size <= len(data):
         length, mtype, flags, mseq, _pid = _NLMSGHDR.unpack_from(data, offset)
         if length < _NLMSGHDR.size or offset + length > len(data):
-            raise SockDiagError("sock_diag", f"malformed netlink message (length {length})")
+            raise SockDiagError(what, f"malformed netlink message (length {length})")
         body = offset + _NLMSGHDR.size
         if mseq == seq:
             interrupted |= bool(flags & NLM_F_DUMP_INTR)
@@ -406,22 +389,23 @@ def _parse_replies(data: bytes, seq: int, out: list[UnixSock]) -> tuple[bool, bo
                     raise OSError(-error, os.strerror(-error))
                 return True, interrupted
             if mtype == SOCK_DIAG_BY_FAMILY:
-                out.append(_parse_unix_diag_msg(data, body, offset + length))
+                out.append(parse(data, body, offset + length))
         offset += _align4(length)
     return False, interrupted
 
 
-def _dump_once(nl: socket.socket, seq: int) -> tuple[list[UnixSock], bool]:
-    """Send one dump request and read every reply up to NLMSG_DONE."""
-    nl.sendto(_dump_request(seq), (0, 0))
+def netlink_dump(nl: socket.socket, request: bytes, seq: int, parse, what: str) -> tuple[list, bool]:
+    """Send one sock_diag dump request and read every reply up to NLMSG_DONE:
+    (the records `parse(data, body, end)` made, whether the kernel flagged it interrupted)."""
+    nl.sendto(request, (0, 0))
     buf = bytearray(_NL_BUFSIZE)
-    out: list[UnixSock] = []
+    out: list = []
     interrupted = False
     while True:
         nbytes, _anc, flags, _addr = nl.recvmsg_into([buf])
         if flags & socket.MSG_TRUNC:
-            raise SockDiagError("sock_diag", "netlink reply truncated")
-        done, intr = _parse_replies(bytes(buf[:nbytes]), seq, out)
+            raise SockDiagError(what, "netlink reply truncated")
+        done, intr = _parse_replies(bytes(buf[:nbytes]), seq, out, parse, what)
         interrupted |= intr
         if done:
             return out, interrupted
@@ -437,7 +421,7 @@ def unix_sockets(inodes: set[int] | None = None) -> dict[int, UnixSock]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(_NL_TIMEOUT)
         for seq in range(1, 4):
-            socks, interrupted = _dump_once(nl, seq)
+            socks, interrupted = netlink_dump(nl, _dump_request(seq), seq, _parse_unix_diag_msg, "sock_diag")
             if not interrupted:
                 break
     return {s.ino: s for s in socks if s.ino and (inodes is None or s.ino in inodes)}
