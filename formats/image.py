@@ -71,6 +71,7 @@ from ptckpt.formats.model import (
 )
 from ptckpt.formats.records import (
     FILE_ENTRY_KINDS,
+    ENTRY_HEADER_SIZE,
     FORMAT_VERSION,
     HEADER_SIZE,
     KIND_OF,
@@ -817,7 +818,19 @@ class ImageReader:
             fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]))
         return proc, tuple(unknown)
 
-    def _read_entries(self, name: str, kind: FileKind) -> tuple[FileHeader, list]:
+    @classmethod
+    def read_inventory(cls, directory: str | os.PathLike) -> Inventory:
+        """Only the INVENTORY record (the first entry of inventory.img), its file's header
+        and checksum validated: what the image is, without decoding what it holds."""
+        reader = cls(directory)
+        if not os.path.exists(reader._file(INVENTORY_NAME)):
+            raise NotAnImage(reader.path, f"no {INVENTORY_NAME}, not a ptckpt image")
+        _header, entries = reader._read_entries(INVENTORY_NAME, FileKind.INVENTORY, first_only=True)
+        if not entries or not isinstance(entries[0], Inventory):
+            raise CorruptImage(reader._file(INVENTORY_NAME), "the first entry is not the INVENTORY")
+        return entries[0]
+
+    def _read_entries(self, name: str, kind: FileKind, *, first_only: bool = False) -> tuple[FileHeader, list]:
         fd, header = self._open_file(name, kind)
         path = self._file(name)
         try:
@@ -832,6 +845,8 @@ class ImageReader:
         crc = zlib.crc32(payload)
         if crc != header.crc32:
             raise CorruptImage(path, f"checksum mismatch (header {header.crc32:#010x}, data {crc:#010x})")
+        if first_only and len(payload) >= ENTRY_HEADER_SIZE:
+            payload = payload[:ENTRY_HEADER_SIZE + int.from_bytes(payload[4:8], "little")]
         try:
             entries = decode_entries(payload, version=header.version)
         except EntryDecodeError as err:

@@ -428,6 +428,25 @@ def test_golden_image_reads_back(image_dir):
         ["inventory.img"] + [f(p) for p in (100, 200) for f in (core_name, pagemap_name, pages_name)])
 
 
+def test_read_inventory_alone(tmp_path):
+    """The inventory without the records after it (a lock's owner asks what an image is),
+    and still every check of the file: checksum, not an image."""
+    target = tmp_path / "ckpt"
+    with ImageWriter(target) as image:
+        image.write_inventory(make_inventory((100,)), [Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0)])
+        image.write_process(make_process(100))
+        with image.pages_writer(100) as pages:
+            pages.add_run(0x7f0000000000, 1, pages.write(PAGE_A))
+    assert ImageReader.read_inventory(target) == make_inventory((100,))
+    raw = bytearray((target / "inventory.img").read_bytes())
+    raw[-1] ^= 0xFF                                  # in the ZOMBIE record, after the INVENTORY
+    (target / "inventory.img").write_bytes(raw)
+    with pytest.raises(CorruptImage, match="checksum"):
+        ImageReader.read_inventory(target)
+    with pytest.raises(NotAnImage):
+        ImageReader.read_inventory(tmp_path)
+
+
 def test_pages_file_layout(image_dir):
     raw = (image_dir / pages_name(100)).read_bytes()
     assert len(raw) == PAGES_DATA_OFFSET + 3 * PAGE_SIZE

@@ -33,7 +33,6 @@ lock goes, repair mode ends with a window probe.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno as _errno
 import fcntl
 import ipaddress
@@ -746,8 +745,7 @@ def stale_lock_cleanup() -> list[str]:
 def _image_holds(info) -> bool:
     from ..formats.image import ImageReader
     try:
-        with ImageReader(info.image_dir, verify_pages=False) as image:
-            return image.inventory.netlock == info.id
+        return ImageReader.read_inventory(info.image_dir).netlock == info.id
     except PtckptError:
         return False
 

@@ -130,13 +130,24 @@ def _read(sock: socket.socket, level: int, opt: int, size: int) -> bytes | None:
         return None          # not readable on this socket (state, kernel): nothing to keep
 
 
+_APPLICABLE: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
+
+
+def _applicable(family: int, proto: int) -> tuple[tuple[int, int, int], ...]:
+    """(level, optname, size) of the table's options for this family and protocol, once."""
+    key = (family, proto)
+    if key not in _APPLICABLE:
+        _APPLICABLE[key] = tuple((level, opt, size) for level, _name, opt, size, fams, protos in OPTIONS
+                                 if _applies(family, proto, fams, protos))
+    return _APPLICABLE[key]
+
+
 def _read_all(sock: socket.socket) -> dict[tuple[int, int], bytes]:
     out = {}
-    for level, _name, opt, size, fams, protos in OPTIONS:
-        if _applies(sock.family, sock.proto, fams, protos):
-            value = _read(sock, level, opt, size)
-            if value is not None:
-                out[(level, opt)] = value
+    for level, opt, size in _applicable(int(sock.family), sock.proto):
+        value = _read(sock, level, opt, size)
+        if value is not None:
+            out[(level, opt)] = value
     return out
 
 
@@ -154,7 +165,7 @@ def defaults(family: int, type_: int, proto: int) -> dict[tuple[int, int], bytes
 
 def read_options(sock: socket.socket) -> tuple[tuple[int, int, bytes], ...]:
     """(level, optname, value) of every option whose value differs from a new socket's."""
-    base = defaults(sock.family, sock.type, sock.proto)
+    base = defaults(int(sock.family), int(sock.type), sock.proto)
     return tuple((level, opt, value) for (level, opt), value in _read_all(sock).items()
                  if base.get((level, opt)) != value)
 
