@@ -132,6 +132,7 @@ class InetDump:
     silence: list[socket.socket] = field(default_factory=list)    # dumped connections (copies)
     accepted: list[socket.socket] = field(default_factory=list)
     copies: list[socket.socket] = field(default_factory=list)
+    queued: int = 0                                  # accept-queue connections taken so far
 
     def capture_frozen(self, fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[InetSocket]:
         """Records for every inet socket description of the tree (those in `skip` are the
@@ -187,9 +188,7 @@ class InetDump:
                                 "again once it is sent)")
             return
         if s.state == tcp.LISTEN:
-            _state, _opts, _s, _r = tcp.tcp_info_head(s.sock)
-            queued = _listener_counts(s.sock)[1]
-            if queued:
+            if _listener_counts(s.sock)[1]:
                 self._classify_pending(s, diag, inodes, fds)
             return
         if s.state in tcp.REPAIRABLE:
@@ -284,7 +283,7 @@ class InetDump:
         """Accept every connection waiting on listener `s` (on ptckpt's copy), in queue order,
         and read what its peer sent: PENDING records."""
         out = []
-        for n in range(len(s.pending)):
+        for _ in s.pending:
             if not _poll(s.sock) & select.POLLIN:
                 break
             child, _addr = s.sock.accept()
@@ -297,7 +296,8 @@ class InetDump:
             src, sport = child.getsockname()[:2]
             dst, dport = child.getpeername()[:2]
             peer = diag.peer(_Ends(src, sport, dst, dport))
-            out.append(InetSocket(ino=PENDING_BASE + s.fd.ino * 1000 + n, family=child.family,
+            self.queued += 1
+            out.append(InetSocket(ino=PENDING_BASE + self.queued, family=child.family,
                                   type=socket.SOCK_STREAM, protocol=_TCP,
                                   state=tcp.tcp_info_head(child)[0], mode=InetMode.PENDING, src=src,
                                   sport=sport, dst=dst, dport=dport, recv_queue=bytes(data),
