@@ -69,6 +69,18 @@ def _ptckpt(*args: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, **kw)
 
 
+def _handles_signals(pid: int) -> bool:
+    """ptckpt's own handlers are in (SIGTERM caught): the command has begun.  Before that
+    the interpreter is still starting and nothing of a dump has happened yet; a signal
+    then ends it with Python's own words (or none), which is not what is tested here."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True                                       # it ended already
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
 def _state(pid: int) -> tuple[str, int]:
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -93,6 +105,7 @@ def test_interrupted_dumps_leave_no_lock_and_the_connection_carries_on(echo_targ
         directory = tmp_path / f"ckpt-{n}"
         dumper = _ptckpt("dump", str(proc.pid), "-D", str(directory), "--tcp-established")
         dumpers.append(dumper.pid)
+        wait_until(lambda: _handles_signals(dumper.pid), timeout=10, interval=0.001)
         time.sleep(rng.uniform(0.0, span))
         dumper.send_signal(sig)
         _out, err = dumper.communicate(timeout=60)
