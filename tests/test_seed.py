@@ -13,7 +13,9 @@ from conftest import kill_pids, reap_orphans
 from test_emulator import finish, start_emulator, start_testbench, testbench_bin  # noqa: F401
 
 VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
-CONFIG = "init_steps 40\ninit_sleep_us 2000\nvectors 200\nvector_sleep_us 5000\n"
+# 600 vectors of 5 ms: the bench still runs while the dump is retried (the vendor plugin
+# refuses a freeze mid-transaction), on a loaded machine too (200 were not always enough)
+CONFIG = "init_steps 40\ninit_sleep_us 2000\nvectors 600\nvector_sleep_us 5000\n"
 
 
 def test_testbench_restarts_in_another_slot_against_a_fresh_emulator(spawn, ptckpt, testbench_bin,
