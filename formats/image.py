@@ -48,12 +48,14 @@ from ptckpt.formats.model import (
     GhostFile,
     HeldLock,
     InetSocket,
+    Itimer,
     Inventory,
     Mm,
     MsgImage,
     NetlinkSocket,
     PageRun,
     PendingSignal,
+    PosixTimer,
     PipeBuffer,
     PluginData,
     ProcessImage,
@@ -245,7 +247,8 @@ class ImageWriter:
         if pid in self._cores:
             raise ValueError(f"process {pid} already written")
         records = [proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas,
-                   *proc.threads, *proc.sigactions, *proc.pending, *proc.fds, *proc.locks]
+                   *proc.threads, *proc.sigactions, *proc.pending, *proc.fds, *proc.locks,
+                   *proc.timers, *proc.itimers]
         self._write_file(core_name(pid), build_file(FileKind.CORE, records))
         self._cores.add(pid)
 
@@ -794,7 +797,7 @@ class ImageReader:
     def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
         single: dict[type, object] = {}
         lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: [],
-                                   HeldLock: []}
+                                   HeldLock: [], PosixTimer: [], Itimer: []}
         unknown = []
         for entry in entries:
             if isinstance(entry, RawEntry):
@@ -815,7 +818,8 @@ class ImageReader:
             task=task, creds=single[Creds], mm=single[Mm],
             rlimits=tuple(lists[Rlimit]), vmas=tuple(lists[Vma]), threads=tuple(lists[Thread]),
             sigactions=tuple(lists[Sigaction]), pending=tuple(lists[PendingSignal]),
-            fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]))
+            fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]), timers=tuple(lists[PosixTimer]),
+            itimers=tuple(lists[Itimer]))
         return proc, tuple(unknown)
 
     @classmethod

@@ -272,6 +272,30 @@ class HeldLock:
 
 
 @dataclass(frozen=True)
+class PosixTimer:
+    """A POSIX timer of the process (timer_create), with the time it had left."""
+
+    id: int                   # the timer id the process holds
+    clockid: int              # CLOCK_* or an encoded CPU clock (negative)
+    signo: int
+    notify: int               # SIGEV_SIGNAL 0, SIGEV_NONE 1, SIGEV_THREAD 2, | SIGEV_THREAD_ID 4
+    tid: int                  # the thread signalled (SIGEV_THREAD_ID), else 0
+    value: int                # sigev_value
+    interval_ns: int
+    left_ns: int              # 0: disarmed
+    overrun: int = 0          # timer_getoverrun at the dump (not settable)
+
+
+@dataclass(frozen=True)
+class Itimer:
+    """An armed interval timer (setitimer(2))."""
+
+    which: int                # ITIMER_REAL 0, ITIMER_VIRTUAL 1, ITIMER_PROF 2
+    interval_us: int
+    left_us: int
+
+
+@dataclass(frozen=True)
 class ProcessImage:
     """Everything core-PID.img holds, decoded."""
 
@@ -285,6 +309,8 @@ class ProcessImage:
     pending: tuple[PendingSignal, ...]
     fds: tuple[Fd, ...]
     locks: tuple[HeldLock, ...] = ()
+    timers: tuple["PosixTimer", ...] = ()        # since format 7
+    itimers: tuple["Itimer", ...] = ()
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------

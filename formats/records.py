@@ -25,6 +25,7 @@ Grammar (every integer little-endian)::
                       EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
+                      POSIX_TIMER* ITIMER*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
 
@@ -100,6 +101,7 @@ from ptckpt.formats.model import (
     GhostFile,
     HeldLock,
     InetSocket,
+    Itimer,
     NetlinkSocket,
     InetMode,
     Inventory,
@@ -107,6 +109,7 @@ from ptckpt.formats.model import (
     MsgImage,
     PageRun,
     PendingSignal,
+    PosixTimer,
     Restart,
     PipeBuffer,
     PluginData,
@@ -124,11 +127,12 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 6                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 7                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
                                    # 6: network sockets (INET_SOCKET, NETLINK_SOCKET, the lock)
+                                   # 7: timers (POSIX_TIMER, ITIMER)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -180,6 +184,8 @@ class EntryKind(enum.IntEnum):
     FD = 18
     FILE_LOCK = 19
     PAGE_RUN = 20
+    POSIX_TIMER = 21
+    ITIMER = 22
 
 
 class EntryDecodeError(ValueError):
@@ -568,6 +574,28 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "options" / Since(6, _OptionsAdapter(_SOCKOPTS)),
 ))
 
+# --- POSIX_TIMER, ITIMER ----------------------------------------------------------
+# timer_create(2) / man 5 proc /proc/PID/timers (ID, signal: signo/sigev_value, notify:
+# how/pid|tid.N, ClockID); timer_gettime(2) struct itimerspec; timer_getoverrun(2);
+# getitimer(2) struct itimerval.
+PosixTimerRecord = Record(PosixTimer, Struct(
+    "id" / Int32sl,
+    "clockid" / Int32sl,
+    "signo" / Int32sl,
+    "notify" / Int32sl,
+    "tid" / Int32sl,
+    "value" / Int64ul,
+    "interval_ns" / Int64ul,
+    "left_ns" / Int64ul,
+    "overrun" / Int32sl,
+))
+ItimerRecord = Record(Itimer, Struct(
+    "which" / Int32ul,
+    "interval_us" / Int64ul,
+    "left_us" / Int64ul,
+))
+
+
 # --- PAGE_RUN ----------------------------------------------------------------
 # A run of consecutive present pages (man 5 proc /proc/PID/pagemap bits 63/62,
 # or mincore-style detection) stored contiguously in pages-PID.img at `offset`
@@ -847,6 +875,8 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.FD: FdRecord,
     EntryKind.FILE_LOCK: HeldLockRecord,
     EntryKind.PAGE_RUN: PageRunRecord,
+    EntryKind.POSIX_TIMER: PosixTimerRecord,
+    EntryKind.ITIMER: ItimerRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -862,7 +892,8 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
-        EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK,
+        EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
+        EntryKind.ITIMER,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
     FileKind.PAGES: frozenset(),
@@ -893,7 +924,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, InetSocket, NetlinkSocket, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

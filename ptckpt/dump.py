@@ -37,7 +37,7 @@ from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
-                        process, signals, sockets, sysvipc, terminals, threads)
+                        process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -506,6 +506,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                 thread_records.append(threads.dump_thread_frozen(task, remote, comm))
                 if task is leader:
                     sigactions = signals.dump_sigactions_frozen(remote)
+                    posix_timers, itimers = timers.dump_timers_frozen(pid, remote)
+                    timers.check_dumpable(pid, posix_timers, [t.tid for t in tasks])
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
                     if group_stopped:
@@ -525,6 +527,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             pending=tuple(pending),
             fds=tuple(fds),
             locks=tuple(locks.to_records(locks.dump_process_locks(pid, [f.fd for f in fds]))),
+            timers=tuple(posix_timers),
+            itimers=tuple(itimers),
         )
         pages = writer.pages_writer(vpid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages)

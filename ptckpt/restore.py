@@ -47,7 +47,7 @@ from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, MsgImage, PageRun,
                             ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
-                        signals, sockets, sysvipc, terminals, threads)
+                        signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -722,6 +722,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             # syscalls run: none may be delivered before the thread's own mask is back.
             for task in tasks.values():
                 task.set_sigmask(signals.ALL_BLOCKED)
+            timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
             signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
             process.restore_pdeath_signal_frozen(remote, proc.task)

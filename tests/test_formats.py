@@ -30,6 +30,7 @@ from ptckpt.formats.model import (
     EpollState,
     InetMode,
     InetSocket,
+    Itimer,
     NetlinkSocket,
     EpollTarget,
     EventfdState,
@@ -51,6 +52,7 @@ from ptckpt.formats.model import (
     MsgImage,
     PageRun,
     PendingSignal,
+    PosixTimer,
     PipeBuffer,
     PluginData,
     ProcessImage,
@@ -157,13 +159,19 @@ def make_process(pid=100) -> ProcessImage:
                 mtime_ns=-1_000_000_000, details=(("lock", "1: POSIX"), ("sock", "\udcff")), desc=3, skipped=True, external="vendor: emulator link")),
         locks=(HeldLock(fd=7, kind="posix", type="write", start=200, end=-1, pid=pid),
                HeldLock(fd=7, kind="flock", type="read", start=0, end=-1, pid=pid - 1)),
+        timers=(PosixTimer(id=0, clockid=1, signo=34, notify=0, tid=0, value=0xdead, interval_ns=20_000_000,
+                           left_ns=7_000_000, overrun=2),
+                PosixTimer(id=42, clockid=-6, signo=10, notify=4, tid=pid + 1, value=2**64 - 1, interval_ns=0,
+                           left_ns=0)),
+        itimers=(Itimer(which=0, interval_us=30_000, left_us=12_345),),
     )
 
 
 def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
-            *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, PageRun(0x7f0000000000, 4, 8192),
+            *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
+            PageRun(0x7f0000000000, 4, 8192),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -329,7 +337,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0600" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0700" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(

@@ -144,7 +144,18 @@ def virtual_process(view: PidView, image: ProcessImage) -> ProcessImage:
                                  tids=tuple(map(v, t.tids))),
         threads=tuple(dataclasses.replace(th, tid=v(th.tid)) for th in image.threads),
         pending=tuple(dataclasses.replace(s, tid=v(s.tid)) for s in image.pending),
-        locks=tuple(dataclasses.replace(lk, pid=v(lk.pid)) for lk in image.locks))
+        locks=tuple(dataclasses.replace(lk, pid=v(lk.pid)) for lk in image.locks),
+        timers=tuple(dataclasses.replace(t, tid=v(t.tid) if t.tid else 0, clockid=_virtual_clock(v, t.clockid))
+                     for t in image.timers))
+
+
+def _virtual_clock(v, clockid: int) -> int:
+    """A CPU clock of a given pid or tid (clock_getcpuclockid: the pid encoded, negative,
+    include/linux/posix-timers.h MAKE_PROCESS_CPUCLOCK) names it as the tree sees it."""
+    if clockid >= 0:
+        return clockid
+    pid = ~clockid >> 3
+    return clockid if pid == 0 else (~v(pid) << 3) | (clockid & 7)
 
 
 def virtual_records(view: PidView, records: list) -> list:
