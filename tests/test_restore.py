@@ -98,6 +98,21 @@ def test_sleeping_process_wakes_at_the_right_time(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
+def test_a_sleep_dumped_twice_goes_on_after_restore(spawn, ptckpt, tmp_path):
+    """The first (leave-running) dump leaves the sleep going on in restart_syscall; the
+    second dump finds it there, and the restore must not re-run restart_syscall (EINTR)."""
+    target = spawn("sleeper", 3.0)
+    time.sleep(0.3)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "first")
+    assert res.returncode == 0, res.stderr
+    wait_until(lambda: open(f"/proc/{target.pid}/syscall").read().split()[0] == "219", timeout=5)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    target.wait_for_line(r"WOKE 1", timeout=10)
+    assert target.wait_exit(10) == 0
+    target.assert_ok()
+
+
 def test_blocked_read_completes_without_eintr(spawn, ptckpt_cmd, ptckpt, tmp_path):
     target = spawn("blocked_read", stdin="pipe")
     target.send_line("before")

@@ -10,7 +10,8 @@ import signal
 import struct
 
 from ..formats.model import Restart, Thread
-from ..tracee import Regs, RemoteSyscalls, Task, syscall_restart, xstate_header
+from ..errors import PtckptError
+from ..tracee import Regs, RemotePtr, RemoteSyscalls, Task, syscall_restart, xstate_header
 from .pids import clone_args
 
 PR_GET_TID_ADDRESS = 40
@@ -31,6 +32,8 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
     rseq = task.get_rseq()
     robust_head, robust_len = task.get_robust_list()
     kind, nr = syscall_restart(regs)
+    if nr == NR_RESTART_SYSCALL:
+        nr = restarted_syscall(regs, remote.mem)
     # Readable only from inside: the calling thread's own clear_child_tid and
     # alternate signal stack.
     with remote.scratch(8) as buf:
@@ -59,6 +62,36 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
         syscall_nr=nr,
         comm=comm,
     )
+
+
+NR_RESTART_SYSCALL = 219
+NR_FUTEX = 202
+FUTEX_WAIT, FUTEX_WAIT_BITSET, FUTEX_FLAGS = 0, 9, 128 | 256      # | FUTEX_PRIVATE_FLAG, CLOCK_REALTIME
+
+
+def restarted_syscall(regs, mem) -> int:
+    """The syscall a thread frozen in restart_syscall was restarting, from its arguments.
+
+    A thread frozen once in a sleep (a leave-running dump, ``ptckpt run``) goes on in
+    restart_syscall with the kernel's restart block, which a new process does not have:
+    executed again there, it would fail with EINTR.  The registers still hold the
+    original call's arguments, and they tell the sleeps that restart this way apart:
+    clock_nanosleep(clock id, flags 0|TIMER_ABSTIME, req, rem); futex(uaddr, a wait op,
+    val, timeout); nanosleep(req, rem) with req a valid timespec.  Anything else keeps
+    restart_syscall (and meets EINTR, as under CRIU).
+    """
+    if regs.rdi < 16 and regs.rsi in (0, TIMER_ABSTIME) and regs.rdx >= 0x1000:
+        return NR_CLOCK_NANOSLEEP
+    if regs.rdi >= 0x1000 and (regs.rsi & ~FUTEX_FLAGS) in (FUTEX_WAIT, FUTEX_WAIT_BITSET) and regs.rsi:
+        return NR_FUTEX
+    if regs.rdi >= 0x1000 and (regs.rsi == 0 or regs.rsi >= 0x1000):
+        try:
+            sec, nsec = struct.unpack("<qq", mem.read(RemotePtr(regs.rdi), 16))
+        except PtckptError:
+            return NR_RESTART_SYSCALL
+        if sec >= 0 and 0 <= nsec < 1_000_000_000:
+            return NR_NANOSLEEP
+    return NR_RESTART_SYSCALL
 
 
 # --- restore half ------------------------------------------------------------
