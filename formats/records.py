@@ -127,12 +127,14 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 7                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 8                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
                                    # 6: network sockets (INET_SOCKET, NETLINK_SOCKET, the lock)
                                    # 7: timers (POSIX_TIMER, ITIMER)
+                                   # 8: kernel-state breadth (caps, prctl, VMA flags, deleted
+                                   #    paths, in-flight fds, notification fds, terminals)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8

@@ -494,8 +494,7 @@ def group_helpers(procs: dict[int, ProcessImage], zombies) -> list[GroupHelper]:
     root = next(iter(procs.values())).task
     present = set(procs) | {z.pid for z in zombies}
     out: dict[int, GroupHelper] = {}
-    for proc in procs.values():
-        t = proc.task
+    for t in [proc.task for proc in procs.values()] + list(zombies):
         if t.pgid in present or t.pgid == root.pgid or t.pgid in out:
             continue
         creator = next((p.task.pid for p in procs.values() if p.task.sid == t.sid), t.pid)

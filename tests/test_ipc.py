@@ -199,6 +199,69 @@ def test_zombies_stopped_children_subreaper_and_pdeath_survive(spawn, ptckpt, tm
         reap_orphans()
 
 
+ORPHANS = r"""
+import ctypes, os, signal, sys, time
+libc = ctypes.CDLL(None)
+libc.prctl(36, 1, 0, 0, 0)                       # PR_SET_CHILD_SUBREAPER
+killed = os.fork()
+if killed == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+r, w = os.pipe()
+leader = os.fork()
+if leader == 0:                                  # leads a group, leaves a child in it, exits
+    os.setpgid(0, 0)
+    if os.fork() == 0:
+        os.read(r, 1)                            # until the leader has been reaped
+        os._exit(5)
+    os._exit(0)
+os.waitpid(leader, 0)
+os.write(w, b"x")
+while True:                                      # the orphan is ours now: wait for its exit
+    got = [int(p) for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())]
+    orphans = [p for p in got if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1:3]
+               == [str(os.getpid()), str(leader)]]
+    if orphans and open(f"/proc/{orphans[0]}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+        break
+    time.sleep(0.01)
+os.waitid(os.P_PID, killed, os.WEXITED | os.WNOWAIT)
+def on_usr2(*a):
+    st = [os.waitpid(p, 0)[1] for p in (killed, orphans[0])]
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(" ".join(map(str, st)))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+signal.signal(signal.SIGUSR2, on_usr2)
+print("KIDS", killed, orphans[0], leader, flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+def test_zombies_killed_by_sigkill_or_left_in_a_group_whose_leader_is_gone(spawn, ptckpt, tmp_path):
+    """A zombie of SIGKILL, and one whose process group's leader was reaped: the group
+    is made again around it and its parent reaps both with their statuses."""
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    parent = spawn(str(script))
+    killed, orphan, leader = (int(x) for x in next(
+        line for line in parent.preamble if line.startswith("KIDS")).split()[1:])
+    members = [parent.pid, killed, orphan]
+    try:
+        assert ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+        parent.wait_exit(10)
+        for p in members:
+            wait_until(lambda: not os.path.exists(f"/proc/{p}"), 5, message=f"{p} gone")
+        _restore(ptckpt, tmp_path / "img")
+        assert _stat(killed)["state"] == "Z" and _stat(orphan)["state"] == "Z"
+        assert _stat(orphan)["pgid"] == leader, "the orphan is still in its dead leader's group"
+        assert not os.path.exists(f"/proc/{leader}"), "the group's stand-in leader is gone"
+        os.kill(parent.pid, signal.SIGUSR2)
+        wait_until(lambda: os.path.exists(parent.out_path), 5)
+        assert open(parent.out_path).read().split() == [str(signal.SIGKILL), str(5 << 8)]
+    finally:
+        kill_pids(members)
+        reap_orphans()
+
+
 SHARED_OFFSET = r'''
 import os, sys, time
 out = sys.argv[1]

@@ -253,8 +253,8 @@ def end_stub(task: Task, gadget: int, wait_status: int) -> None:
         regs.orig_rax = 2**64 - 1
         regs.rdi = os.WEXITSTATUS(wait_status)
         task.set_regs(regs)
-    task.resume(0)
     try:
+        task.resume(0)                           # SIGKILL may have ended it already
         while True:
             st = task.wait()
             task.resume(st.signo if st.kind is StopKind.SIGNAL and st.signo == sig else 0)
