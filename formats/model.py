@@ -129,6 +129,11 @@ class Task:
     dumpable: int = 1
     pdeath_signal: int = 0    # prctl(PR_GET_PDEATHSIG), since format 2
     child_subreaper: bool = False   # prctl(PR_GET_CHILD_SUBREAPER), since format 2
+    thp_disable: bool = False       # prctl(PR_GET_THP_DISABLE), since format 8
+    mdwe: int = 0                   # prctl(PR_GET_MDWE), since format 8
+    memory_merge: bool = False      # prctl(PR_GET_MEMORY_MERGE), since format 8
+    spec_ctrl: tuple[int, ...] = ()  # PR_GET_SPECULATION_CTRL of store bypass, indirect
+                                     # branch, L1D flush (since format 8)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ class Creds:
     cap_amb: int
     no_new_privs: int
     seccomp: int
+    securebits: int = 0       # prctl(PR_GET_SECUREBITS), since format 8
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,8 @@ class Vma:
     file_mtime_ns: int = 0
     file_deleted: bool = False
     build_id: str = ""        # GNU build-id of a mapped ELF file, hex (since format 3)
+    guards: tuple[tuple[int, int], ...] = ()   # (start, end) guard regions (MADV_GUARD_INSTALL)
+                                               # inside it (since format 8)
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,7 @@ class Thread:
     restart: Restart
     syscall_nr: int           # orig_rax when frozen inside a syscall, else -1
     comm: str = ""
+    cpus: tuple[int, ...] = ()   # sched_getaffinity; () when every online CPU (since format 8)
 
 
 @dataclass(frozen=True)

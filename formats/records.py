@@ -355,6 +355,10 @@ TaskRecord = Record(Task, Struct(
     "dumpable" / Int32ul,
     "pdeath_signal" / Since(2, Int32ul),      # prctl(PR_GET_PDEATHSIG)
     "child_subreaper" / Since(2, Flag),       # prctl(PR_GET_CHILD_SUBREAPER)
+    "thp_disable" / Since(8, Flag),           # prctl(PR_GET_THP_DISABLE)
+    "mdwe" / Since(8, Int32ul),               # prctl(PR_GET_MDWE): PR_MDWE_* flags
+    "memory_merge" / Since(8, Flag),          # prctl(PR_GET_MEMORY_MERGE): KSM for all memory
+    "spec_ctrl" / Since(8, PrefixedArray(VarInt, Int32ul)),   # PR_GET_SPECULATION_CTRL per PR_SPEC_*
 ))
 
 # --- CREDS -------------------------------------------------------------------
@@ -372,6 +376,7 @@ CredsRecord = Record(Creds, Struct(
     "cap_amb" / Int64ul,
     "no_new_privs" / Int32ul,
     "seccomp" / Int32ul,
+    "securebits" / Since(8, Int32ul),         # prctl(PR_GET_SECUREBITS)
 ))
 
 # --- MM ----------------------------------------------------------------------
@@ -424,6 +429,7 @@ VmaRecord = Record(Vma, Struct(
     "file_mtime_ns" / Int64sl,
     "file_deleted" / Flag,
     "build_id" / Since(3, Utf8),      # NT_GNU_BUILD_ID of the mapped ELF file (elf(5)), hex
+    "guards" / Since(8, PrefixedArray(VarInt, Array(2, Int64ul))),   # guard regions in it
 ))
 
 # --- THREAD ------------------------------------------------------------------
@@ -454,6 +460,7 @@ ThreadRecord = Record(Thread, Struct(
     "restart" / IntEnumOf(Int8ul, Restart),
     "syscall_nr" / Int64sl,           # -1: not in a syscall
     "comm" / Text,
+    "cpus" / Since(8, PrefixedArray(VarInt, Int16ul)),   # CPU affinity, () for all online
 ))
 
 # --- SIGACTION ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
+from .resources import (anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
                         process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
@@ -495,11 +495,12 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     # shows in how the freeze found it.
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     vmas = memory.dump_vmas(pid, _BUILD_IDS)
+    memory.check_vmas(pid, vmas)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)
         thread_records = []
-        task_record = mm = sigactions = None
+        task_record = creds_record = mm = sigactions = None
         for task in [leader] + [t for t in tasks if t is not leader]:
             comm = _thread_comm(pid, task.tid)
             with remote_syscalls(task, mem, gadget) as remote:
@@ -510,6 +511,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     timers.check_dumpable(pid, posix_timers, [t.tid for t in tasks])
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
+                    creds_record = creds.dump_creds_frozen(pid, status, remote)
+                    creds.check_threads(pid, [t.tid for t in tasks], status)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)
@@ -518,7 +521,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
         image = ProcessImage(
             task=task_record,
-            creds=process.dump_creds(status),
+            creds=creds_record,
             mm=mm,
             rlimits=tuple(process.dump_rlimits(pid)),
             vmas=tuple(vmas),

@@ -46,7 +46,7 @@ from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, MsgImage, PageRun,
                             ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
+from .resources import (anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
                         signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
@@ -723,8 +723,14 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 task.set_sigmask(signals.ALL_BLOCKED)
             timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
             signals.restore_pending_frozen(remote, vpid, proc.pending)
-            warnings += process.restore_creds_frozen(remote, proc.creds)
+            warnings += creds.restore_creds_frozen(remote, proc.creds)
+            for tid, task in tasks.items():          # credentials are per thread
+                if task is not leader:
+                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
+                                         keep_regs=False) as tremote:
+                        warnings += creds.restore_creds_frozen(tremote, proc.creds)
             process.restore_pdeath_signal_frozen(remote, proc.task)
+            process.restore_mdwe_frozen(remote, proc.task)
             overrides: dict = {}
             if events:
                 log.info("plugins: restored %d", vpid)
@@ -745,6 +751,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             if t.tid in overrides:                   # registers a plugin set in `restored`
                 t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
             threads.set_final_state(tasks[t.tid], t)
+            warnings += threads.restore_affinity(tasks[t.tid], t)
     return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
 
 

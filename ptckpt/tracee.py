@@ -79,7 +79,7 @@ ERESTART_RESTARTBLOCK = 516
 # Lowest number wins: the table also lists the x32 entries (512+) under the same names.
 SYSCALL_NUMBERS = {name: nr for nr, name in sorted(_SYSCALL_NAMES.items(), reverse=True)}
 SYSCALL_NUMBERS.update({"clone3": 435, "pidfd_open": 434, "pidfd_getfd": 438,
-                        "rseq": 334})
+                        "rseq": 334, "mseal": 462})
 
 XSTATE_BUFFER_SIZE = 64 * 1024        # far above any XSAVE area a CPU has today
 

@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import os
 import stat as _stat
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -78,8 +79,111 @@ def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
             file_mtime_ns=st.st_mtime_ns if st else 0,
             file_deleted=e.deleted,
             build_id=bid,
+            guards=tuple(guard_regions(pid, e.start, e.end)) if "gu" in e.vmflags.split() else (),
         ))
     return out
+
+
+PM_GUARD_REGION = 1 << 58       # /proc/PID/pagemap: the page is in a guard region
+
+
+def guard_regions(pid: int, start: int, end: int) -> list[tuple[int, int]]:
+    """(start, end) runs of guard pages (madvise MADV_GUARD_INSTALL) in [start, end)."""
+    out: list[tuple[int, int]] = []
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as f:
+        f.seek(start // PAGE_SIZE * 8)
+        data = f.read((end - start) // PAGE_SIZE * 8)
+    for i, (entry,) in enumerate(_PM_ENTRY.iter_unpack(data)):
+        if entry & PM_GUARD_REGION:
+            addr = start + i * PAGE_SIZE
+            if out and out[-1][1] == addr:
+                out[-1] = (out[-1][0], addr + PAGE_SIZE)
+            else:
+                out.append((addr, addr + PAGE_SIZE))
+    return out
+
+
+_PM_ENTRY = struct.Struct("<Q")
+
+# Every flag smaps shows in VmFlags (fs/proc/task_mmu.c), and who answers for it: the
+# restore makes it again (how), it follows from what the restore maps (the kind, the
+# protections), or it is refused at dump (why).  A flag not in the table is refused too:
+# nothing a newer kernel shows is dropped without a word.
+VMFLAGS_MADE = {
+    "rd": "protections", "wr": "protections", "ex": "protections", "sh": "MAP_SHARED",
+    "mr": "protections", "mw": "protections", "me": "protections", "ms": "MAP_SHARED",
+    "gd": "MAP_GROWSDOWN", "nr": "MAP_NORESERVE", "dp": "MAP_DROPPABLE",
+    "lo": "mlock", "lf": "mlock2(MLOCK_ONFAULT)",
+    "sr": "madvise(MADV_SEQUENTIAL)", "rr": "madvise(MADV_RANDOM)",
+    "dc": "madvise(MADV_DONTFORK)", "wf": "madvise(MADV_WIPEONFORK)",
+    "dd": "madvise(MADV_DONTDUMP)", "hg": "madvise(MADV_HUGEPAGE)",
+    "nh": "madvise(MADV_NOHUGEPAGE)", "mg": "madvise(MADV_MERGEABLE)",
+    "gu": "madvise(MADV_GUARD_INSTALL) on the guard regions", "sl": "mseal",
+}
+VMFLAGS_DERIVED = {
+    "ac": "accounted private writable memory",
+    "sd": "soft-dirty bookkeeping",
+    "pf": "a kernel or device mapping (vdso, vvar, vsyscall, devices)",
+    "io": "a kernel or device mapping (vdso, vvar, vsyscall, devices)",
+    "de": "a kernel or device mapping (vdso, vvar, vsyscall, devices, AIO rings)",
+    "mm": "a kernel or device mapping (vdso, vvar, vsyscall, devices)",
+}
+VMFLAGS_REFUSED = {
+    "ht": "hugetlb memory, which ptckpt does not save",
+    "um": "a userfaultfd registration (missing pages)",
+    "uw": "a userfaultfd registration (write-protect)",
+    "ui": "a userfaultfd registration (minor faults)",
+    "ss": "a shadow stack",
+    "sf": "synchronous page faults of a DAX file",
+    "ar": "an architecture-specific mapping",
+}
+_MADVISE = {"sr": 2, "rr": 1, "dc": 10, "wf": 18, "dd": 16, "hg": 14, "nh": 15, "mg": 12}
+_KERNEL_KINDS = {VmaKind.VDSO, VmaKind.VVAR, VmaKind.VVAR_VCLOCK, VmaKind.VSYSCALL, VmaKind.DEVICE}
+
+
+def check_vmas(pid: int, vmas: Sequence[Vma]) -> None:
+    """Refuse, by name, a mapping the restore cannot make as it was (see the tables above)."""
+    from ..errors import UnsupportedResource
+    for v in vmas:
+        where = f"mapping {v.start:#x}-{v.end:#x} {v.path or '[anon]'}"
+        if v.kind is VmaKind.OTHER:
+            raise UnsupportedResource(pid, f"{where} (a kind of mapping ptckpt cannot make again)")
+        for flag in v.vmflags.split():
+            if flag in VMFLAGS_MADE or flag in VMFLAGS_DERIVED and (
+                    flag in ("ac", "sd") or v.kind in _KERNEL_KINDS or "[aio]" in v.path):
+                continue
+            why = VMFLAGS_REFUSED.get(flag, "a VMA flag ptckpt does not know")
+            raise UnsupportedResource(pid, f"{where} with VmFlags '{flag}' ({why})")
+
+
+MLOCK_ONFAULT = 1
+PR_SET_VMA, PR_SET_VMA_ANON_NAME = 0x53564D41, 0
+MADV_GUARD_INSTALL = 102
+
+
+def restore_advice_frozen(remote, vmas: Sequence[Vma]) -> None:
+    """After the pages are in: madvise hints, locks, names, guard regions and seals of every
+    mapping that had them (the flags of VMFLAGS_MADE)."""
+    for v in vmas:
+        flags = v.vmflags.split()
+        length = v.end - v.start
+        where = f"{v.start:#x}-{v.end:#x}"
+        for flag in flags:
+            if flag in _MADVISE:
+                remote.checked("madvise", v.start, length, _MADVISE[flag], step=f"madvise {flag} {where}")
+        if "lo" in flags or "lf" in flags:
+            remote.checked("mlock2", v.start, length, MLOCK_ONFAULT if "lf" in flags else 0,
+                           step=f"mlock {where}")
+        if v.path.startswith(("[anon:", "[anon_shmem:")):
+            name = v.path.split(":", 1)[1][:-1]
+            with remote.scratch(os.fsencode(name) + b"\0") as p:
+                remote.checked("prctl", PR_SET_VMA, PR_SET_VMA_ANON_NAME, v.start, length, int(p),
+                               step=f"name {where} {name!r}")
+        for gs, ge in v.guards:
+            remote.checked("madvise", gs, ge - gs, MADV_GUARD_INSTALL, step=f"guard {gs:#x}-{ge:#x}")
+    for v in vmas:                 # last: a sealed mapping refuses any change
+        if "sl" in v.vmflags.split():
+            remote.checked("mseal", v.start, v.end - v.start, 0, step=f"seal {v.start:#x}-{v.end:#x}")
 
 
 def _build_id_of(pid: int, start: int, end: int) -> str:
@@ -116,7 +220,23 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], run.end)
         else:
             out.append((run.start, run.end))
-    return out
+    return _without(out, vma.guards) if vma.guards else out
+
+
+def _without(ranges: list[tuple[int, int]], holes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` minus `holes` (guard pages, which the scan reports as swapped-out pages)."""
+    for hs, he in holes:
+        cut = []
+        for s, e in ranges:
+            if e <= hs or s >= he:
+                cut.append((s, e))
+                continue
+            if s < hs:
+                cut.append((s, hs))
+            if e > he:
+                cut.append((he, e))
+        ranges = cut
+    return ranges
 
 
 SHARED_OBJECT_KINDS = frozenset({VmaKind.ANON_SHARED, VmaKind.SHMEM})
@@ -317,6 +437,7 @@ def _merge_runs(index: list[PageRun]) -> list[PageRun]:
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 MAP_GROWSDOWN, MAP_NORESERVE = 0x0100, 0x4000
+MAP_DROPPABLE = 0x08
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 O_RDONLY, O_RDWR, O_CLOEXEC = 0, 2, 0o2000000
 AT_FDCWD = -100 & (2**64 - 1)
@@ -502,6 +623,8 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         prot = vma.prot | (PROT_WRITE if id(vma) in with_pages else 0)
         step = f"map {vma.start:#x}-{vma.end:#x} {vma.path or '[anon]'}"
         flags = MAP_FIXED | (MAP_SHARED if vma.shared else MAP_PRIVATE)
+        if "dp" in vma.vmflags.split():
+            flags = MAP_FIXED | MAP_DROPPABLE
         if "gd" in vma.vmflags.split():
             flags |= MAP_GROWSDOWN
         if "nr" in vma.vmflags.split():
@@ -533,6 +656,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
                            step=f"protect {vma.start:#x}-{vma.end:#x}")
+    restore_advice_frozen(remote, vmas)
 
 
 def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:

@@ -1,7 +1,11 @@
 """The process itself: identity and relations, credentials, rlimits, mm fields.
 
-Dump half: :func:`dump_task`, :func:`dump_creds`, :func:`dump_rlimits`,
-:func:`dump_mm_frozen` (brk and dumpable come from inside, by injection).
+Dump half: :func:`dump_task`, :func:`dump_rlimits`, :func:`dump_mm_frozen` (brk, dumpable
+and the prctl state come from inside, by injection).  Credentials: :mod:`.creds`.
+
+The prctl state kept: dumpable, parent-death signal, child subreaper, name, timer slack,
+THP disable, MDWE (memory-deny-write-execute), KSM merging of all memory, and the
+speculation controls (store bypass, indirect branch, L1D flush).
 """
 
 from __future__ import annotations
@@ -13,12 +17,19 @@ import struct
 import time
 
 from .. import procfs
-from ..formats.model import Creds, Mm, Rlimit, Task
+from ..formats.model import Mm, Rlimit, Task
 from ..tracee import RemoteSyscalls
 
 PR_GET_DUMPABLE = 3
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42
+PR_SET_MDWE, PR_GET_MDWE = 65, 66
+PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
+PR_GET_SPECULATION_CTRL, PR_SET_SPECULATION_CTRL = 52, 53
+SPEC_KINDS = (0, 1, 2)           # PR_SPEC_STORE_BYPASS, PR_SPEC_INDIRECT_BRANCH, PR_SPEC_L1D_FLUSH
+PR_SPEC_PRCTL, PR_SPEC_ENABLE = 1, 2
+EINVAL = 22
 
 
 def _prctl_get_int(remote: RemoteSyscalls, option: int, step: str) -> int:
@@ -31,11 +42,16 @@ def _prctl_get_int(remote: RemoteSyscalls, option: int, step: str) -> int:
 def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
               remote: RemoteSyscalls | None = None) -> Task:
     """`status` and `st` are one reading of /proc/PID/status and stat, shared by the dump halves."""
-    dumpable, pdeath, subreaper = 1, 0, 0
+    dumpable, pdeath, subreaper, thp, mdwe, merge, spec = 1, 0, 0, 0, 0, 0, ()
     if remote is not None:
         dumpable = remote.checked("prctl", PR_GET_DUMPABLE, step="dump task")
         pdeath = _prctl_get_int(remote, PR_GET_PDEATHSIG, "dump task: pdeath_signal")
         subreaper = _prctl_get_int(remote, PR_GET_CHILD_SUBREAPER, "dump task: child subreaper")
+        thp = remote.checked("prctl", PR_GET_THP_DISABLE, 0, 0, 0, 0, step="dump task: THP disable")
+        mdwe = _prctl_optional(remote, PR_GET_MDWE, "MDWE")
+        merge = _prctl_optional(remote, PR_GET_MEMORY_MERGE, "KSM memory merge")
+        spec = tuple(_prctl_optional(remote, PR_GET_SPECULATION_CTRL, "speculation control", kind)
+                     for kind in SPEC_KINDS)
     return Task(
         pid=pid,
         ppid=st.ppid,
@@ -59,16 +75,22 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
         dumpable=dumpable,
         pdeath_signal=pdeath,
         child_subreaper=bool(subreaper),
+        thp_disable=bool(thp),
+        mdwe=mdwe,
+        memory_merge=bool(merge),
+        spec_ctrl=spec,
     )
 
 
-def dump_creds(s: procfs.Status) -> Creds:
-    return Creds(
-        uids=tuple(s.uids), gids=tuple(s.gids), groups=tuple(s.groups),
-        cap_inh=s.cap_inh, cap_prm=s.cap_prm, cap_eff=s.cap_eff,
-        cap_bnd=s.cap_bnd, cap_amb=s.cap_amb,
-        no_new_privs=s.no_new_privs, seccomp=s.seccomp,
-    )
+def _prctl_optional(remote: RemoteSyscalls, option: int, what: str, arg: int = 0) -> int:
+    """A prctl GET whose value is its result; 0 where this kernel or CPU lacks it (EINVAL,
+    ENODEV): a state that does not exist here cannot have been set."""
+    res = remote.syscall("prctl", option, arg, 0, 0, 0)
+    if res in (-EINVAL, -19):
+        return 0
+    if res < 0:
+        remote.checked("prctl", option, arg, 0, 0, 0, step=f"dump task: {what}")
+    return res
 
 
 def dump_rlimits(pid: int) -> list[Rlimit]:
@@ -151,6 +173,15 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
         remote.checked("prctl", PR_SET_CHILD_SUBREAPER, 1, step="child subreaper")
     with remote.scratch(task.comm.encode()[:15] + b"\0") as p:
         remote.checked("prctl", PR_SET_NAME, int(p), step="comm")
+    if task.thp_disable:
+        remote.checked("prctl", PR_SET_THP_DISABLE, 1, 0, 0, 0, step="THP disable")
+    if task.memory_merge:
+        remote.checked("prctl", PR_SET_MEMORY_MERGE, 1, 0, 0, 0, step="KSM memory merge")
+    for kind, ctrl in zip(SPEC_KINDS, task.spec_ctrl):
+        state = ctrl & ~(PR_SPEC_PRCTL | PR_SPEC_ENABLE)     # what a prctl changed from the default
+        if ctrl & PR_SPEC_PRCTL and state:
+            remote.checked("prctl", PR_SET_SPECULATION_CTRL, kind, state, 0, 0,
+                           step=f"speculation control {kind}")
     for name, value in (("oom_score_adj", str(task.oom_score_adj)),
                         ("timerslack_ns", str(task.timerslack_ns))):
         try:
@@ -186,22 +217,8 @@ def restore_pdeath_signal_frozen(remote: RemoteSyscalls, task: Task) -> None:
         remote.checked("prctl", PR_SET_PDEATHSIG, task.pdeath_signal, step="pdeath_signal")
 
 
-def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds) -> list[str]:
-    """Groups, gids, uids where permitted (last: after it the process may be unprivileged)."""
-    warnings = []
-    me = (os.getuid(), os.getgid())
-    if creds.uids == (me[0],) * 4 and creds.gids == (me[1],) * 4 and not creds.groups:
-        return warnings
-    with remote.scratch(struct.pack(f"<{len(creds.groups)}I", *creds.groups) or 4) as gp:
-        res = remote.syscall("setgroups", len(creds.groups), int(gp))
-        if res < 0:
-            warnings.append(f"setgroups{creds.groups} failed: {os.strerror(-res)}")
-    res = remote.syscall("setresgid", *creds.gids[:3])
-    if res < 0:
-        warnings.append(f"setresgid{creds.gids[:3]} failed: {os.strerror(-res)}")
-    remote.syscall("setfsgid", creds.gids[3])
-    res = remote.syscall("setresuid", *creds.uids[:3])
-    if res < 0:
-        warnings.append(f"setresuid{creds.uids[:3]} failed: {os.strerror(-res)}")
-    remote.syscall("setfsuid", creds.uids[3])
-    return warnings
+def restore_mdwe_frozen(remote: RemoteSyscalls, task: Task) -> None:
+    """Last of the memory work: once set, MDWE refuses mappings that are writable and
+    executable (the restore's own gadget is one)."""
+    if task.mdwe:
+        remote.checked("prctl", PR_SET_MDWE, task.mdwe, 0, 0, 0, step="MDWE")

@@ -6,6 +6,7 @@ The restore half arrives with the restorer.
 
 from __future__ import annotations
 
+import os
 import signal
 import struct
 
@@ -43,6 +44,7 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
         remote.checked("sigaltstack", 0, int(buf), step="dump thread")
         ss_sp, ss_flags, ss_size = struct.unpack("<QixxxxQ", remote.mem.read(buf, 24))
     return Thread(
+        cpus=dump_affinity(task.tid),
         tid=task.tid,
         regs=regs.values(),
         xstate=xstate,
@@ -175,6 +177,36 @@ def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) ->
     if thread.comm:
         with remote.scratch(thread.comm.encode()[:15] + b"\0") as name:
             remote.checked("prctl", PR_SET_NAME, int(name), step=f"comm of thread {thread.tid}")
+
+
+def online_cpus() -> set[int]:
+    """The CPUs online on this host (/sys/devices/system/cpu/online, e.g. "0-3,6")."""
+    out: set[int] = set()
+    with open("/sys/devices/system/cpu/online") as f:
+        for part in f.read().strip().split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def dump_affinity(tid: int) -> tuple[int, ...]:
+    """The thread's CPU affinity; () when it may run on every online CPU (no choice made)."""
+    cpus = os.sched_getaffinity(tid)
+    return () if cpus >= online_cpus() else tuple(sorted(cpus))
+
+
+def restore_affinity(task: Task, thread: Thread) -> list[str]:
+    """From outside; the CPUs this host lacks are left out (a warning says so)."""
+    if not thread.cpus:
+        return []
+    here = set(thread.cpus) & online_cpus()
+    if not here:
+        return [f"thread {thread.tid}: none of its CPUs {list(thread.cpus)} is online here; "
+                "it runs on any"]
+    os.sched_setaffinity(task.tid, here)
+    if len(here) < len(thread.cpus):
+        return [f"thread {thread.tid}: CPUs {sorted(set(thread.cpus) - here)} are not online here"]
+    return []
 
 
 def set_final_state(task: Task, thread: Thread) -> None:

@@ -1,0 +1,119 @@
+"""Credentials: uids, gids, groups, the five capability sets, securebits, no_new_privs.
+
+Dump half: :func:`dump_creds_frozen` (from /proc/PID/status, securebits by injection) and
+:func:`check_threads` (every thread must hold the process's credentials: the image keeps
+one set).  Seccomp filters are refused by name.
+
+Restore half: :func:`restore_creds_frozen`, injected into the leader and into every other
+thread (credentials are per thread in the kernel).  The order matters:
+
+1. groups, then with SECBIT_NO_SETUID_FIXUP set the uid and gid changes leave the
+   capability sets alone;
+2. the bounding set is cut (needs CAP_SETPCAP, still effective);
+3. securebits take their dumped value (needs CAP_SETPCAP too);
+4. capset() sets effective, permitted and inheritable;
+5. the ambient set is raised (each needs to be permitted and inheritable);
+6. no_new_privs, which cannot be cleared once set.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from .. import procfs
+from ..errors import UnsupportedResource
+from ..formats.model import Creds
+from ..tracee import RemoteSyscalls
+
+PR_CAPBSET_DROP = 24
+PR_GET_SECUREBITS, PR_SET_SECUREBITS = 27, 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
+SECBIT_NO_SETUID_FIXUP = 1 << 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_SECCOMP_MODES = {1: "strict mode", 2: "filters"}
+
+
+def cap_last_cap() -> int:
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        return int(f.read())
+
+
+def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None = None) -> Creds:
+    """`s`: the process's /proc status, read while frozen; securebits come from inside."""
+    if s.seccomp:
+        raise UnsupportedResource(pid, f"seccomp {_SECCOMP_MODES.get(s.seccomp, s.seccomp)} "
+                                  f"({s.seccomp_filters} filter(s)): they cannot be read back into "
+                                  "a new process yet; dump the program before it installs them")
+    securebits = 0
+    if remote is not None:
+        securebits = remote.checked("prctl", PR_GET_SECUREBITS, step="dump creds: securebits")
+    return Creds(
+        uids=tuple(s.uids), gids=tuple(s.gids), groups=tuple(s.groups),
+        cap_inh=s.cap_inh, cap_prm=s.cap_prm, cap_eff=s.cap_eff,
+        cap_bnd=s.cap_bnd, cap_amb=s.cap_amb,
+        no_new_privs=s.no_new_privs, seccomp=s.seccomp,
+        securebits=securebits,
+    )
+
+
+_PER_THREAD = ("uids", "gids", "groups", "cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb",
+               "no_new_privs", "seccomp")
+
+
+def check_threads(pid: int, tids, leader: procfs.Status) -> None:
+    """Refuse a process whose threads do not all hold the leader's credentials."""
+    for tid in tids:
+        if tid == pid:
+            continue
+        s = procfs.read_status(pid, tid)
+        differ = [name for name in _PER_THREAD if getattr(s, name) != getattr(leader, name)]
+        if differ:
+            raise UnsupportedResource(pid, f"thread {tid} with credentials of its own "
+                                      f"({', '.join(differ)} differ from the leader's): the image "
+                                      "keeps one set per process")
+
+
+def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds, *, uid_gid: bool = True) -> list[str]:
+    """Make the calling thread's credentials `creds` (see the module's order).  A step
+    the restoring user may not take is a warning; the caller decides what is fatal."""
+    warnings: list[str] = []
+
+    def call(name, *args, what):
+        res = remote.syscall(name, *args)
+        if res < 0:
+            warnings.append(f"{what} failed: {os.strerror(-res)}")
+        return res
+
+    if uid_gid:
+        me = (os.getuid(), os.getgid())
+        if not (creds.uids == (me[0],) * 4 and creds.gids == (me[1],) * 4 and not creds.groups):
+            call("prctl", PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP, what="securebits for the uid change")
+            with remote.scratch(struct.pack(f"<{len(creds.groups)}I", *creds.groups) or 4) as gp:
+                call("setgroups", len(creds.groups), int(gp), what=f"setgroups{creds.groups}")
+            call("setresgid", *creds.gids[:3], what=f"setresgid{creds.gids[:3]}")
+            remote.syscall("setfsgid", creds.gids[3])
+            call("setresuid", *creds.uids[:3], what=f"setresuid{creds.uids[:3]}")
+            remote.syscall("setfsuid", creds.uids[3])
+    last = cap_last_cap()
+    for cap in range(last + 1):
+        if not creds.cap_bnd >> cap & 1:
+            res = remote.syscall("prctl", PR_CAPBSET_DROP, cap)
+            if res < 0:
+                warnings.append(f"cannot drop capability {cap} from the bounding set: {os.strerror(-res)}")
+                break
+    if remote.syscall("prctl", PR_GET_SECUREBITS) != creds.securebits:
+        call("prctl", PR_SET_SECUREBITS, creds.securebits, what=f"securebits {creds.securebits:#x}")
+    header = struct.pack("<Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+    data = b"".join(struct.pack("<III", creds.cap_eff >> s & 0xFFFFFFFF, creds.cap_prm >> s & 0xFFFFFFFF,
+                                creds.cap_inh >> s & 0xFFFFFFFF) for s in (0, 32))
+    with remote.scratch(header) as hp, remote.scratch(data) as dp:
+        call("capset", int(hp), int(dp), what="capset (effective, permitted, inheritable)")
+    for cap in range(last + 1):
+        if creds.cap_amb >> cap & 1:
+            call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0,
+                 what=f"raise ambient capability {cap}")
+    if creds.no_new_privs:
+        call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, what="no_new_privs")
+    return warnings
