@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import __version__, appblock, procfs
+from . import __version__, appblock, claims, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
@@ -513,6 +513,10 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
                     creds_record = creds.dump_creds_frozen(pid, status, remote)
                     creds.check_threads(pid, [t.tid for t in tasks], status)
+                    for t in tasks:
+                        claims.check_status(pid, t.tid, status.raw if t.tid == pid
+                                            else procfs.read_status(pid, t.tid).raw)
+                    claims.check_numa(pid)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)

@@ -1,0 +1,130 @@
+"""What the kernel shows of a task, and who answers for it: nothing is dropped unsaid.
+
+Every field of /proc/PID/status (and of each thread's) is in :data:`STATUS`, with the
+module that restores it, the reason it needs no restoring (a counter, a value that
+follows from what is restored), or the check that refuses the dump when its value holds
+state no restore makes.  A field this table does not know (a newer kernel's) refuses the
+dump by name: a checkpointer that drops state without saying so is worse than one that
+refuses.  The VMA flags are claimed the same way by :mod:`ptckpt.resources.memory`.
+
+:func:`check_status` runs at dump on every thread, while the tree is frozen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .errors import UnsupportedResource
+
+
+@dataclass(frozen=True)
+class Claim:
+    how: str                                   # "restored", "derived" or "checked"
+    by: str                                    # the module, or why nothing is needed
+    refuse: Optional[Callable[[str], Optional[str]]] = None   # value -> why it is refused
+
+
+def _restored(by: str) -> Claim:
+    return Claim("restored", by)
+
+
+def _derived(why: str) -> Claim:
+    return Claim("derived", why)
+
+
+def _checked(by: str, refuse: Callable[[str], Optional[str]]) -> Claim:
+    return Claim("checked", by, refuse)
+
+
+def _core_dumping(value: str) -> Optional[str]:
+    return "it is writing a core dump" if value not in ("", "0") else None
+
+
+def _untag_mask(value: str) -> Optional[str]:
+    # x86 LAM: a process that enabled it has untagged pointers the restore cannot re-enable
+    return ("linear address masking (LAM) is enabled" if value and int(value, 16) != 2**64 - 1
+            else None)
+
+
+def _seccomp(value: str) -> Optional[str]:
+    return f"seccomp mode {value}" if value not in ("", "0") else None
+
+
+def _thread_features(value: str) -> Optional[str]:
+    return f"x86 thread features ({value}: shadow stack)" if value.strip() else None
+
+
+_MEMORY = "memory counters that follow from the mappings (resources.memory)"
+_PIDS = "pids (resources.pids: the same numbers, or a namespace of their own)"
+
+STATUS: dict[str, Claim] = {
+    "Name": _restored("resources.process (comm) and resources.threads (thread names)"),
+    "Umask": _restored("resources.process"),
+    "State": _restored("resources.process (a stopped process stays stopped)"),
+    "Tgid": _restored(_PIDS), "Pid": _restored(_PIDS),
+    "NStgid": _restored(_PIDS), "NSpid": _restored(_PIDS),
+    "NSpgid": _restored(_PIDS), "NSsid": _restored(_PIDS),
+    "PPid": _restored("the process tree (restore.py)"),
+    "Ngid": _derived("the NUMA balancing group the kernel picks"),
+    "TracerPid": _derived("ptckpt's own; another tracer is refused before the freeze"),
+    "Uid": _restored("resources.creds"), "Gid": _restored("resources.creds"),
+    "Groups": _restored("resources.creds"),
+    "CapInh": _restored("resources.creds"), "CapPrm": _restored("resources.creds"),
+    "CapEff": _restored("resources.creds"), "CapBnd": _restored("resources.creds"),
+    "CapAmb": _restored("resources.creds"), "NoNewPrivs": _restored("resources.creds"),
+    "Seccomp": _checked("resources.creds", _seccomp),
+    "Seccomp_filters": _checked("resources.creds", _seccomp),
+    "FDSize": _derived("the fd table's size, grown again by the restored fds"),
+    "Kthread": _checked("dump.py refuses kernel threads", lambda v: "a kernel thread" if v == "1" else None),
+    **{k: _derived(_MEMORY) for k in (
+        "VmPeak", "VmSize", "VmLck", "VmPin", "VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem",
+        "VmData", "VmStk", "VmExe", "VmLib", "VmPTE", "VmSwap", "HugetlbPages")},
+    "CoreDumping": _checked("dump.py", _core_dumping),
+    "THP_enabled": _restored("resources.process (prctl THP disable)"),
+    "untag_mask": _checked("resources.threads", _untag_mask),
+    "x86_Thread_features": _checked("resources.threads", _thread_features),
+    "x86_Thread_features_locked": _checked("resources.threads", _thread_features),
+    "Threads": _restored("resources.threads"),
+    "SigQ": _derived("the count of queued signals, queued again by resources.signals"),
+    "SigPnd": _restored("resources.signals"), "ShdPnd": _restored("resources.signals"),
+    "SigBlk": _restored("resources.threads (signal mask)"),
+    "SigIgn": _restored("resources.signals"), "SigCgt": _restored("resources.signals"),
+    "Speculation_Store_Bypass": _restored("resources.process (speculation control)"),
+    "SpeculationIndirectBranch": _restored("resources.process (speculation control)"),
+    "Cpus_allowed": _restored("resources.threads (CPU affinity)"),
+    "Cpus_allowed_list": _restored("resources.threads (CPU affinity)"),
+    "Mems_allowed": _derived("the cpuset's memory nodes (set by cgroups, not by the task)"),
+    "Mems_allowed_list": _derived("the cpuset's memory nodes (set by cgroups, not by the task)"),
+    "voluntary_ctxt_switches": _derived("a counter"),
+    "nonvoluntary_ctxt_switches": _derived("a counter"),
+}
+
+
+def check_status(pid: int, tid: int, raw: dict[str, str]) -> None:
+    """Refuse the dump, by name, if a thread's status shows state no restore makes."""
+    who = "" if tid == pid else f"thread {tid}: "
+    for key, value in raw.items():
+        claim = STATUS.get(key)
+        if claim is None:
+            raise UnsupportedResource(pid, f"{who}/proc status field '{key}: {value}' (state this "
+                                      "ptckpt does not know; a newer ptckpt may)")
+        why = claim.refuse(value) if claim.refuse else None
+        if why:
+            raise UnsupportedResource(pid, f"{who}{why} ('{key}' in /proc status)")
+
+
+def check_numa(pid: int) -> None:
+    """Refuse a NUMA memory policy (set_mempolicy or mbind): /proc/PID/numa_maps shows the
+    policy each mapping follows, "default" unless the task or the mapping chose one."""
+    try:
+        with open(f"/proc/{pid}/numa_maps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return                                   # a kernel without NUMA: no policy to keep
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 1 and fields[1] != "default":
+            raise UnsupportedResource(pid, f"a NUMA memory policy ({fields[1]} at {fields[0]}, from "
+                                      "set_mempolicy or mbind) is not restored; dump it before "
+                                      "it sets one")
