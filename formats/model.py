@@ -134,6 +134,8 @@ class Task:
     memory_merge: bool = False      # prctl(PR_GET_MEMORY_MERGE), since format 8
     spec_ctrl: tuple[int, ...] = ()  # PR_GET_SPECULATION_CTRL of store bypass, indirect
                                      # branch, L1D flush (since format 8)
+    shares_files: bool = False      # one fd table with its parent (CLONE_FILES), since format 8
+    shares_fs: bool = False         # one cwd/root/umask with its parent (CLONE_FS), since format 8
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,8 @@ TaskRecord = Record(Task, Struct(
     "mdwe" / Since(8, Int32ul),               # prctl(PR_GET_MDWE): PR_MDWE_* flags
     "memory_merge" / Since(8, Flag),          # prctl(PR_GET_MEMORY_MERGE): KSM for all memory
     "spec_ctrl" / Since(8, PrefixedArray(VarInt, Int32ul)),   # PR_GET_SPECULATION_CTRL per PR_SPEC_*
+    "shares_files" / Since(8, Flag),          # kcmp(KCMP_FILES) with its parent: CLONE_FILES
+    "shares_fs" / Since(8, Flag),             # kcmp(KCMP_FS) with its parent: CLONE_FS
 ))
 
 # --- CREDS -------------------------------------------------------------------

@@ -173,6 +173,7 @@ def dump(pid: int, directory: str | None = None, *,
             result.bytes += stats.bytes
             images[member] = image
         log.info("capture what the tree shares")
+        images = process.dump_sharing(images, pid)
         images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
         numbered = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}

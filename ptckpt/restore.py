@@ -258,7 +258,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 to_detach = []
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
-                for p in members:
+                for p in fix_up_order(procs):
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
                                               handed, epolls.get(p, []), events, channel, breaks[p])
                     result.warnings += warnings
@@ -448,7 +448,8 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     for p in members[1:] + [z.pid for z in zombies]:
         record = records[p]
         log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
-        created[p] = _create_child(created[record.ppid], p)
+        created[p] = _create_child(created[record.ppid], p, files=getattr(record, "shares_files", False),
+                                   fs=getattr(record, "shares_fs", False))
         _restore_session(created[p], record)
     for h in helpers:
         log.info("create %d (stand-in leader of process group %d, whose leader exited)", h.pid, h.pgid)
@@ -651,11 +652,22 @@ def _restore_pgid(task, record, created) -> None:
             remote.checked("setpgid", 0, record.pgid, step=f"process group {record.pgid} for {record.pid}")
 
 
-def _create_child(parent, pid: int):
+def _create_child(parent, pid: int, files: bool = False, fs: bool = False):
     """clone3(set_tid=[pid]) inside the parent's stub, before either is rebuilt: the child is
-    a copy of the stub, stopped (the tracer follows forks), and becomes its own process."""
+    a copy of the stub, stopped (the tracer follows forks), and becomes its own process
+    (sharing the stub's fd table or fs state where the image says it shared its parent's)."""
     with _stub_syscalls(parent) as remote:
-        return threads.create_process_frozen(remote, pid)
+        return threads.create_process_frozen(remote, pid, files=files, fs=fs)
+
+
+def fix_up_order(procs: dict[int, ProcessImage]) -> list[int]:
+    """Members in the order they are rebuilt: one that shares its parent's fd table comes
+    before that parent, which makes the table's fds for both (the fds the stubs were handed
+    stay until the last of them is rebuilt)."""
+    def depth(p: int) -> int:
+        t = procs[p].task
+        return depth(t.ppid) + 1 if t.shares_files and t.ppid in procs else 0
+    return sorted(procs, key=lambda p: -depth(p))
 
 
 def _open_pages(fd: int) -> int:
@@ -668,10 +680,13 @@ def _open_pages(fd: int) -> int:
 
 def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[tuple[int, EpollState]]]:
     """{pid: [(its epoll fd, state)]}: each epoll's registrations are made again by the first
-    member holding it (at that member's fd numbers, as the image recorded them)."""
+    member holding it in an fd table of its own (at that member's fd numbers, as the image
+    recorded them; one sharing its parent's table leaves it to the parent)."""
     todo = {s.desc: s for s in states if isinstance(s, EpollState)}
     out: dict[int, list[tuple[int, EpollState]]] = {}
     for p, proc in procs.items():
+        if proc.task.shares_files:
+            continue
         for f in proc.fds:
             if f.desc in todo and not f.skipped:
                 out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
@@ -691,16 +706,18 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
-            files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
-                                     extra=[(fd, key[2]) for key, fd in handed.items()
-                                            if isinstance(key, tuple) and key[:2] == ("install", vpid)],
-                                     keep={chan})
-            for epfd, state in epolls:
-                epoll.restore_targets_frozen(remote, epfd, state.targets)
+            own_table = not proc.task.shares_files       # else its parent makes the fds for both
+            if own_table:
+                files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
+                                         extra=[(fd, key[2]) for key, fd in handed.items()
+                                                if isinstance(key, tuple) and key[:2] == ("install", vpid)],
+                                         keep={chan})
+                for epfd, state in epolls:
+                    epoll.restore_targets_frozen(remote, epfd, state.targets)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
             # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
-            for fd, held in locks.from_records(proc.locks).items():
+            for fd, held in locks.from_records(proc.locks).items() if own_table else ():
                 locks.restore_locks_frozen(remote, fd, held)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
@@ -739,7 +756,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                     fd_installer=functools.partial(_install_fd, remote, channel, chan,
                                                    {f.fd: f.cloexec for f in proc.fds}),
                     reg_overrides=overrides, breakpoints=breaks)])
-            if chan >= 0:
+            if chan >= 0 and own_table:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
             gadget = int(remote.gadget)

@@ -786,7 +786,16 @@ def pidfd_getfd(pid: int, fd: int) -> int:
     return res
 
 
-KCMP_FILE = 0
+KCMP_FILE, KCMP_FILES, KCMP_FS = 0, 2, 3
+
+
+def same_kernel_object(pid1: int, pid2: int, kind: int) -> bool:
+    """kcmp(KCMP_FILES or KCMP_FS): do the two processes share one fd table, or one fs
+    state (cwd, root, umask)?"""
+    res = _host_syscall(SYSCALL_NUMBERS["kcmp"], pid1, pid2, kind, 0, 0)
+    if res < 0:
+        raise _translate_errno(-res, pid1, f"kcmp of pid {pid2}")
+    return res == 0
 
 
 def same_open_file(pid1: int, fd1: int, pid2: int, fd2: int) -> bool:

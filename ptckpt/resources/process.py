@@ -11,14 +11,16 @@ speculation controls (store bypass, indirect branch, L1D flush).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import struct
 import time
 
 from .. import procfs
-from ..formats.model import Mm, Rlimit, Task
-from ..tracee import RemoteSyscalls
+from ..errors import PtckptError, UnsupportedResource
+from ..formats.model import Mm, ProcessImage, Rlimit, Task
+from ..tracee import KCMP_FILES, KCMP_FS, RemoteSyscalls, same_kernel_object
 
 PR_GET_DUMPABLE = 3
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
@@ -222,3 +224,40 @@ def restore_mdwe_frozen(remote: RemoteSyscalls, task: Task) -> None:
     executable (the restore's own gadget is one)."""
     if task.mdwe:
         remote.checked("prctl", PR_SET_MDWE, task.mdwe, 0, 0, 0, step="MDWE")
+
+
+# --- fd tables and fs state shared between processes (CLONE_FILES, CLONE_FS) -------
+
+def dump_sharing(images: dict[int, ProcessImage], root: int) -> dict[int, ProcessImage]:
+    """Mark each member that shares its fd table or fs state with its parent (it was cloned
+    with CLONE_FILES or CLONE_FS): the restore clones it so.  Other sharing is refused, by
+    name: with a process outside the tree, or with a member that is not its parent (the
+    parent unshared since)."""
+    what = {KCMP_FILES: "fd table (CLONE_FILES)", KCMP_FS: "cwd, root and umask (CLONE_FS)"}
+    out = dict(images)
+    for pid, im in images.items():
+        ppid = im.task.ppid
+        marks = {}
+        for kind in (KCMP_FILES, KCMP_FS):
+            if pid == root:
+                if ppid > 0 and _shares(pid, ppid, kind, same_kernel_object):
+                    raise UnsupportedResource(pid, f"its {what[kind]} is shared with its parent "
+                                              f"{ppid} outside the tree; dump the parent's tree")
+                continue
+            marks[kind] = ppid in images and _shares(pid, ppid, kind, same_kernel_object)
+            if not marks[kind]:
+                other = next((q for q in images if q != pid and _shares(pid, q, kind, same_kernel_object)), None)
+                if other is not None:
+                    raise UnsupportedResource(pid, f"its {what[kind]} is shared with {other}, which is "
+                                              "not its parent (the parent left it)")
+        if marks.get(KCMP_FILES) or marks.get(KCMP_FS):
+            out[pid] = dataclasses.replace(im, task=dataclasses.replace(
+                im.task, shares_files=marks[KCMP_FILES], shares_fs=marks[KCMP_FS]))
+    return out
+
+
+def _shares(a: int, b: int, kind: int, same) -> bool:
+    try:
+        return same(a, b, kind)
+    except PtckptError:
+        return False                            # gone, or not ours to compare: not shared

@@ -140,10 +140,15 @@ def create_thread_frozen(remote: RemoteSyscalls, tid: int):
                          remote.task.tgid)
 
 
-def create_process_frozen(remote: RemoteSyscalls, pid: int):
-    """clone3 a child process with pid `pid` (set_tid, exit signal SIGCHLD) from the tracee;
-    the tracer follows forks, so it starts in a ptrace stop.  Returns its Task."""
-    return _clone_frozen(remote, pid, 0, signal.SIGCHLD, f"create process {pid}", None)
+CLONE_FS, CLONE_FILES = 0x200, 0x400
+
+
+def create_process_frozen(remote: RemoteSyscalls, pid: int, *, files: bool = False, fs: bool = False):
+    """clone3 a child process with pid `pid` (set_tid, exit signal SIGCHLD) from the tracee,
+    sharing its fd table or fs state where asked; the tracer follows forks, so it starts in
+    a ptrace stop.  Returns its Task."""
+    flags = (CLONE_FILES if files else 0) | (CLONE_FS if fs else 0)
+    return _clone_frozen(remote, pid, flags, signal.SIGCHLD, f"create process {pid}", None)
 
 
 def _clone_frozen(remote: RemoteSyscalls, tid: int, flags: int, exit_signal: int, step: str,
