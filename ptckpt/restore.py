@@ -31,6 +31,7 @@ import fcntl
 import functools
 import logging
 import os
+import re
 import resource
 import signal
 import socket
@@ -138,7 +139,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
                                                    os.makedev(v.dev_major, v.dev_minor), v.build_id))
         for f in proc.fds:
             if (f.kind is FdKind.REGULAR and not f.skipped and not f.external and files.ghost_key(f) is None
-                    and f.path not in saved):
+                    and f.path not in saved and tree_proc_pid(f.path, procs) is None):
                 out.append(filepolicy.FileIdentity(f.path, f.size, f.mtime_ns, f.ino, f.dev))
     return out
 
@@ -255,6 +256,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                              events.bind_mounts() if events else [])
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
+                procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
                 to_detach = []
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
@@ -676,6 +678,24 @@ def _open_pages(fd: int) -> int:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
         return os.dup(fd)
+
+
+_PROC_PID = re.compile(r"^/proc/(\d+)(?=/|$)")
+
+
+def tree_proc_pid(path: str, procs) -> int | None:
+    """The member whose /proc directory `path` is under (/proc/PID/...), or None."""
+    m = _PROC_PID.match(path)
+    return int(m.group(1)) if m and int(m.group(1)) in procs else None
+
+
+def at_restored_pids(procs: dict[int, ProcessImage], real: dict[int, int]) -> dict[int, ProcessImage]:
+    """Files a member holds open under /proc/PID of a member (its own or another's) are
+    opened again under that member's restored pid, as this /proc shows it."""
+    def moved(f: Fd) -> Fd:
+        p = tree_proc_pid(f.path, real)
+        return f if p is None else dataclasses.replace(f, path=_PROC_PID.sub(f"/proc/{real[p]}", f.path))
+    return {p: dataclasses.replace(proc, fds=tuple(map(moved, proc.fds))) for p, proc in procs.items()}
 
 
 def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[tuple[int, EpollState]]]:
