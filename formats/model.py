@@ -198,6 +198,9 @@ class Vma:
     build_id: str = ""        # GNU build-id of a mapped ELF file, hex (since format 3)
     guards: tuple[tuple[int, int], ...] = ()   # (start, end) guard regions (MADV_GUARD_INSTALL)
                                                # inside it (since format 8)
+    cow: tuple[tuple[int, int], ...] = ()      # (start, end) runs of pages it still shares
+                                               # copy-on-write with its parent's same mapping:
+                                               # not saved here, inherited (since format 8)
 
 
 @dataclass(frozen=True)

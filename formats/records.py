@@ -432,6 +432,7 @@ VmaRecord = Record(Vma, Struct(
     "file_deleted" / Flag,
     "build_id" / Since(3, Utf8),      # NT_GNU_BUILD_ID of the mapped ELF file (elf(5)), hex
     "guards" / Since(8, PrefixedArray(VarInt, Array(2, Int64ul))),   # guard regions in it
+    "cow" / Since(8, PrefixedArray(VarInt, Array(2, Int64ul))),      # shared copy-on-write with the parent
 ))
 
 # --- THREAD ------------------------------------------------------------------

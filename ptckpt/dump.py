@@ -164,9 +164,12 @@ def dump(pid: int, directory: str | None = None, *,
             log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
         xcr0 = xsize = 0
         images = {}
+        parents = {m: procfs.read_stat(m).ppid for m in pids}
+        cow = {m: memory.shared_with_parent(m, parents[m]) for m in pids if parents[m] in parents}
         for member in pids:
             log.info("capture %d", member)
-            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member))
+            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member),
+                                                                images.get(parents[member]), cow.get(member))
             result.threads += len(image.threads)
             result.vmas += len(image.vmas)
             result.pages += stats.pages
@@ -489,7 +492,10 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int):
+def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int,
+                            parent: ProcessImage | None = None, cow: dict | None = None):
+    """One frozen member; `parent`: its parent's image, when a member too, and `cow` the
+    pages they share copy-on-write (memory.shared_with_parent): saved once, in the parent's."""
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
@@ -497,6 +503,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     vmas = memory.dump_vmas(pid, _BUILD_IDS)
     memory.check_vmas(pid, vmas)
+    if parent is not None and cow:
+        vmas = memory.with_cow(vmas, parent.vmas, cow)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)

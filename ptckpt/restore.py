@@ -251,9 +251,16 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             ipc_made: list = []
             try:
                 ipc_made = restore_sysv(image.sysv)
+                early = {procs[p].task.ppid for p in members if memory.inherited_vmas(procs[p].vmas)}
+                rebuilt: set[int] = set()
+
+                def memory_first(p: int) -> None:
+                    if p in early and p not in rebuilt:
+                        rebuild_memory(created[p], procs[p], image.page_runs(p), *pages[p], handed)
+                        rebuilt.add(p)
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [])
+                             events.bind_mounts() if events else [], memory_first)
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
@@ -262,7 +269,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 epolls = epoll_registrars(procs, image.fd_states)
                 for p in fix_up_order(procs):
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
-                                              handed, epolls.get(p, []), events, channel, breaks[p])
+                                              handed, epolls.get(p, []), events, channel, breaks[p],
+                                              memory_done=p in rebuilt)
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
@@ -429,13 +437,15 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
-                 binds: Sequence[tuple[str, str]] = ()) -> None:
+                 binds: Sequence[tuple[str, str]] = (), memory_first=lambda pid: None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
     `tty` (the new pty's slave fd in the stubs, its Terminal record): it becomes the
     root session's controlling terminal, before any other member exists (the
     children inherit it), and its foreground group is set once the groups exist.
+    `memory_first(pid)` runs before a member's first child is cloned (a parent whose
+    children share pages with it copy-on-write gets its memory first).
     """
     members = list(procs)
     records = {p: procs[p].task for p in members}
@@ -450,6 +460,7 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     for p in members[1:] + [z.pid for z in zombies]:
         record = records[p]
         log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
+        memory_first(record.ppid)
         created[p] = _create_child(created[record.ppid], p, files=getattr(record, "shares_files", False),
                                    fs=getattr(record, "shares_fs", False))
         _restore_session(created[p], record)
@@ -464,11 +475,12 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
         with _stub_syscalls(created[root]) as remote:
             # in the tree's own namespace the group has the image's number
             terminals.set_foreground_frozen(remote, tty[0], tty[1].fg_pgrp)
-    gadget = gadget_address()
     for z in zombies:
-        pids.end_stub(created.pop(z.pid), gadget, z.wait_status)
+        task = created.pop(z.pid)
+        pids.end_stub(task, task.gadget or gadget_address(), z.wait_status)
     for h in helpers:
-        pids.end_stub(created.pop(h.pid), gadget, 0)
+        task = created.pop(h.pid)
+        pids.end_stub(task, task.gadget or gadget_address(), 0)
         with _stub_syscalls(created[h.ppid]) as remote:      # reap it: nobody may see it
             remote.checked("wait4", h.pid, 0, WALL, 0, step=f"reap group helper {h.pid}")
 
@@ -631,10 +643,34 @@ def _ghost_fd(key) -> Fd:
 
 @contextlib.contextmanager
 def _stub_syscalls(task):
-    """Injection into a process that is still the pristine stub (its own gadget and stack)."""
+    """Injection into a process that is still a stub: the stub's own gadget and stack, or the
+    gadget its memory was rebuilt around (its own, or its parent's before it was cloned)."""
     with AddressSpace(task.tgid) as mem:
-        with remote_syscalls(task, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
+        with _injection(task, mem) as remote:
             yield remote
+
+
+def _injection(task, mem: AddressSpace):
+    if task.gadget is None:
+        return remote_syscalls(task, mem, RemotePtr(gadget_address()), keep_regs=False)
+    return remote_syscalls(task, mem, RemotePtr(task.gadget), keep_regs=False,
+                           scratch_top=memory.gadget_scratch_top(task.gadget))
+
+
+def rebuild_memory(task, proc: ProcessImage, runs, pages_fd: int, data_offset: int, handed: dict) -> None:
+    """A stub's address space becomes the image's (before its children are cloned, when they
+    inherit pages copy-on-write from it); its gadget moves, and the task remembers where."""
+    with AddressSpace(task.tgid) as mem:
+        with _injection(task, mem) as remote:
+            _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
+            task.gadget = int(remote.gadget)
+
+
+def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
+                           handed: dict) -> None:
+    log.info("fix up %d: address space", proc.task.pid)
+    memory.prepare_address_space_frozen(remote, mem, proc.vmas)
+    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
 
 
 def _restore_session(task, record) -> None:
@@ -659,7 +695,9 @@ def _create_child(parent, pid: int, files: bool = False, fs: bool = False):
     a copy of the stub, stopped (the tracer follows forks), and becomes its own process
     (sharing the stub's fd table or fs state where the image says it shared its parent's)."""
     with _stub_syscalls(parent) as remote:
-        return threads.create_process_frozen(remote, pid, files=files, fs=fs)
+        child = threads.create_process_frozen(remote, pid, files=files, fs=fs)
+    child.gadget = parent.gadget                 # a copy of the parent's address space
+    return child
 
 
 def fix_up_order(procs: dict[int, ProcessImage]) -> list[int]:
@@ -715,15 +753,15 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
-            channel: int = -1, breaks: list | None = None):
-    """Rebuild one process from its stub; returns (warnings, its tasks, still stopped)."""
+            channel: int = -1, breaks: list | None = None, memory_done: bool = False):
+    """Rebuild one process from its stub (its memory first, unless `memory_done`); returns
+    (warnings, its tasks, still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
-        with remote_syscalls(leader, mem, RemotePtr(gadget_address()), keep_regs=False) as remote:
-            log.info("fix up %d: address space", proc.task.pid)
-            memory.prepare_address_space_frozen(remote, mem, proc.vmas)
-            memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
+        with _injection(leader, mem) as remote:
+            if not memory_done:
+                _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
             own_table = not proc.task.shares_files       # else its parent makes the fds for both

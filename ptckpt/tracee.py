@@ -261,7 +261,7 @@ def syscall_restart(regs: Regs) -> tuple[int, int]:
 class Task:
     """One kernel thread we have seized."""
 
-    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals")
+    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "gadget")
 
     def __init__(self, tid: int, tgid: int):
         self.tid = tid
@@ -269,6 +269,7 @@ class Task:
         self.stop: WaitStatus | None = None     # last stop, None while running
         self.seized = False
         self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
+        self.gadget: int | None = None          # a restore stub's syscall gadget, once moved
 
     def __repr__(self) -> str:
         return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import dataclasses
 import mmap
 import os
 import stat as _stat
@@ -85,15 +86,69 @@ def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
 
 
 PM_GUARD_REGION = 1 << 58       # /proc/PID/pagemap: the page is in a guard region
+PM_PRESENT = 1 << 63
+PM_FILE = 1 << 61                # a page-cache or shared-anonymous page
+PM_PFN = (1 << 55) - 1           # the page frame (shown to CAP_SYS_ADMIN only)
+COW_KINDS = frozenset({VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.FILE_PRIVATE})
+_NOT_INHERITED = {"dc", "wf", "lo", "lf", "sl"}   # DONTFORK, WIPEONFORK, locks, seals: not as-is
+
+
+def inheritable(child: Vma, parent: Vma) -> bool:
+    """Could the child's mapping be the parent's, inherited by fork (the same place, kind,
+    file and flags, nothing that fork drops or that would pin it)?"""
+    flags = set(child.vmflags.split())
+    return (child.kind in COW_KINDS and not child.shared and not child.guards
+            and (child.start, child.end, child.prot, child.kind, child.path, child.pgoff)
+            == (parent.start, parent.end, parent.prot, parent.kind, parent.path, parent.pgoff)
+            and flags == set(parent.vmflags.split()) and not flags & _NOT_INHERITED
+            and not parent.guards)
+
+
+def shared_with_parent(pid: int, ppid: int) -> dict[int, tuple[tuple[int, int], ...]]:
+    """{mapping start: runs of anonymous pages `pid` shares copy-on-write with `ppid`} (both
+    frozen): present in both at one page frame, at one address of a private mapping both
+    hold alike.  Read before any of their memory is: reading a process's memory through
+    process_vm_readv pins its pages, and a pin unshares a page shared copy-on-write."""
+    theirs = {(m.start, m.end, m.perms, m.offset, m.path) for m in procfs.read_maps(ppid) if not m.shared}
+    out: dict[int, tuple[tuple[int, int], ...]] = {}
+    for m in procfs.read_maps(pid):
+        if (m.start, m.end, m.perms, m.offset, m.path) not in theirs:
+            continue
+        a_map, b_map = _pagemap(pid, m.start, m.end), _pagemap(ppid, m.start, m.end)
+        runs: list[tuple[int, int]] = []
+        for i, ((a,), (b,)) in enumerate(zip(_PM_ENTRY.iter_unpack(a_map), _PM_ENTRY.iter_unpack(b_map))):
+            if (a & PM_PRESENT and not a & PM_FILE and a & PM_PFN
+                    and (a & PM_PFN, b & (PM_PRESENT | PM_FILE)) == (b & PM_PFN, PM_PRESENT)):
+                addr = m.start + i * PAGE_SIZE
+                if runs and runs[-1][1] == addr:
+                    runs[-1] = (runs[-1][0], addr + PAGE_SIZE)
+                else:
+                    runs.append((addr, addr + PAGE_SIZE))
+        if runs:
+            out[m.start] = tuple(runs)
+    return out
+
+
+def with_cow(vmas: Sequence[Vma], parent_vmas: Sequence[Vma],
+             shared: dict[int, tuple[tuple[int, int], ...]]) -> list[Vma]:
+    """`vmas` with their copy-on-write runs (from :func:`shared_with_parent`) where the
+    mapping can be the parent's, inherited by fork."""
+    by_start = {v.start: v for v in parent_vmas}
+    return [dataclasses.replace(v, cow=shared[v.start])
+            if v.start in shared and v.start in by_start and inheritable(v, by_start[v.start]) else v
+            for v in vmas]
+
+
+def _pagemap(pid: int, start: int, end: int) -> bytes:
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as f:
+        f.seek(start // PAGE_SIZE * 8)
+        return f.read((end - start) // PAGE_SIZE * 8)
 
 
 def guard_regions(pid: int, start: int, end: int) -> list[tuple[int, int]]:
     """(start, end) runs of guard pages (madvise MADV_GUARD_INSTALL) in [start, end)."""
     out: list[tuple[int, int]] = []
-    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as f:
-        f.seek(start // PAGE_SIZE * 8)
-        data = f.read((end - start) // PAGE_SIZE * 8)
-    for i, (entry,) in enumerate(_PM_ENTRY.iter_unpack(data)):
+    for i, (entry,) in enumerate(_PM_ENTRY.iter_unpack(_pagemap(pid, start, end))):
         if entry & PM_GUARD_REGION:
             addr = start + i * PAGE_SIZE
             if out and out[-1][1] == addr:
@@ -220,7 +275,8 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], run.end)
         else:
             out.append((run.start, run.end))
-    return _without(out, vma.guards) if vma.guards else out
+    holes = vma.guards + vma.cow
+    return _without(out, holes) if holes else out
 
 
 def _without(ranges: list[tuple[int, int]], holes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -511,11 +567,23 @@ class _FileCache:
         self.fds.clear()
 
 
+def gadget_scratch_top(gadget: int) -> int:
+    """The top of the scratch memory in the gadget's pages (below it: injected arguments)."""
+    return gadget + GADGET_PAGES * PAGE_SIZE - 16
+
+
+def inherited_vmas(image_vmas: Sequence[Vma]) -> list[Vma]:
+    """The mappings a process takes over from its parent (pages shared copy-on-write)."""
+    return [v for v in image_vmas if v.cow]
+
+
 def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> None:
-    """Turn the freshly exec'd stub into an empty address space holding only the kernel's pages.
+    """Turn the freshly exec'd stub into an empty address space holding only the kernel's pages
+    (and the mappings it inherited from its rebuilt parent, which it keeps).
 
     1. map the gadget (code + scratch) in a hole of both layouts, move execution there;
-    2. unmap everything of the stub but the gadget and [vdso]/[vvar]/[vvar_vclock];
+    2. unmap everything of the stub but the gadget, [vdso]/[vvar]/[vvar_vclock] and the
+       inherited mappings;
     3. move those to the image's addresses (via a free spot, so none lands on another).
     """
     own = procfs.read_maps(mem.pid)
@@ -525,9 +593,10 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
     remote.checked("mmap", gadget, size, PROT_READ | PROT_WRITE | PROT_EXEC,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="map the gadget")
     mem.write(gadget, b"\x0f\x05\xcc")          # syscall; int3
-    remote.move_gadget(RemotePtr(gadget), gadget + size - 16)
+    remote.move_gadget(RemotePtr(gadget), gadget_scratch_top(gadget))
     keep = [(gadget, gadget + size)] + [(m.start, m.end) for m in own
                                         if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+    keep += [(v.start, v.end) for v in inherited_vmas(image_vmas)]
     cursor = PAGE_SIZE * 16
     for s, e in sorted(keep) + [(TASK_SIZE, TASK_SIZE)]:
         if s > cursor:
@@ -619,6 +688,12 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     for vma in vmas:
         if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL:
             continue
+        if vma.cow:                               # inherited from the parent: in place already
+            if id(vma) in with_pages and not vma.prot & PROT_WRITE:
+                remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot | PROT_WRITE,
+                               step=f"open {vma.start:#x}-{vma.end:#x} for its own pages")
+            _forget_parent_pages(remote, vma, runs)
+            continue
         length = vma.end - vma.start
         prot = vma.prot | (PROT_WRITE if id(vma) in with_pages else 0)
         step = f"map {vma.start:#x}-{vma.end:#x} {vma.path or '[anon]'}"
@@ -657,6 +732,18 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
                            step=f"protect {vma.start:#x}-{vma.end:#x}")
     restore_advice_frozen(remote, vmas)
+
+
+MADV_DONTNEED = 4
+
+
+def _forget_parent_pages(remote, vma: Vma, runs: Sequence[PageRun]) -> None:
+    """In an inherited mapping, the pages that are neither shared with the parent nor saved
+    for this process were not there (or were the file's) at the dump: drop the parent's."""
+    mine = [(r.vaddr, r.vaddr + r.npages * PAGE_SIZE) for r in runs
+            if r.vaddr < vma.end and r.vaddr + r.npages * PAGE_SIZE > vma.start]
+    for s, e in _without([(vma.start, vma.end)], list(vma.cow) + mine):
+        remote.checked("madvise", s, e - s, MADV_DONTNEED, step=f"drop the parent's pages {s:#x}-{e:#x}")
 
 
 def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:

@@ -1,0 +1,77 @@
+"""Memory a parent and its forked child still share copy-on-write is saved once and shared
+again after a restore: memory use stays the same, and a write in one is still not seen by
+the other (ptckpt.resources.memory: shared_with_parent, inherited mappings)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+from ptckpt.formats.image import ImageReader
+from ptckpt.resources import memory
+
+from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
+
+FAMILY = r"""
+import mmap, os, signal, sys, time
+MB = 1 << 20
+buf = mmap.mmap(-1, 32 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, 32 * MB, 4096):
+    buf[i:i + 8] = (i // 4096).to_bytes(8, "little")      # every page written before the fork
+def check(who):
+    bad = [i for i in range(0, 32 * MB, 4096) if int.from_bytes(buf[i:i + 8], "little") != i // 4096]
+    with open(sys.argv[1] + "." + who + ".tmp", "w") as f:
+        f.write(f"{len(bad)} {buf[0]}")
+    os.replace(sys.argv[1] + "." + who + ".tmp", sys.argv[1] + "." + who)
+child = os.fork()
+if child == 0:
+    def on_usr1(*a):
+        buf[0] = 0x7f                                      # a write of its own, after the restore
+        check("child")
+    signal.signal(signal.SIGUSR1, on_usr1)
+    while True: time.sleep(0.05)
+signal.signal(signal.SIGUSR1, lambda *a: check("parent"))
+time.sleep(0.2)
+print("KID", child, flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+def _shared_kib(pid: int, ppid: int) -> int:
+    return sum(e - s for runs in memory.shared_with_parent(pid, ppid).values() for s, e in runs) // 1024
+
+
+def test_pages_shared_copy_on_write_stay_shared(spawn, ptckpt, tmp_path):
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    parent = spawn(str(script))
+    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    members = [parent.pid, child]
+    try:
+        before = _shared_kib(child, parent.pid)
+        assert before >= 32 * 1024
+        res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        with ImageReader(tmp_path / "img") as image:
+            inherited = sum(e - s for v in image.process(child).vmas for s, e in v.cow) // 1024
+            saved = [sum(r.npages for r in image.page_runs(p)) * 4 for p in members]
+        assert inherited >= 32 * 1024
+        assert saved[1] < 8 * 1024, "the child's copy of the shared pages is not saved again"
+        parent.wait_exit(10)
+        for p in members:
+            wait_pid_free(p)
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+        assert res.returncode == 0, res.stderr
+        parent.adopt(parent.pid)
+        assert _shared_kib(child, parent.pid) >= 32 * 1024, "shared again after the restore"
+        os.kill(child, signal.SIGUSR1)
+        wait_until(lambda: os.path.exists(f"{parent.out_path}.child"), 5)
+        os.kill(parent.pid, signal.SIGUSR1)
+        wait_until(lambda: os.path.exists(f"{parent.out_path}.parent"), 5)
+        assert open(f"{parent.out_path}.child").read() == "1 127", "the child sees its own write"
+        assert open(f"{parent.out_path}.parent").read() == "0 0", "the parent does not"
+    finally:
+        kill_pids(members)
+        reap_orphans()
