@@ -166,10 +166,14 @@ def dump(pid: int, directory: str | None = None, *,
         images = {}
         parents = {m: procfs.read_stat(m).ppid for m in pids}
         cow = {m: memory.shared_with_parent(m, parents[m]) for m in pids if parents[m] in parents}
+        lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
+        for m, runs in cow.items():
+            lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
         for member in pids:
             log.info("capture %d", member)
             image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member),
-                                                                images.get(parents[member]), cow.get(member))
+                                                                images.get(parents[member]), cow.get(member),
+                                                                lent.get(member, ()))
             result.threads += len(image.threads)
             result.vmas += len(image.vmas)
             result.pages += stats.pages
@@ -493,9 +497,11 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int,
-                            parent: ProcessImage | None = None, cow: dict | None = None):
+                            parent: ProcessImage | None = None, cow: dict | None = None,
+                            lent: Sequence[tuple[int, int]] = ()):
     """One frozen member; `parent`: its parent's image, when a member too, and `cow` the
-    pages they share copy-on-write (memory.shared_with_parent): saved once, in the parent's."""
+    pages they share copy-on-write (memory.shared_with_parent): saved once, in the parent's;
+    `lent`: the ranges of this process's pages its children share (read without pinning)."""
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
@@ -547,12 +553,23 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             itimers=tuple(itimers),
         )
         pages = writer.pages_writer(vpid)
-        runs, stats = memory.dump_pages_frozen(mem, vmas, pages)
+        runs, stats = memory.dump_pages_frozen(mem, vmas, pages, _merged(lent))
         for run in runs:
             pages.add_run(run.vaddr, run.npages, run.offset)
         pages.close()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Ranges sorted, overlaps and neighbours merged (children may share the same pages)."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(e, out[-1][1]))
+        else:
+            out.append((s, e))
+    return out
 
 
 def _wait_gone(pid: int, timeout: float = 3.0) -> None:

@@ -455,6 +455,20 @@ class AddressSpace:
             buffer[done:done + length] = self.read(addr, length)
         self._transfer(_libc.process_vm_readv, buffer, ranges, slow, "reading memory")
 
+    def read_unpinned(self, buffer: memoryview, addr: int) -> None:
+        """Fill `buffer` from `addr` through /proc/PID/mem, which pins no page: a page shared
+        copy-on-write with another process stays shared (a pin, as process_vm_readv takes,
+        makes the kernel give the pinned process a copy of its own)."""
+        done = 0
+        while done < len(buffer):
+            try:
+                n = os.preadv(self._mem, [buffer[done:]], addr + done)
+            except OSError as exc:
+                raise _translate_os_error(exc, self.pid, f"reading memory at {addr + done:#x}") from None
+            if n <= 0:
+                raise TraceeError(self.pid, f"short read of {len(buffer)} bytes at {addr:#x}")
+            done += n
+
     def write_from(self, buffer: memoryview, ranges: Sequence[tuple[int, int]]) -> None:
         """Write consecutive bytes of `buffer` to (addr, length) ranges (process_vm_writev;
         /proc/PID/mem for ranges it cannot write)."""

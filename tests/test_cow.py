@@ -75,3 +75,23 @@ def test_pages_shared_copy_on_write_stay_shared(spawn, ptckpt, tmp_path):
     finally:
         kill_pids(members)
         reap_orphans()
+
+
+def test_a_dump_that_leaves_the_tree_running_leaves_its_pages_shared(spawn, ptckpt, tmp_path):
+    """Reading a page through process_vm_readv pins it, and a pin of a page shared
+    copy-on-write gives the pinned process a copy: the parent's shared pages are read
+    through /proc/PID/mem instead, so the running tree's memory use does not grow."""
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    parent = spawn(str(script))
+    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    try:
+        assert _shared_kib(child, parent.pid) >= 32 * 1024
+        res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--leave-running")
+        assert res.returncode == 0, res.stderr
+        assert _shared_kib(child, parent.pid) >= 32 * 1024
+        with ImageReader(tmp_path / "img") as image:
+            assert sum(r.npages for r in image.page_runs(parent.pid)) * 4 >= 32 * 1024
+    finally:
+        kill_pids([parent.pid, child])
+        reap_orphans()

@@ -374,12 +374,15 @@ def _batches(ranges: Iterable[tuple[int, int, bool]], limit: int) -> Iterable[li
         yield batch
 
 
-def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages) -> tuple[list[PageRun], PageStats]:
+def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
+                      shared: Sequence[tuple[int, int]] = ()) -> tuple[list[PageRun], PageStats]:
     """Copy the pages a restore needs into the image's pages file.
 
     `pages` is the image's PagesWriter (double-buffered: we fill one buffer
     with process_vm_readv while the writer thread checksums and writes the
-    other).  Returns the page index and the totals.
+    other).  Returns the page index and the totals.  The `shared` ranges (pages a
+    child shares with this process copy-on-write) are read without pinning them,
+    so they stay shared in a tree that goes on running.
     """
     ranges: list[tuple[int, int, bool]] = []
     for vma in vmas:
@@ -387,12 +390,14 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages) -> tuple[li
         # in a file mapping the file's own bytes would show through instead.
         droppable = vma.kind in ZERO_DROPPABLE
         ranges.extend((s, e, droppable) for s, e in ranges_to_save(mem.pid, vma))
+    if shared:
+        ranges = list(_pieces(ranges, sorted(shared)))
     stats = PageStats()
     index: list[PageRun] = []
     for batch in _batches(ranges, pages.buffer_size):
         nbytes = sum(e - s for s, e, _ in batch)
         buf = pages.get_buffer()
-        mem.read_into(buf[:nbytes], [(s, e - s) for s, e, _ in batch])
+        _read_batch(mem, buf, batch, sorted(shared))
         nbytes, kept = drop_zero_pages(buf, nbytes, batch)
         offset = pages.submit(buf, nbytes)
         for s, e in kept:
@@ -401,6 +406,42 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages) -> tuple[li
         stats.pages += nbytes // PAGE_SIZE
         stats.bytes += nbytes
     return _merge_runs(index), stats
+
+
+def _pieces(ranges, holes):
+    """`ranges` cut at the edges of `holes`, so that each piece is all in one or all out."""
+    edges = sorted({x for h in holes for x in h})
+    for s, e, d in ranges:
+        cuts = [x for x in edges[bisect.bisect_right(edges, s):bisect.bisect_left(edges, e)]]
+        for a, b in zip([s] + cuts, cuts + [e]):
+            yield a, b, d
+
+
+def _inside(s: int, holes) -> bool:
+    i = bisect.bisect_right(holes, (s, 2**64)) - 1
+    return i >= 0 and holes[i][0] <= s < holes[i][1]
+
+
+def _read_batch(mem: AddressSpace, buf, batch, shared) -> None:
+    """Read a batch of ranges into consecutive bytes of `buf`: process_vm_readv, but the
+    pieces in `shared` through /proc/PID/mem (see dump_pages_frozen)."""
+    if not shared:
+        mem.read_into(buf[:sum(e - s for s, e, _ in batch)], [(s, e - s) for s, e, _ in batch])
+        return
+    done = start = 0
+    fast: list[tuple[int, int]] = []
+    for s, e, _ in batch:
+        if _inside(s, shared):
+            if fast:
+                mem.read_into(buf[start:done], fast)
+                fast = []
+            mem.read_unpinned(buf[done:done + e - s], s)
+            start = done + e - s
+        else:
+            fast.append((s, e - s))
+        done += e - s
+    if fast:
+        mem.read_into(buf[start:done], fast)
 
 
 _libc = ctypes.CDLL(None)
