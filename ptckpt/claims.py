@@ -128,3 +128,58 @@ def check_numa(pid: int) -> None:
             raise UnsupportedResource(pid, f"a NUMA memory policy ({fields[1]} at {fields[0]}, from "
                                       "set_mempolicy or mbind) is not restored; dump it before "
                                       "it sets one")
+
+
+# --- fdinfo ------------------------------------------------------------------
+# /proc/PID/fdinfo/N: the lines every fd has, then those of its kind.  A key no entry
+# claims refuses the dump, as a status field does.
+_FILES = "resources.files"
+FDINFO_COMMON: dict[str, Claim] = {
+    "pos": _restored(_FILES + " (the offset)"),
+    "flags": _checked(_FILES + " (the open flags; O_ASYNC is refused)", lambda v: _fd_flags(v)),
+    "mnt_id": _derived("the mount the path is opened on again"),
+    "ino": _derived("the inode the path (or the object made again) has"),
+    "lock": _restored("resources.locks"),
+}
+FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
+    "EVENTFD": {k: _restored("resources.anonfds") for k in ("eventfd-count", "eventfd-semaphore")}
+    | {"eventfd-id": _derived("the object's id, new for the object made again")},
+    "TIMERFD": {k: _restored("resources.anonfds")
+                for k in ("clockid", "ticks", "settime flags", "it_value", "it_interval")},
+    "SIGNALFD": {"sigmask": _restored("resources.anonfds")},
+    "INOTIFY": {"inotify wd": _restored("resources.anonfds")},
+    "EPOLL": {"tfd": _restored("resources.epoll")},
+    "SOCKET": {"scm_fds": _checked("resources.sockets (fds in flight in a unix socket)",
+                                   lambda v: f"{v} fds in flight (SCM_RIGHTS)" if v != "0" else None)},
+}
+O_ASYNC = 0o20000
+
+
+def _fd_flags(value: str) -> Optional[str]:
+    flags = int(value, 8)
+    if flags & O_ASYNC:
+        return "O_ASYNC (signal-driven I/O: its owner and signal are not restored yet)"
+    return None
+
+
+def fdinfo_keys(text: str) -> list[tuple[str, str]]:
+    """(key, value) of each line: "pos:\t0", "inotify wd:1 ino:...", "tfd:  5 events: ..."."""
+    out = []
+    for line in text.splitlines():
+        head, sep, rest = line.partition(":")
+        if sep:
+            out.append((head.strip(), rest.strip()))
+    return out
+
+
+def check_fdinfo(pid: int, fd: int, kind: str, text: str) -> None:
+    """Refuse, by name, an fd whose fdinfo shows state no restore makes."""
+    own = FDINFO_BY_KIND.get(kind, {})
+    for key, value in fdinfo_keys(text):
+        claim = FDINFO_COMMON.get(key) or own.get(key)
+        if claim is None:
+            raise UnsupportedResource(pid, f"fd {fd} ({kind.lower()}) with '{key}: {value}' in its "
+                                      "fdinfo (state this ptckpt does not know; a newer ptckpt may)")
+        why = claim.refuse(value) if claim.refuse else None
+        if why:
+            raise UnsupportedResource(pid, f"fd {fd} ({kind.lower()}) with {why}")

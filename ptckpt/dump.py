@@ -535,6 +535,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)
+        _check_fdinfo(pid, fds)
         pending = signals.dump_pending_frozen(tasks)
         for task in tasks:   # signals we held back while freezing are still pending
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
@@ -559,6 +560,19 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
         pages.close()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)
+
+
+def _check_fdinfo(pid: int, fds) -> None:
+    """Every fd of a kind a restore makes again shows nothing in its fdinfo that it would
+    drop (ptckpt.claims); the kinds no restore makes are refused by files.unsupported_fds."""
+    for f in fds:
+        if f.kind in files.RESTORABLE_KINDS or f.kind is FdKind.SOCKET:
+            try:
+                with open(f"/proc/{pid}/fdinfo/{f.fd}") as info:
+                    text = info.read()
+            except OSError:
+                continue                          # closed meanwhile by another thread? it is frozen
+            claims.check_fdinfo(pid, f.fd, f.kind.name, text)
 
 
 def _merged(ranges) -> list[tuple[int, int]]:

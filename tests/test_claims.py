@@ -63,3 +63,29 @@ def test_a_numa_memory_policy_is_refused_and_the_target_runs_on(spawn, ptckpt, t
     assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
     assert "a NUMA memory policy (bind:0" in res.stderr and len(res.stderr.splitlines()) == 1
     assert target.alive() and not (tmp_path / "img").exists()
+
+
+def test_every_fdinfo_line_of_the_kinds_a_restore_makes_is_claimed(spawn, tmp_path):
+    """The fdinfo of each fd of the fdkinds fixture (eventfd, timerfd, signalfd, inotify,
+    epoll, memfd, pipes, files ...), as this kernel prints it, passes the table."""
+    from ptckpt.resources import files
+    (tmp_path / "watched").mkdir()
+    target = spawn("fdkinds", str(tmp_path / "watched"))
+    fds = files.dump_fds(target.pid)
+    kinds = {f.kind.name for f in fds}
+    assert {"EVENTFD", "TIMERFD", "SIGNALFD", "INOTIFY", "EPOLL"} <= kinds, kinds
+    for f in fds:
+        text = open(f"/proc/{target.pid}/fdinfo/{f.fd}").read()
+        claims.check_fdinfo(target.pid, f.fd, f.kind.name, text)
+
+
+@pytest.mark.parametrize("kind, text, words", [
+    ("PIPE", "pos:\t0\nflags:\t02020002\nmnt_id:\t15\nino:\t1\n", "O_ASYNC"),
+    ("SOCKET", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\nscm_fds: 2\n", "2 fds in flight"),
+    ("EVENTFD", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\neventfd-count: 1\nfrob: 1\n", "'frob: 1'"),
+    ("REGULAR", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\ntfd: 5 events: 1\n", "'tfd: 5 events: 1'"),
+])
+def test_fdinfo_state_no_restore_makes_is_refused_by_name(kind, text, words):
+    with pytest.raises(UnsupportedResource) as info:
+        claims.check_fdinfo(7, 4, kind, text)
+    assert words in str(info.value) and "fd 4" in str(info.value)
