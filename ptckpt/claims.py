@@ -12,6 +12,7 @@ refuses.  The VMA flags are claimed the same way by :mod:`ptckpt.resources.memor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -183,3 +184,25 @@ def check_fdinfo(pid: int, fd: int, kind: str, text: str) -> None:
         why = claim.refuse(value) if claim.refuse else None
         if why:
             raise UnsupportedResource(pid, f"fd {fd} ({kind.lower()}) with {why}")
+
+
+# --- namespaces --------------------------------------------------------------
+# A restore makes the tree in ptckpt's own namespaces (a pid namespace or a network
+# namespace of its own where asked: --pidns, --netns).  A target that lives in other
+# ones (a container) would lose them without a word: refused, with the way in.
+NAMESPACES = {"mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "user": "-U", "cgroup": "-C",
+              "time": "-T"}
+
+
+def check_namespaces(pid: int) -> None:
+    """Refuse a member whose namespaces (but its pid namespace, which dump.py views) are
+    not ptckpt's."""
+    for ns, flag in NAMESPACES.items():
+        try:
+            theirs, ours = os.stat(f"/proc/{pid}/ns/{ns}").st_ino, os.stat(f"/proc/self/ns/{ns}").st_ino
+        except FileNotFoundError:
+            continue                             # a kernel without this kind of namespace
+        if theirs != ours:
+            raise UnsupportedResource(pid, f"a {ns} namespace other than ptckpt's (a container?): a "
+                                      f"restore would make it in ptckpt's; run ptckpt in it "
+                                      f"(nsenter -t {pid} {flag} ...)")

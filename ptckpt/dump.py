@@ -532,6 +532,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                         claims.check_status(pid, t.tid, status.raw if t.tid == pid
                                             else procfs.read_status(pid, t.tid).raw)
                     claims.check_numa(pid)
+                    claims.check_namespaces(pid)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)

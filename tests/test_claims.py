@@ -3,13 +3,15 @@ follows from what is restored, or refuses the dump by name (ptckpt.claims)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 
 import pytest
 
 from ptckpt import claims
 from ptckpt.errors import ExitCode, UnsupportedResource
+
+from conftest import wait_until
 
 
 def test_every_status_field_of_this_kernel_is_claimed():
@@ -89,3 +91,16 @@ def test_fdinfo_state_no_restore_makes_is_refused_by_name(kind, text, words):
     with pytest.raises(UnsupportedResource) as info:
         claims.check_fdinfo(7, 4, kind, text)
     assert words in str(info.value) and "fd 4" in str(info.value)
+
+
+@pytest.mark.parametrize("flag, ns", [("--uts", "uts"), ("--ipc", "ipc"), ("--mount", "mnt")])
+def test_a_process_in_namespaces_of_its_own_is_refused_by_name(spawn, ptckpt, tmp_path, flag, ns):
+    if not shutil.which("unshare"):
+        pytest.skip("unshare (util-linux) is not installed")
+    target = spawn(shutil.which("unshare"), flag, "sleep", "600", out=False, ready=False)
+    wait_until(lambda: os.path.exists(f"/proc/{target.pid}/exe")
+               and os.readlink(f"/proc/{target.pid}/exe").endswith("sleep"), 10)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
+    assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
+    assert f"a {ns} namespace other than ptckpt's" in res.stderr and "nsenter" in res.stderr
+    assert target.alive() and not (tmp_path / "img").exists()
