@@ -136,6 +136,7 @@ class Task:
                                      # branch, L1D flush (since format 8)
     shares_files: bool = False      # one fd table with its parent (CLONE_FILES), since format 8
     shares_fs: bool = False         # one cwd/root/umask with its parent (CLONE_FS), since format 8
+    cgroups: str = ""               # /proc/PID/cgroup as it read at dump (since format 8)
 
 
 @dataclass(frozen=True)

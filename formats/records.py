@@ -361,6 +361,7 @@ TaskRecord = Record(Task, Struct(
     "spec_ctrl" / Since(8, PrefixedArray(VarInt, Int32ul)),   # PR_GET_SPECULATION_CTRL per PR_SPEC_*
     "shares_files" / Since(8, Flag),          # kcmp(KCMP_FILES) with its parent: CLONE_FILES
     "shares_fs" / Since(8, Flag),             # kcmp(KCMP_FS) with its parent: CLONE_FS
+    "cgroups" / Since(8, Text),               # /proc/PID/cgroup
 ))
 
 # --- CREDS -------------------------------------------------------------------

@@ -778,6 +778,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for fd, held in locks.from_records(proc.locks).items() if own_table else ():
                 locks.restore_locks_frozen(remote, fd, held)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
+            warnings += process.restore_cgroups(leader.tgid, proc.task.cgroups)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
             log.info("fix up %d: threads", proc.task.pid)
             tasks = {proc.task.pid: leader}

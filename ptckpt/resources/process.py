@@ -81,6 +81,7 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
         mdwe=mdwe,
         memory_merge=bool(merge),
         spec_ctrl=spec,
+        cgroups=read_cgroups(pid),
     )
 
 
@@ -261,3 +262,55 @@ def _shares(a: int, b: int, kind: int, same) -> bool:
         return same(a, b, kind)
     except PtckptError:
         return False                            # gone, or not ours to compare: not shared
+
+
+# --- cgroups -------------------------------------------------------------------
+
+def read_cgroups(pid: int | str) -> str:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cgroup_mounts() -> dict[frozenset, str]:
+    """{controllers (v1; the empty set for the v2 hierarchy): where that hierarchy is mounted}."""
+    out: dict[frozenset, str] = {}
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _dev, where, fstype, opts = line.split()[:4]
+            if fstype == "cgroup2":
+                out.setdefault(frozenset(), where)
+            elif fstype == "cgroup":
+                names = {o for o in opts.split(",") if o not in ("rw", "ro", "relatime", "noexec",
+                                                                   "nosuid", "nodev", "clone_children")}
+                out.setdefault(frozenset(names), where)
+    return out
+
+
+def restore_cgroups(pid: int, recorded: str) -> list[str]:
+    """Put the restored process back in the cgroups it was in at dump, hierarchy by
+    hierarchy (it starts in ptckpt restore's).  One it cannot join is a warning."""
+    if not recorded:
+        return []
+    now = {line.rsplit(":", 1)[0]: line for line in read_cgroups(pid).splitlines()}
+    mounts = None
+    warnings = []
+    for line in recorded.splitlines():
+        key, _, path = line.rpartition(":")
+        if now.get(key) == line:
+            continue
+        mounts = _cgroup_mounts() if mounts is None else mounts
+        controllers = key.split(":", 1)[1]
+        where = mounts.get(frozenset(c for c in controllers.split(",") if c))
+        try:
+            if where is None:
+                raise OSError(f"hierarchy '{controllers or 'v2'}' is not mounted here")
+            with open(os.path.join(where, path.lstrip("/"), "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        except OSError as err:
+            warnings.append(f"process {pid} stays in cgroup {now.get(key, '?')} (it was in "
+                            f"{line}): {getattr(err, 'strerror', None) or err}")
+    return warnings
+
