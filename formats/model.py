@@ -234,6 +234,7 @@ class Thread:
     syscall_nr: int           # orig_rax when frozen inside a syscall, else -1
     comm: str = ""
     cpus: tuple[int, ...] = ()   # sched_getaffinity; () when every online CPU (since format 8)
+    sched: tuple[int, ...] = ()  # (policy, rt_priority, nice) of this thread (since format 8)
 
 
 @dataclass(frozen=True)

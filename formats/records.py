@@ -465,6 +465,7 @@ ThreadRecord = Record(Thread, Struct(
     "syscall_nr" / Int64sl,           # -1: not in a syscall
     "comm" / Text,
     "cpus" / Since(8, PrefixedArray(VarInt, Int16ul)),   # CPU affinity, () for all online
+    "sched" / Since(8, PrefixedArray(VarInt, Int32sl)),  # policy, rt_priority, nice
 ))
 
 # --- SIGACTION ---------------------------------------------------------------

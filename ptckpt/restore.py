@@ -828,6 +828,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
             threads.set_final_state(tasks[t.tid], t)
             warnings += threads.restore_affinity(tasks[t.tid], t)
+            warnings += threads.restore_sched(tasks[t.tid], t)
     return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
 
 

@@ -12,11 +12,17 @@ import pytest
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
-from conftest import wait_pid_free
+from conftest import wait_pid_free, wait_until
 
 
 def _status(pid: int) -> dict[str, str]:
     return _status_of(pid, str(pid))
+
+
+def _sched(pid: int, tid: str) -> tuple[int, int]:
+    """(policy, nice) of a thread, from /proc/PID/task/TID/stat fields 41 and 19."""
+    fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[38]), int(fields[16])
 
 
 def _status_of(pid: int, tid: str) -> dict[str, str]:
@@ -39,6 +45,7 @@ def test_credentials_and_prctl_state_survive_in_every_thread(spawn, ptckpt, tmp_
     threads = sorted(os.listdir(f"/proc/{target.pid}/task"))
     seen = {t: {k: _status(target.pid)[k] for k in KEPT} for t in threads}
     cpus = {t: _status_of(target.pid, t)["Cpus_allowed_list"] for t in threads}
+    wait_until(lambda: sorted(_sched(target.pid, t) for t in threads) == [(0, 3), (3, 7)], 5)
     last = str(os.cpu_count() - 1)
     assert cpus[str(target.pid)] == last
     image = tmp_path / "img"
@@ -63,6 +70,8 @@ def test_credentials_and_prctl_state_survive_in_every_thread(spawn, ptckpt, tmp_
     assert sorted(_status_of(pid, t)["Cpus_allowed_list"] for t in now) == sorted(cpus.values()), \
         "each thread keeps its own CPU affinity"
     assert _status_of(pid, str(pid))["Cpus_allowed_list"] == last
+    assert _sched(pid, str(pid)) == (0, 3) and sorted(_sched(pid, t) for t in now) == [(0, 3), (3, 7)], \
+        "each thread keeps its scheduling policy and nice"
     target.signal()
     after = target.wait_for_line(r"^STATE ", count=2, timeout=15).string
     status = target.wait_exit(10)

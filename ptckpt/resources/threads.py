@@ -10,8 +10,9 @@ import os
 import signal
 import struct
 
+from .. import procfs
 from ..formats.model import Restart, Thread
-from ..errors import PtckptError
+from ..errors import PtckptError, UnsupportedResource
 from ..tracee import Regs, RemotePtr, RemoteSyscalls, Task, syscall_restart, xstate_header
 from .pids import clone_args
 
@@ -45,6 +46,7 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
         ss_sp, ss_flags, ss_size = struct.unpack("<QixxxxQ", remote.mem.read(buf, 24))
     return Thread(
         cpus=dump_affinity(task.tid),
+        sched=dump_sched(task.tgid, task.tid),
         tid=task.tid,
         regs=regs.values(),
         xstate=xstate,
@@ -198,6 +200,39 @@ def dump_affinity(tid: int) -> tuple[int, ...]:
     """The thread's CPU affinity; () when it may run on every online CPU (no choice made)."""
     cpus = os.sched_getaffinity(tid)
     return () if cpus >= online_cpus() else tuple(sorted(cpus))
+
+
+SCHED_DEADLINE = 6
+SCHED_RESET_ON_FORK = 0x40000000
+
+
+def dump_sched(pid: int, tid: int) -> tuple[int, int, int]:
+    """(policy, rt_priority, nice) of one thread: each thread has its own."""
+    st = procfs.read_stat(pid, tid)
+    if st.policy & ~SCHED_RESET_ON_FORK == SCHED_DEADLINE:
+        raise UnsupportedResource(pid, f"thread {tid} under SCHED_DEADLINE (its runtime, deadline "
+                                  "and period are not restored yet)")
+    return (st.policy, st.rt_priority, st.nice)
+
+
+def restore_sched(task: Task, thread: Thread) -> list[str]:
+    """Scheduling policy, real-time priority and nice of one thread, from outside."""
+    if not thread.sched:
+        return []
+    policy, prio, nice = thread.sched
+    warnings = []
+    try:
+        if os.sched_getscheduler(task.tid) != policy or os.sched_getparam(task.tid).sched_priority != prio:
+            os.sched_setscheduler(task.tid, policy, os.sched_param(prio))
+    except OSError as err:
+        warnings.append(f"thread {thread.tid}: cannot set scheduling policy {policy} priority "
+                        f"{prio}: {err.strerror}")
+    try:
+        if os.getpriority(os.PRIO_PROCESS, task.tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, task.tid, nice)
+    except OSError as err:
+        warnings.append(f"thread {thread.tid}: cannot set nice {nice}: {err.strerror}")
+    return warnings
 
 
 def restore_affinity(task: Task, thread: Thread) -> list[str]:
