@@ -137,6 +137,8 @@ class Task:
     shares_files: bool = False      # one fd table with its parent (CLONE_FILES), since format 8
     shares_fs: bool = False         # one cwd/root/umask with its parent (CLONE_FS), since format 8
     cgroups: str = ""               # /proc/PID/cgroup as it read at dump (since format 8)
+    coredump_filter: int = -1       # /proc/PID/coredump_filter; -1: not recorded (since format 8)
+    loginuid: int = 2**32 - 1       # /proc/PID/loginuid (audit); unset (since format 8)
 
 
 @dataclass(frozen=True)

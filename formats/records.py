@@ -362,6 +362,8 @@ TaskRecord = Record(Task, Struct(
     "shares_files" / Since(8, Flag),          # kcmp(KCMP_FILES) with its parent: CLONE_FILES
     "shares_fs" / Since(8, Flag),             # kcmp(KCMP_FS) with its parent: CLONE_FS
     "cgroups" / Since(8, Text),               # /proc/PID/cgroup
+    "coredump_filter" / Since(8, Int32sl),    # /proc/PID/coredump_filter (core(5))
+    "loginuid" / Since(8, Int32ul),           # /proc/PID/loginuid
 ))
 
 # --- CREDS -------------------------------------------------------------------

@@ -353,10 +353,11 @@ def test_golden_bytes():
         "00000000" "18fcffff" "50c3000000000000"            # rt_priority oom_score_adj timerslack_ns
         "ffffffff" "0105000000" "010178" "02000000"        # exit_signal tids cmdline dumpable
         "0f000000" "01"                                     # pdeath_signal child_subreaper (format 2)
-        "00" "00000000" "00" "00" "00" "00" "00")           # thp_disable mdwe memory_merge spec_ctrl
+        "00" "00000000" "00" "00" "00" "00" "00"            # thp_disable mdwe memory_merge spec_ctrl
+        "ffffffff" "ffffffff")                              # coredump_filter loginuid
                                                             # shares_files shares_fs cgroups (format 8)
     # A format-1 image has no format-2 fields: they take their defaults.
-    old = parse_record(EntryKind.TASK, build_record(task)[:-15], version=1)
+    old = parse_record(EntryKind.TASK, build_record(task)[:-23], version=1)
     assert (old.pdeath_signal, old.child_subreaper) == (0, False)
     assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
 

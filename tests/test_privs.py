@@ -42,6 +42,7 @@ def test_credentials_and_prctl_state_survive_in_every_thread(spawn, ptckpt, tmp_
     target = spawn("privs")
     before = target.wait_for_line(r"^STATE ").string
     assert "uid=1000,1000,1000" in before and "nnp=1" in before and "thp=1" in before
+    assert "coredump=0000001f loginuid=4242" in before
     threads = sorted(os.listdir(f"/proc/{target.pid}/task"))
     seen = {t: {k: _status(target.pid)[k] for k in KEPT} for t in threads}
     cpus = {t: _status_of(target.pid, t)["Cpus_allowed_list"] for t in threads}

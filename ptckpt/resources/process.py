@@ -82,7 +82,17 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
         memory_merge=bool(merge),
         spec_ctrl=spec,
         cgroups=read_cgroups(pid),
+        coredump_filter=int(_read_proc(pid, "coredump_filter", "-1"), 16),
+        loginuid=int(_read_proc(pid, "loginuid", str(2**32 - 1))),
     )
+
+
+def _read_proc(pid: int, name: str, default: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return default
 
 
 def _prctl_optional(remote: RemoteSyscalls, option: int, what: str, arg: int = 0) -> int:
@@ -196,7 +206,30 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
         os.setpriority(os.PRIO_PROCESS, pid, task.nice)
     except OSError as err:
         warnings.append(f"cannot set nice {task.nice}: {err.strerror}")
+    if task.coredump_filter >= 0:
+        try:
+            with open(f"/proc/{pid}/coredump_filter", "w") as f:
+                f.write(f"{task.coredump_filter:#x}")
+        except OSError as err:
+            warnings.append(f"cannot set coredump_filter {task.coredump_filter:#x}: {err.strerror}")
+    if task.loginuid != int(_read_proc(pid, "loginuid", str(2**32 - 1))):
+        warnings += _set_loginuid(remote, task.loginuid)
     return warnings
+
+
+def _set_loginuid(remote: RemoteSyscalls, uid: int) -> list[str]:
+    """The audit login uid is set by the process itself, through /proc/self/loginuid."""
+    with remote.scratch(b"/proc/self/loginuid\0") as p:
+        fd = remote.syscall("openat", AT_FDCWD, int(p), os.O_WRONLY | os.O_CLOEXEC, 0)
+    if fd < 0:
+        return [f"cannot set the audit login uid {uid}: {os.strerror(-fd)}"]
+    try:
+        text = str(uid if uid != 2**32 - 1 else -1).encode()
+        with remote.scratch(text) as buf:
+            res = remote.syscall("write", fd, int(buf), len(text))
+    finally:
+        remote.syscall("close", fd)
+    return [f"cannot set the audit login uid {uid}: {os.strerror(-res)}"] if res < 0 else []
 
 
 def restore_rlimits(pid: int, rlimits) -> list[str]:
