@@ -206,3 +206,27 @@ def check_namespaces(pid: int) -> None:
             raise UnsupportedResource(pid, f"a {ns} namespace other than ptckpt's (a container?): a "
                                       f"restore would make it in ptckpt's; run ptckpt in it "
                                       f"(nsenter -t {pid} {flag} ...)")
+
+
+# --- security labels -----------------------------------------------------------
+
+def _label(pid: int | str) -> str | None:
+    """The LSM label (AppArmor profile, SELinux context); None where no LSM gives one."""
+    try:
+        with open(f"/proc/{pid}/attr/current") as f:
+            return f.read().strip("\0\n ")
+    except OSError:
+        return None
+
+
+def label_refusal(theirs: str | None, ours: str | None) -> str | None:
+    if theirs is None or theirs == ours:
+        return None
+    return (f"a security label of its own ({theirs}; ptckpt runs as {ours}): a restore would run it "
+            "under ptckpt's; restore under its label (aa-exec -p, runcon)")
+
+
+def check_label(pid: int) -> None:
+    why = label_refusal(_label(pid), _label("self"))
+    if why:
+        raise UnsupportedResource(pid, why)

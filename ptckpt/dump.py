@@ -533,6 +533,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                                             else procfs.read_status(pid, t.tid).raw)
                     claims.check_numa(pid)
                     claims.check_namespaces(pid)
+                    claims.check_label(pid)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)

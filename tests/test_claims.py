@@ -104,3 +104,12 @@ def test_a_process_in_namespaces_of_its_own_is_refused_by_name(spawn, ptckpt, tm
     assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
     assert f"a {ns} namespace other than ptckpt's" in res.stderr and "nsenter" in res.stderr
     assert target.alive() and not (tmp_path / "img").exists()
+
+
+def test_a_security_label_of_its_own_is_refused():
+    """No LSM labels processes on these machines (attr/current says EINVAL): the rule."""
+    assert claims.label_refusal(None, None) is None
+    assert claims.label_refusal("unconfined", "unconfined") is None
+    why = claims.label_refusal("firefox (enforce)", "unconfined")
+    assert "firefox (enforce)" in why and "aa-exec" in why
+    claims.check_label(os.getpid())
