@@ -154,6 +154,8 @@ class Creds:
     no_new_privs: int
     seccomp: int
     securebits: int = 0       # prctl(PR_GET_SECUREBITS), since format 8
+    seccomp_filters: tuple[bytes, ...] = ()   # classic BPF programs, oldest first (format 8)
+    seccomp_flags: tuple[int, ...] = ()       # SECCOMP_FILTER_FLAG_* of each (format 8)
 
 
 @dataclass(frozen=True)

@@ -382,6 +382,8 @@ CredsRecord = Record(Creds, Struct(
     "no_new_privs" / Int32ul,
     "seccomp" / Int32ul,
     "securebits" / Since(8, Int32ul),         # prctl(PR_GET_SECUREBITS)
+    "seccomp_filters" / Since(8, PrefixedArray(VarInt, Blob)),   # struct sock_filter[] each
+    "seccomp_flags" / Since(8, PrefixedArray(VarInt, Int32ul)),
 ))
 
 # --- MM ----------------------------------------------------------------------

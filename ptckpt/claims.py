@@ -49,7 +49,7 @@ def _untag_mask(value: str) -> Optional[str]:
 
 
 def _seccomp(value: str) -> Optional[str]:
-    return f"seccomp mode {value}" if value not in ("", "0") else None
+    return "seccomp strict mode" if value == "1" else None
 
 
 def _thread_features(value: str) -> Optional[str]:
@@ -74,8 +74,8 @@ STATUS: dict[str, Claim] = {
     "CapInh": _restored("resources.creds"), "CapPrm": _restored("resources.creds"),
     "CapEff": _restored("resources.creds"), "CapBnd": _restored("resources.creds"),
     "CapAmb": _restored("resources.creds"), "NoNewPrivs": _restored("resources.creds"),
-    "Seccomp": _checked("resources.creds", _seccomp),
-    "Seccomp_filters": _checked("resources.creds", _seccomp),
+    "Seccomp": _checked("resources.creds (filters restored, strict mode refused)", _seccomp),
+    "Seccomp_filters": _restored("resources.creds (the filter chain)"),
     "FDSize": _derived("the fd table's size, grown again by the restored fds"),
     "Kthread": _checked("dump.py refuses kernel threads", lambda v: "a kernel thread" if v == "1" else None),
     **{k: _derived(_MEMORY) for k in (

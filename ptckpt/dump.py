@@ -512,6 +512,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     if parent is not None and cow:
         vmas = memory.with_cow(vmas, parent.vmas, cow)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
+    creds.refuse_strict_mode(pid, [t.tid for t in tasks])
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)
         thread_records = []
@@ -526,7 +527,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     timers.check_dumpable(pid, posix_timers, [t.tid for t in tasks])
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
-                    creds_record = creds.dump_creds_frozen(pid, status, remote)
+                    creds_record = creds.dump_creds_frozen(pid, status, remote, tasks)
                     creds.check_threads(pid, [t.tid for t in tasks], status)
                     for t in tasks:
                         claims.check_status(pid, t.tid, status.raw if t.tid == pid

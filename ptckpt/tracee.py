@@ -52,6 +52,8 @@ from .formats.model import GP_REG_NAMES, PAGE_SIZE
 PTRACE_GETREGS = 12
 PTRACE_SETREGS = 13
 PTRACE_GETREGSET = 0x4204
+PTRACE_SECCOMP_GET_FILTER = 0x420C
+PTRACE_SECCOMP_GET_METADATA = 0x420D
 PTRACE_SETREGSET = 0x4205
 PTRACE_SEIZE = 0x4206
 PTRACE_INTERRUPT = 0x4207
@@ -273,6 +275,28 @@ class Task:
 
     def __repr__(self) -> str:
         return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"
+
+    def seccomp_filters(self) -> list[tuple[int, bytes]]:
+        """The thread's seccomp filters, oldest first: (flags, classic BPF program bytes),
+        through PTRACE_SECCOMP_GET_FILTER and _GET_METADATA (needs CAP_SYS_ADMIN)."""
+        out = []
+        index = 0
+        while True:
+            try:
+                count = _pt.ptrace(PTRACE_SECCOMP_GET_FILTER, self.tid, index, 0)
+            except PtraceError as err:
+                if err.errno == errno.ENOENT:
+                    break
+                raise _translate_errno(err.errno or 0, self.tid, "PTRACE_SECCOMP_GET_FILTER") from None
+            prog = ctypes.create_string_buffer(count * 8)
+            _ptrace(PTRACE_SECCOMP_GET_FILTER, self.tid, index, ctypes.addressof(prog),
+                    what="PTRACE_SECCOMP_GET_FILTER")
+            meta = (ctypes.c_uint64 * 2)(index, 0)
+            _ptrace(PTRACE_SECCOMP_GET_METADATA, self.tid, ctypes.sizeof(meta), ctypes.addressof(meta),
+                    what="PTRACE_SECCOMP_GET_METADATA")
+            out.append((int(meta[1]), prog.raw))
+            index += 1
+        return out[::-1]
 
     # -- control -----------------------------------------------------------
     def seize(self, options: int = PTRACE_O_TRACESYSGOOD) -> None:

@@ -80,8 +80,29 @@ def test_credentials_and_prctl_state_survive_in_every_thread(spawn, ptckpt, tmp_
     assert after == before
 
 
+def test_seccomp_filters_are_installed_again(spawn, ptckpt, tmp_path):
+    target = spawn("privs", "seccomp")
+    before = target.wait_for_line(r"^STATE ").string
+    assert "uname_errno=1 " in before, "the filter makes uname fail with EPERM"
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    with ImageReader(tmp_path / "img") as reader:
+        assert len(reader.process(reader.inventory.root_pid).creds.seccomp_filters) == 1
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    for tid in os.listdir(f"/proc/{target.pid}/task"):
+        st = _status_of(target.pid, tid)
+        assert (st["Seccomp"], st["Seccomp_filters"]) == ("2", "1"), tid
+    target.signal()
+    assert target.wait_for_line(r"^STATE ", count=2, timeout=15).string == before
+    assert target.wait_exit(10) == 0, target.describe()
+
+
 @pytest.mark.parametrize("mode, words", [
-    ("seccomp", "seccomp filters (1 filter(s))"),
+    ("strict", "in seccomp strict mode"),
     ("thread-creds", "with credentials of its own (cap_eff differ"),
 ])
 def test_what_the_image_cannot_hold_is_refused_by_name(spawn, ptckpt, tmp_path, mode, words):

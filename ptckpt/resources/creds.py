@@ -2,7 +2,7 @@
 
 Dump half: :func:`dump_creds_frozen` (from /proc/PID/status, securebits by injection) and
 :func:`check_threads` (every thread must hold the process's credentials: the image keeps
-one set).  Seccomp filters are refused by name.
+one set).  Seccomp filters are read through ptrace (one chain per process).
 
 Restore half: :func:`restore_creds_frozen`, injected into the leader and into every other
 thread (credentials are per thread in the kernel).  The order matters:
@@ -13,18 +13,22 @@ thread (credentials are per thread in the kernel).  The order matters:
 3. securebits take their dumped value (needs CAP_SETPCAP too);
 4. capset() sets effective, permitted and inheritable;
 5. the ambient set is raised (each needs to be permitted and inheritable);
-6. no_new_privs, which cannot be cleared once set.
+6. no_new_privs, which cannot be cleared once set;
+7. the seccomp filters (:func:`restore_seccomp_frozen`), last: from then on every injected
+   syscall passes them (first, when the process had neither no_new_privs nor
+   CAP_SYS_ADMIN to install them with: :func:`seccomp_before_creds`).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 
 from .. import procfs
 from ..errors import UnsupportedResource
 from ..formats.model import Creds
-from ..tracee import RemoteSyscalls
+from ..tracee import RemoteSyscalls, Task
 
 PR_CAPBSET_DROP = 24
 PR_GET_SECUREBITS, PR_SET_SECUREBITS = 27, 28
@@ -32,7 +36,6 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
 SECBIT_NO_SETUID_FIXUP = 1 << 2
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
-_SECCOMP_MODES = {1: "strict mode", 2: "filters"}
 
 
 def cap_last_cap() -> int:
@@ -40,16 +43,19 @@ def cap_last_cap() -> int:
         return int(f.read())
 
 
-def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None = None) -> Creds:
-    """`s`: the process's /proc status, read while frozen; securebits come from inside."""
-    if s.seccomp:
-        raise UnsupportedResource(pid, f"seccomp {_SECCOMP_MODES.get(s.seccomp, s.seccomp)} "
-                                  f"({s.seccomp_filters} filter(s)): they cannot be read back into "
-                                  "a new process yet; dump the program before it installs them")
+def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None = None,
+                      tasks: Sequence[Task] = ()) -> Creds:
+    """`s`: the process's /proc status, read while frozen; securebits come from inside, the
+    seccomp filters through ptrace from `tasks` (the process's threads, frozen)."""
+    filters: list[tuple[int, bytes]] = []
+    if s.seccomp == SECCOMP_MODE_FILTER:
+        filters = _seccomp_filters(pid, tasks)
     securebits = 0
     if remote is not None:
         securebits = remote.checked("prctl", PR_GET_SECUREBITS, step="dump creds: securebits")
     return Creds(
+        seccomp_filters=tuple(prog for _flags, prog in filters),
+        seccomp_flags=tuple(flags for flags, _prog in filters),
         uids=tuple(s.uids), gids=tuple(s.gids), groups=tuple(s.groups),
         cap_inh=s.cap_inh, cap_prm=s.cap_prm, cap_eff=s.cap_eff,
         cap_bnd=s.cap_bnd, cap_amb=s.cap_amb,
@@ -58,6 +64,56 @@ def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None 
     )
 
 
+SECCOMP_MODE_STRICT, SECCOMP_MODE_FILTER = 1, 2
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_TSYNC = 1
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+BPF_RET_K = 0x06
+_SOCK_FILTER = struct.Struct("<HBBI")
+
+
+def refuse_strict_mode(pid: int, tids: Sequence[int]) -> None:
+    """Before anything is injected: a thread in seccomp strict mode is killed by any syscall
+    but read, write, exit and sigreturn, so neither a dump nor a restore could run in it."""
+    for tid in tids:
+        if procfs.read_status(pid, tid).seccomp == SECCOMP_MODE_STRICT:
+            raise UnsupportedResource(pid, f"thread {tid} in seccomp strict mode (any syscall but read, "
+                                      "write, exit and sigreturn kills it: nothing can be injected)")
+
+
+def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]:
+    """The process's filter chain, oldest first; refused when its threads' chains differ or a
+    filter hands syscalls to a user-space supervisor (its listener fd is not restored)."""
+    chains = {t.tid: t.seccomp_filters() for t in tasks}
+    chain = chains.get(pid, [])
+    for tid, other in chains.items():
+        if other != chain:
+            raise UnsupportedResource(pid, f"thread {tid} with seccomp filters of its own (the image "
+                                      "keeps one chain per process)")
+    for _flags, prog in chain:
+        for code, _jt, _jf, k in _SOCK_FILTER.iter_unpack(prog):
+            if code == BPF_RET_K and k & 0xFFFF0000 == SECCOMP_RET_USER_NOTIF:
+                raise UnsupportedResource(pid, "a seccomp filter that notifies a supervisor "
+                                          "(SECCOMP_RET_USER_NOTIF): its listener is not restored")
+    return chain
+
+
+def restore_seccomp_frozen(remote: RemoteSyscalls, creds: Creds) -> None:
+    """Install the filters again, oldest first, in every thread (TSYNC).  From here on, every
+    syscall injected into the process passes them, as the program's own would."""
+    for prog, flags in zip(creds.seccomp_filters, creds.seccomp_flags):
+        with remote.scratch(prog) as pp, remote.scratch(struct.pack("<H6xQ", len(prog) // 8, int(pp))) as fp:
+            remote.checked("seccomp", SECCOMP_SET_MODE_FILTER, flags | SECCOMP_FILTER_FLAG_TSYNC, int(fp),
+                           step=f"seccomp filter of {len(prog) // 8} instructions")
+
+
+def seccomp_before_creds(creds: Creds) -> bool:
+    """Filters need no_new_privs or CAP_SYS_ADMIN to be installed: a process with neither
+    (it dropped CAP_SYS_ADMIN after installing them) gets them while still privileged."""
+    return bool(creds.seccomp_filters) and not creds.no_new_privs and not creds.cap_eff >> CAP_SYS_ADMIN & 1
+
+
+CAP_SYS_ADMIN = 21
 _PER_THREAD = ("uids", "gids", "groups", "cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb",
                "no_new_privs", "seccomp")
 
