@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import UnsupportedResource
+from .tracee import SUSPEND_SECCOMP
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _untag_mask(value: str) -> Optional[str]:
 
 
 def _seccomp(value: str) -> Optional[str]:
-    return "seccomp strict mode" if value == "1" else None
+    return "seccomp strict mode (ptckpt runs without root)" if value == "1" and not SUSPEND_SECCOMP else None
 
 
 def _thread_features(value: str) -> Optional[str]:
@@ -74,7 +75,8 @@ STATUS: dict[str, Claim] = {
     "CapInh": _restored("resources.creds"), "CapPrm": _restored("resources.creds"),
     "CapEff": _restored("resources.creds"), "CapBnd": _restored("resources.creds"),
     "CapAmb": _restored("resources.creds"), "NoNewPrivs": _restored("resources.creds"),
-    "Seccomp": _checked("resources.creds (filters restored, strict mode refused)", _seccomp),
+    "Seccomp": _checked("resources.creds (filters and strict mode restored; strict mode refused "
+                        "without root)", _seccomp),
     "Seccomp_filters": _restored("resources.creds (the filter chain)"),
     "FDSize": _derived("the fd table's size, grown again by the restored fds"),
     "Kthread": _checked("dump.py refuses kernel threads", lambda v: "a kernel thread" if v == "1" else None),

@@ -799,9 +799,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 task.set_sigmask(signals.ALL_BLOCKED)
             timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
             signals.restore_pending_frozen(remote, vpid, proc.pending)
-            early_filters = creds.seccomp_before_creds(proc.creds)
-            if early_filters:
-                creds.restore_seccomp_frozen(remote, proc.creds)
+            creds.restore_seccomp_frozen(remote, proc.creds)
             warnings += creds.restore_creds_frozen(remote, proc.creds)
             for tid, task in tasks.items():          # credentials are per thread
                 if task is not leader:
@@ -810,8 +808,6 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                         warnings += creds.restore_creds_frozen(tremote, proc.creds)
             process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
-            if not early_filters:
-                creds.restore_seccomp_frozen(remote, proc.creds)
             overrides: dict = {}
             if events:
                 log.info("plugins: restored %d", vpid)

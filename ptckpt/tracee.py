@@ -67,6 +67,8 @@ PTRACE_PEEKSIGINFO_SHARED = 1
 PTRACE_EVENT_STOP = 128
 PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK, PTRACE_EVENT_CLONE = 1, 2, 3
 PTRACE_O_TRACESYSGOOD = 0x1
+PTRACE_O_SUSPEND_SECCOMP = 0x200000
+SUSPEND_SECCOMP = PTRACE_O_SUSPEND_SECCOMP if os.geteuid() == 0 else 0   # needs CAP_SYS_ADMIN
 NT_PRSTATUS = 1
 NT_X86_XSTATE = 0x202
 WALL = 0x40000000                     # __WALL: wait for clone children (threads) too
@@ -300,7 +302,10 @@ class Task:
 
     # -- control -----------------------------------------------------------
     def seize(self, options: int = PTRACE_O_TRACESYSGOOD) -> None:
-        _ptrace(PTRACE_SEIZE, self.tid, 0, options, what="PTRACE_SEIZE")
+        """Seize the thread; as root, with its seccomp filters suspended while we trace it (the
+        syscalls we inject are ours, not the program's: a filter must neither refuse nor kill
+        them; the suspension ends when we let go)."""
+        _ptrace(PTRACE_SEIZE, self.tid, 0, options | SUSPEND_SECCOMP, what="PTRACE_SEIZE")
         self.seized = True
 
     def interrupt(self) -> None:

@@ -33,7 +33,6 @@ def test_each_claim_is_restored_derived_or_checked_and_names_its_module():
     ("CoreDumping", "1", "writing a core dump"),
     ("untag_mask", "0x7ffffffffffff", "linear address masking"),
     ("x86_Thread_features", "shstk", "shadow stack"),
-    ("Seccomp", "1", "seccomp strict mode"),
     ("Kthread", "1", "a kernel thread"),
     ("Frobnicated", "yes", "'Frobnicated: yes' (state this ptckpt does not know"),
 ])

@@ -101,8 +101,23 @@ def test_seccomp_filters_are_installed_again(spawn, ptckpt, tmp_path):
     assert target.wait_exit(10) == 0, target.describe()
 
 
+def test_seccomp_strict_mode_is_entered_again(spawn, ptckpt, tmp_path):
+    """Strict mode kills on any syscall but read, write, exit and sigreturn: ptckpt traces
+    with seccomp suspended (root), so it can dump the process and put it back in the mode."""
+    target = spawn("privs", "strict")
+    assert _status(target.pid)["Seccomp"] == "1"
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    assert _status(target.pid)["Seccomp"] == "1"
+    assert target.alive() and _status(target.pid)["State"].startswith("S"), "back in its read"
+
+
 @pytest.mark.parametrize("mode, words", [
-    ("strict", "in seccomp strict mode"),
     ("thread-creds", "with credentials of its own (cap_eff differ"),
 ])
 def test_what_the_image_cannot_hold_is_refused_by_name(spawn, ptckpt, tmp_path, mode, words):

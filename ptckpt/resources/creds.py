@@ -13,10 +13,10 @@ thread (credentials are per thread in the kernel).  The order matters:
 3. securebits take their dumped value (needs CAP_SETPCAP too);
 4. capset() sets effective, permitted and inheritable;
 5. the ambient set is raised (each needs to be permitted and inheritable);
-6. no_new_privs, which cannot be cleared once set;
-7. the seccomp filters (:func:`restore_seccomp_frozen`), last: from then on every injected
-   syscall passes them (first, when the process had neither no_new_privs nor
-   CAP_SYS_ADMIN to install them with: :func:`seccomp_before_creds`).
+6. no_new_privs, which cannot be cleared once set.
+
+The seccomp filters (:func:`restore_seccomp_frozen`) go in before all that, while the stub
+is still privileged; the tracer has them suspended for what it injects afterwards.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from collections.abc import Sequence
 from .. import procfs
 from ..errors import UnsupportedResource
 from ..formats.model import Creds
-from ..tracee import RemoteSyscalls, Task
+from ..tracee import SUSPEND_SECCOMP, RemoteSyscalls, Task
 
 PR_CAPBSET_DROP = 24
 PR_GET_SECUREBITS, PR_SET_SECUREBITS = 27, 28
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
 SECBIT_NO_SETUID_FIXUP = 1 << 2
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -74,11 +75,14 @@ _SOCK_FILTER = struct.Struct("<HBBI")
 
 def refuse_strict_mode(pid: int, tids: Sequence[int]) -> None:
     """Before anything is injected: a thread in seccomp strict mode is killed by any syscall
-    but read, write, exit and sigreturn, so neither a dump nor a restore could run in it."""
+    but read, write, exit and sigreturn, unless the tracer suspends seccomp (as root)."""
+    if SUSPEND_SECCOMP:
+        return
     for tid in tids:
         if procfs.read_status(pid, tid).seccomp == SECCOMP_MODE_STRICT:
             raise UnsupportedResource(pid, f"thread {tid} in seccomp strict mode (any syscall but read, "
-                                      "write, exit and sigreturn kills it: nothing can be injected)")
+                                      "write, exit and sigreturn kills it: nothing can be injected "
+                                      "unless ptckpt runs as root)")
 
 
 def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]:
@@ -99,21 +103,15 @@ def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]
 
 
 def restore_seccomp_frozen(remote: RemoteSyscalls, creds: Creds) -> None:
-    """Install the filters again, oldest first, in every thread (TSYNC).  From here on, every
-    syscall injected into the process passes them, as the program's own would."""
+    """Install the filters again, oldest first, in every thread (TSYNC), before the credentials
+    (installing needs CAP_SYS_ADMIN or no_new_privs).  The syscalls injected after them pass
+    no filter: the restore traces with seccomp suspended (tracee.SUSPEND_SECCOMP)."""
     for prog, flags in zip(creds.seccomp_filters, creds.seccomp_flags):
         with remote.scratch(prog) as pp, remote.scratch(struct.pack("<H6xQ", len(prog) // 8, int(pp))) as fp:
             remote.checked("seccomp", SECCOMP_SET_MODE_FILTER, flags | SECCOMP_FILTER_FLAG_TSYNC, int(fp),
                            step=f"seccomp filter of {len(prog) // 8} instructions")
 
 
-def seccomp_before_creds(creds: Creds) -> bool:
-    """Filters need no_new_privs or CAP_SYS_ADMIN to be installed: a process with neither
-    (it dropped CAP_SYS_ADMIN after installing them) gets them while still privileged."""
-    return bool(creds.seccomp_filters) and not creds.no_new_privs and not creds.cap_eff >> CAP_SYS_ADMIN & 1
-
-
-CAP_SYS_ADMIN = 21
 _PER_THREAD = ("uids", "gids", "groups", "cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb",
                "no_new_privs", "seccomp")
 
@@ -172,4 +170,6 @@ def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds, *, uid_gid: bool 
                  what=f"raise ambient capability {cap}")
     if creds.no_new_privs:
         call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, what="no_new_privs")
+    if creds.seccomp == SECCOMP_MODE_STRICT:       # per thread; the tracer has it suspended
+        remote.checked("prctl", PR_SET_SECCOMP, SECCOMP_MODE_STRICT, 0, 0, 0, step="seccomp strict mode")
     return warnings
