@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import UnsupportedResource
-from .tracee import SUSPEND_SECCOMP
+from . import tracee
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _untag_mask(value: str) -> Optional[str]:
 
 
 def _seccomp(value: str) -> Optional[str]:
-    return "seccomp strict mode (ptckpt runs without root)" if value == "1" and not SUSPEND_SECCOMP else None
+    return "seccomp strict mode (ptckpt runs without root)" if value == "1" and not tracee.SUSPEND_SECCOMP else None
 
 
 def _thread_features(value: str) -> Optional[str]:

@@ -305,7 +305,17 @@ class Task:
         """Seize the thread; as root, with its seccomp filters suspended while we trace it (the
         syscalls we inject are ours, not the program's: a filter must neither refuse nor kill
         them; the suspension ends when we let go)."""
-        _ptrace(PTRACE_SEIZE, self.tid, 0, options | SUSPEND_SECCOMP, what="PTRACE_SEIZE")
+        global SUSPEND_SECCOMP
+        if SUSPEND_SECCOMP:
+            try:
+                _pt.ptrace(PTRACE_SEIZE, self.tid, 0, options | SUSPEND_SECCOMP)
+                self.seized = True
+                return
+            except PtraceError as err:
+                if err.errno not in (errno.EINVAL, errno.EPERM):
+                    raise _translate_errno(err.errno or 0, self.tid, "PTRACE_SEIZE") from None
+                SUSPEND_SECCOMP = 0          # a kernel without it (or not ours to use): go on without
+        _ptrace(PTRACE_SEIZE, self.tid, 0, options, what="PTRACE_SEIZE")
         self.seized = True
 
     def interrupt(self) -> None:

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from .. import procfs
 from ..errors import UnsupportedResource
 from ..formats.model import Creds
-from ..tracee import SUSPEND_SECCOMP, RemoteSyscalls, Task
+from .. import tracee
+from ..tracee import RemoteSyscalls, Task
 
 PR_CAPBSET_DROP = 24
 PR_GET_SECUREBITS, PR_SET_SECUREBITS = 27, 28
@@ -76,7 +77,7 @@ _SOCK_FILTER = struct.Struct("<HBBI")
 def refuse_strict_mode(pid: int, tids: Sequence[int]) -> None:
     """Before anything is injected: a thread in seccomp strict mode is killed by any syscall
     but read, write, exit and sigreturn, unless the tracer suspends seccomp (as root)."""
-    if SUSPEND_SECCOMP:
+    if tracee.SUSPEND_SECCOMP:
         return
     for tid in tids:
         if procfs.read_status(pid, tid).seccomp == SECCOMP_MODE_STRICT:
