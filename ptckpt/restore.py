@@ -34,6 +34,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -560,8 +561,13 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
         ghost_paths = files.create_ghost_files(list(image.ghost_files))
-        for key, path in ghost_paths.items():          # what the deleted mappings map
-            opened[key] = files.open_description(_ghost_fd(key), path)
+        for g in image.ghost_files:
+            key = ("ghost", g.dev, g.ino)
+            if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
+                opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
+                    ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:                                     # what the deleted mappings map
+                opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
         socket_inos = {u.ino for u in image.unix_sockets}
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
@@ -691,13 +697,16 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
+            dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
             files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
                                      extra=[(fd, key[2]) for key, fd in handed.items()
                                             if isinstance(key, tuple) and key[:2] == ("install", vpid)],
-                                     keep={chan})
+                                     keep={chan, *dirs.values()})
             for epfd, state in epolls:
                 epoll.restore_targets_frozen(remote, epfd, state.targets)
-            warnings += process.restore_task_frozen(remote, proc.task)
+            warnings += process.restore_task_frozen(remote, proc.task, dirs)
+            for fd in set(dirs.values()) & set(inherited):     # a deleted cwd or root, entered
+                remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
             process.restore_mm_frozen(remote, proc.mm)
             # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
             for fd, held in locks.from_records(proc.locks).items():
@@ -722,6 +731,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for task in tasks.values():
                 task.set_sigmask(signals.ALL_BLOCKED)
             timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
+            files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
             signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
             process.restore_pdeath_signal_frozen(remote, proc.task)

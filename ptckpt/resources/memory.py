@@ -522,8 +522,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
             remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
                            step=step)
         elif vma.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED, VmaKind.SHMEM, VmaKind.DEVICE):
-            writable_shared = vma.shared and vma.prot & PROT_WRITE
-            fd = files.open(vma.path, O_RDWR if writable_shared else O_RDONLY, step)
+            fd = files.open(vma.path, O_RDWR if may_write_file(vma) else O_RDONLY, step)
             remote.checked("mmap", vma.start, length, prot, flags, fd, vma.pgoff, step=step)
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
@@ -533,6 +532,12 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
                            step=f"protect {vma.start:#x}-{vma.end:#x}")
+
+
+def may_write_file(vma: Vma) -> bool:
+    """A shared file mapping that may be made writable (VmFlags "mw", VM_MAYWRITE: its file
+    was open for writing when mapped), so mprotect(PROT_WRITE) works after restore too."""
+    return bool(vma.shared and (vma.prot & PROT_WRITE or "mw" in vma.vmflags.split()))
 
 
 def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:

@@ -1,0 +1,92 @@
+"""Deleted paths and file attributes round-trip: a sparse deleted file with its mode and
+mtime, an open removed directory, a removed cwd, a deleted FIFO with bytes in it, a shared
+file mapping that may be made writable, and an fd's SIGIO owner, signal and O_ASYNC.
+What cannot come back (a lease, an owner outside the tree, a deleted FIFO held outside)
+is refused at dump by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+
+from conftest import idle_script
+from test_restore import _dump_kill, _one_line, _restore
+
+
+def test_deleted_paths_and_attributes(spawn, ptckpt, tmp_path):
+    where = tmp_path / "d"
+    where.mkdir()
+    target = spawn("deleted", where)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        ghosts = {g.path: g for g in image.ghost_files}
+        proc = image.process(image.pids[0])
+    holes = ghosts[str(where / "holes")]
+    assert holes.size == 128 * 1024 and holes.extents == ((0, 4096), (65536, 4096))
+    assert len(holes.data) == 8192, "only the data extents go into the image"
+    assert stat.S_IMODE(holes.mode) == 0o6604 and holes.mtime_ns == 123456 * 10**9
+    assert stat.S_ISDIR(ghosts[str(where / "gone" / "sub")].mode)
+    assert stat.S_ISDIR(ghosts[str(where / "cwd")].mode)
+    assert [(o.pid, o.signo) for o in proc.owners] == [(target.pid, signal.SIGUSR2)]
+
+    _restore(ptckpt, tmp_path / "img")
+    assert sorted(os.listdir(where)) == ["shared"], "nothing made for the restore is left behind"
+    assert os.readlink(f"/proc/{target.pid}/cwd") == f"{where}/cwd (deleted)"
+    links = {os.readlink(f"/proc/{target.pid}/fd/{n}") for n in os.listdir(f"/proc/{target.pid}/fd")}
+    assert {f"{where}/holes (deleted)", f"{where}/gone/sub (deleted)"} <= links
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK")
+    target.signal(signal.SIGUSR1)                 # the FIFO is read once; the rest holds still
+    target.wait_for_line("VERIFY 2 OK")
+    target.assert_ok()
+
+
+def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
+    script = idle_script(tmp_path, "fifo.py", "import os, time\n"
+                         f"os.mkfifo({str(tmp_path / 'f')!r})\n"
+                         f"w = os.open({str(tmp_path / 'f')!r}, os.O_RDWR)\n"
+                         f"r = os.open({str(tmp_path / 'f')!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+                         "os.write(w, b'still here')\n"
+                         f"os.unlink({str(tmp_path / 'f')!r})\n"
+                         "os.close(w)\n")
+    target = spawn(str(script), out=False)
+    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}").endswith("/f (deleted)"))
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    assert os.readlink(f"/proc/{target.pid}/fd/{fd}") == f"{tmp_path}/f (deleted)"
+    copy = os.open(f"/proc/{target.pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert os.read(copy, 100) == b"still here"
+    finally:
+        os.close(copy)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ptckpt-fifo")]
+
+
+def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
+    (tmp_path / "E").write_bytes(b"e")
+    lease = spawn(str(idle_script(tmp_path, "lease.py", "import fcntl, os, time\n"
+                                  f"e = os.open({str(tmp_path / 'E')!r}, os.O_RDONLY)\n"
+                                  "fcntl.fcntl(e, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n")), out=False)
+    owner = spawn(str(idle_script(tmp_path, "owner.py", "import fcntl, os, time\n"
+                                  "r, w = os.pipe()\n"
+                                  "fcntl.fcntl(r, fcntl.F_SETOWN, os.getppid())\n")), out=False)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    outside = os.open(fifo, os.O_RDWR)
+    try:
+        held = spawn(str(idle_script(tmp_path, "held.py", "import os, time\n"
+                                     f"r = os.open({str(fifo)!r}, os.O_RDONLY | os.O_NONBLOCK)\n")), out=False)
+        os.unlink(fifo)
+        for target, words in ((lease, ["read lease", str(tmp_path / "E")]),
+                              (owner, ["SIGIO owner", f"process {os.getpid()}", "outside the dumped tree"]),
+                              (held, [f"{fifo} (deleted)", "holds it too"])):
+            _one_line(ptckpt("dump", target.pid, "-D", tmp_path / f"img{target.pid}"),
+                      ExitCode.UNSUPPORTED_RESOURCE, *words)
+            assert target.alive() and not (tmp_path / f"img{target.pid}").exists()
+    finally:
+        os.close(outside)
