@@ -45,6 +45,23 @@ def test_deleted_paths_and_attributes(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
+def test_deleted_paths_under_remap_path(spawn, ptckpt, tmp_path):
+    """--remap-path moves what is reopened by path (the shared mapping) and leaves what the
+    image holds (the deleted cwd, directory and file) as it was."""
+    where, moved = tmp_path / "d", tmp_path / "d2"
+    where.mkdir()
+    target = spawn("deleted", where)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    moved.mkdir()
+    (moved / "shared").write_bytes((where / "shared").read_bytes())
+    _restore(ptckpt, tmp_path / "img", "--remap-path", f"{where}={moved}")
+    assert os.readlink(f"/proc/{target.pid}/cwd") == f"{where}/cwd (deleted)"
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK")
+    target.assert_ok()
+    assert (moved / "shared").read_bytes()[0:1] == b"x", "the mapping is the moved file's"
+
+
 def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
     script = idle_script(tmp_path, "fifo.py", "import os, time\n"
                          f"os.mkfifo({str(tmp_path / 'f')!r})\n"
