@@ -62,6 +62,24 @@ def test_deleted_paths_under_remap_path(spawn, ptckpt, tmp_path):
     assert (moved / "shared").read_bytes()[0:1] == b"x", "the mapping is the moved file's"
 
 
+def test_deleted_file_opened_o_path(spawn, ptckpt, tmp_path):
+    (tmp_path / "P").write_bytes(b"p")
+    target = spawn(str(idle_script(tmp_path, "opath.py", "import os, time\n"
+                                   f"p = os.open({str(tmp_path / 'P')!r}, os.O_PATH)\n"
+                                   f"os.unlink({str(tmp_path / 'P')!r})\n")), out=False)
+    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}") == f"{tmp_path}/P (deleted)")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    assert os.readlink(f"/proc/{target.pid}/fd/{fd}") == f"{tmp_path}/P (deleted)"
+    flags = int(next(line for line in open(f"/proc/{target.pid}/fdinfo/{fd}") if line.startswith("flags:"))
+                .split()[1], 8)
+    assert flags & 0o10000000, "still an O_PATH fd"
+    with open(f"/proc/{target.pid}/fd/{fd}", "rb") as f:
+        assert f.read() == b"p"
+    assert os.listdir(tmp_path).count("P") == 0
+
+
 def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
     script = idle_script(tmp_path, "fifo.py", "import os, time\n"
                          f"os.mkfifo({str(tmp_path / 'f')!r})\n"
@@ -99,7 +117,12 @@ def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
         held = spawn(str(idle_script(tmp_path, "held.py", "import os, time\n"
                                      f"r = os.open({str(fifo)!r}, os.O_RDONLY | os.O_NONBLOCK)\n")), out=False)
         os.unlink(fifo)
-        for target, words in ((lease, ["read lease", str(tmp_path / "E")]),
+        os.mknod(tmp_path / "N", 0o600 | stat.S_IFCHR, os.makedev(1, 3))      # /dev/null's numbers
+        node = spawn(str(idle_script(tmp_path, "node.py", "import os, time\n"
+                                     f"p = os.open({str(tmp_path / 'N')!r}, os.O_RDWR)\n"
+                                     f"os.unlink({str(tmp_path / 'N')!r})\n")), out=False)
+        for target, words in ((node, [f"{tmp_path / 'N'} (deleted)", "a deleted device node"]),
+                              (lease, ["read lease", str(tmp_path / "E")]),
                               (owner, ["SIGIO owner", f"process {os.getpid()}", "outside the dumped tree"]),
                               (held, [f"{fifo} (deleted)", "holds it too"])):
             _one_line(ptckpt("dump", target.pid, "-D", tmp_path / f"img{target.pid}"),

@@ -211,7 +211,8 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
     """("ghost", st_dev, st_ino) of a deleted regular file or directory an fd or a file
     mapping refers to."""
     if isinstance(what, Fd):
-        if what.kind in (FdKind.REGULAR, FdKind.DIRECTORY) and what.path.endswith(DELETED):
+        if what.path.endswith(DELETED) and (what.kind in (FdKind.REGULAR, FdKind.DIRECTORY) or (
+                what.kind is FdKind.PATH and (_stat.S_ISREG(what.mode) or _stat.S_ISDIR(what.mode)))):
             return ("ghost", what.dev, what.ino)
         return None
     if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
@@ -328,11 +329,13 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     (descriptions in `exempt` are the shell job's stdio)."""
     out = []
     for f in fds:
-        if f.desc in exempt or f.kind in RESTORABLE_KINDS:
+        if f.desc in exempt:
             continue
-        if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED):
-            out.append(f"fd {f.fd} -> {f.path} (a deleted {'file opened O_PATH' if f.kind is FdKind.PATH else 'device node'}"
-                       f": not supported; close it before the dump)")
+        if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED) and not ghost_key(f):
+            what = "FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH else "device node"
+            out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
+            continue
+        if f.kind in RESTORABLE_KINDS:
             continue
         if f.kind is FdKind.SOCKET:
             if restorable_socket(f):
