@@ -1,4 +1,4 @@
-"""File locks a process holds: flock(2), POSIX record locks and OFD locks.
+"""File locks a process holds: flock(2), POSIX record locks, OFD locks and leases.
 
 Dump half: :func:`dump_locks` reads the ``lock:`` lines of /proc/PID/fdinfo/FD
 (fs/locks.c show_fd_locks, man 5 proc)::
@@ -25,15 +25,20 @@ the lowest fd of the same file (st_dev, st_ino) that is open for the lock's type
 (a readable fd for a read lock, a writable one for a write lock); an flock or
 OFD lock under the lowest fd of its description (kcmp).
 
-Leases (``LEASE``/``DELEG`` lines), mandatory locks (kernels before 5.15) and
-any form this version does not know cannot be held again: the dump functions
+A lease (``LEASE ACTIVE READ|WRITE``, fcntl F_SETLEASE) belongs to its open file
+description, like an flock.  A lease being broken (``LEASE BREAKING``: a
+conflicting open waits for it), an NFS delegation (``DELEG``), mandatory locks
+(kernels before 5.15) and any form this version does not know cannot be held
+again: the dump functions
 raise :class:`~ptckpt.errors.UnsupportedResource` naming the fd and the line,
 so nothing is dropped silently.  :func:`unsupported_locks` lists them as
 strings instead, for an inventory that reports rather than refuses.
 
 Restore half: :func:`restore_locks_frozen` takes each lock again from inside
 the restored process, by injection: flock(fd, LOCK_SH|LOCK_EX | LOCK_NB),
-fcntl(fd, F_SETLK) or fcntl(fd, F_OFD_SETLK).  Nothing waits: a lock somebody
+fcntl(fd, F_SETLK), fcntl(fd, F_OFD_SETLK) or fcntl(fd, F_SETLEASE) (which
+fails while the file is open elsewhere for writing, or at all for a write
+lease).  Nothing waits: a lock somebody
 else holds raises :class:`~ptckpt.errors.RestoreFailed` naming the file, the
 lock and the holders (found in every process's fdinfo, else with F_GETLK /
 F_OFD_GETLK injected, else in /proc/locks).
@@ -66,6 +71,7 @@ F_RDLCK, F_WRLCK, F_UNLCK = 0, 1, 2
 SEEK_SET = 0
 # include/uapi/asm-generic/fcntl.h (flock(2))
 LOCK_SH, LOCK_EX, LOCK_NB = 1, 2, 4
+F_SETLEASE = 1024
 O_ACCMODE = 0o3
 O_PATH = 0o10000000
 
@@ -73,7 +79,7 @@ O_PATH = 0o10000000
 # off_t l_start (offset 8), off_t l_len, pid_t l_pid, 4 bytes of padding = 32 bytes.
 _FLOCK = struct.Struct("<hh4xqqi4x")
 
-KINDS = ("flock", "posix", "ofd")
+KINDS = ("flock", "posix", "ofd", "lease")
 _KIND_OF_WORD = {"FLOCK": "flock", "POSIX": "posix", "OFDLCK": "ofd"}
 _TYPE_OF_WORD = {"READ": "read", "WRITE": "write"}
 _SHOWN = {"flock": "flock", "posix": "POSIX", "ofd": "OFD"}
@@ -89,7 +95,7 @@ class FileLock:
     ancestor), -1 for OFD locks.
     """
 
-    kind: str               # "flock" | "posix" | "ofd"
+    kind: str               # "flock" | "posix" | "ofd" | "lease"
     type: str               # "read" | "write"
     start: int
     end: int | None
@@ -99,6 +105,8 @@ class FileLock:
         """'POSIX write lock on bytes 200-EOF', 'exclusive flock (LOCK_EX)'."""
         if self.kind == "flock":
             return "exclusive flock (LOCK_EX)" if self.type == "write" else "shared flock (LOCK_SH)"
+        if self.kind == "lease":
+            return f"{self.type} lease (F_SETLEASE)"
         end = "EOF" if self.end is None else str(self.end)
         return f"{_SHOWN.get(self.kind, self.kind)} {self.type} lock on bytes {self.start}-{end}"
 
@@ -137,10 +145,16 @@ def parse_lock(text: str) -> FileLock | None:
     if len(words) < 7:
         raise UnsupportedLock(f"a lock line ptckpt cannot read ({shown!r})")
     kind_word, mode, type_word = words[0], words[1], words[2]
-    if kind_word in ("LEASE", "DELEG"):
-        what = "lease" if kind_word == "LEASE" else "delegation"
-        raise UnsupportedLock(f"a {type_word.lower()} {what} ({shown}); "
-                              f"leases are not checkpointed")
+    if kind_word == "DELEG":
+        raise UnsupportedLock(f"an NFS delegation ({shown}); delegations are not checkpointed")
+    if kind_word == "LEASE" and (mode != "ACTIVE" or type_word not in _TYPE_OF_WORD):
+        raise UnsupportedLock(f"a lease being broken ({shown}); dump again once the break "
+                              f"is over (lease-break-time)")
+    if kind_word == "LEASE":
+        try:
+            return FileLock("lease", _TYPE_OF_WORD[type_word], 0, None, int(words[3]))
+        except ValueError:
+            raise UnsupportedLock(f"a lock line ptckpt cannot read ({shown!r})") from None
     kind = _KIND_OF_WORD.get(kind_word)
     if kind is None:
         raise UnsupportedLock(f"a {kind_word} lock ({shown})")
@@ -302,6 +316,8 @@ def restore_locks_frozen(remote: RemoteSyscalls, fd: int, locks: Sequence[FileLo
 
 
 def _take(remote: RemoteSyscalls, fd: int, lock: FileLock) -> int:
+    if lock.kind == "lease":
+        return remote.syscall("fcntl", fd, F_SETLEASE, F_WRLCK if lock.type == "write" else F_RDLCK)
     if lock.kind == "flock":
         op = (LOCK_EX if lock.type == "write" else LOCK_SH) | LOCK_NB
         return remote.syscall("flock", fd, op)
@@ -312,6 +328,10 @@ def _take(remote: RemoteSyscalls, fd: int, lock: FileLock) -> int:
 
 def _conflict_text(remote: RemoteSyscalls, fd: int, lock: FileLock) -> str:
     pid = remote.task.tgid
+    if lock.kind == "lease":
+        return ("the file is open elsewhere" + (" for writing" if lock.type == "read" else "")
+                + " (" + (", ".join(f"pid {p} ({procfs.comm_or_unknown(p)}) fd {n}" for p, n in
+                                    _openers(pid, fd)) or "by whom, unknown") + ")")
     holders = lock_holders(pid, fd, lock)
     if holders:
         return "held by " + "; ".join(
@@ -338,6 +358,25 @@ def _getlk(remote: RemoteSyscalls, fd: int, lock: FileLock) -> FileLock | None:
         return None
     return FileLock("ofd" if l_pid == -1 else "posix", "write" if l_type == F_WRLCK else "read",
                     start, None if length == 0 else start + length - 1, l_pid)
+
+
+def _openers(pid: int, fd: int) -> list[tuple[int, int]]:
+    """(pid, fd) of every other fd open on the file of pid's fd (a lease's conflicts)."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return []
+    out = []
+    for other in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            for n in procfs.list_fds(other):
+                if (other, n) != (pid, fd):
+                    o = os.stat(f"/proc/{other}/fd/{n}")
+                    if (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
+                        out.append((other, n))
+        except (OSError, PtckptError):
+            continue
+    return out
 
 
 def _conflicts(want: FileLock, other: FileLock) -> bool:
