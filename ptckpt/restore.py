@@ -705,9 +705,10 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for epfd, state in epolls:
                 epoll.restore_targets_frozen(remote, epfd, state.targets)
             warnings += process.restore_task_frozen(remote, proc.task, dirs)
+            process.restore_mm_frozen(remote, proc.mm)
+            process.restore_root_frozen(remote, proc.task, dirs)
             for fd in set(dirs.values()) & set(inherited):     # a deleted cwd or root, entered
                 remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
-            process.restore_mm_frozen(remote, proc.mm)
             # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
             for fd, held in locks.from_records(proc.locks).items():
                 locks.restore_locks_frozen(remote, fd, held)

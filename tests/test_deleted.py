@@ -83,6 +83,31 @@ def test_deleted_file_opened_o_path(spawn, ptckpt, tmp_path):
     assert os.listdir(tmp_path).count("P") == 0
 
 
+CHROOT = """import os, time
+os.chdir({where!r})
+os.chroot({where!r})
+os.chdir("/")
+"""
+
+
+def test_root_and_a_removed_root(spawn, ptckpt, tmp_path):
+    """chroot'ed processes: the root comes back after the exe and cwd are opened by the paths
+    ptckpt sees; a removed root (and cwd in it) is made again and entered."""
+    live, gone = tmp_path / "live", tmp_path / "gone"
+    live.mkdir()
+    gone.mkdir()
+    a = spawn(str(idle_script(tmp_path, "a.py", CHROOT.format(where=str(live)))), out=False)
+    b = spawn(str(idle_script(tmp_path, "b.py", CHROOT.format(where=str(gone)))), out=False)
+    gone.rmdir()
+    assert os.readlink(f"/proc/{b.pid}/root") == f"{gone} (deleted)"
+    for target in (a, b):
+        _dump_kill(ptckpt, target, tmp_path / f"img{target.pid}")
+        _restore(ptckpt, tmp_path / f"img{target.pid}")
+    assert os.readlink(f"/proc/{a.pid}/root") == os.readlink(f"/proc/{a.pid}/cwd") == str(live)
+    assert os.readlink(f"/proc/{b.pid}/root") == os.readlink(f"/proc/{b.pid}/cwd") == f"{gone} (deleted)"
+    assert not gone.exists()
+
+
 def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
     script = idle_script(tmp_path, "fifo.py", "import os, time\n"
                          f"os.mkfifo({str(tmp_path / 'f')!r})\n"

@@ -146,19 +146,26 @@ def _change_dir(remote: RemoteSyscalls, path: str, handed: Mapping) -> None:
         remote.checked("chdir", int(p), step=f"chdir {path}")
 
 
+def restore_root_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}) -> None:
+    """chroot, once nothing more is opened by a path seen from ptckpt's root (the exe, the
+    cwd: chroot does not move the cwd); a removed root through its directory made again."""
+    if task.root and task.root != "/":
+        made = handed.get(ghost_dir_key(task.root))
+        root = f"/proc/self/fd/{made}" if made is not None else task.root
+        with remote.scratch(os.fsencode(root) + b"\0") as p:
+            remote.checked("chroot", int(p), step=f"chroot {task.root}")
+
+
 def restore_task_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}) -> list[str]:
-    """cwd, root, umask, personality, dumpable from inside; comm, nice, oom_score_adj,
+    """cwd, umask, personality, dumpable from inside; comm, nice, oom_score_adj,
     timerslack from outside.  Returns warnings (things that could not be set).
 
-    A cwd or root that was removed is entered through the fd of its directory made
-    again (``handed[files.ghost_dir_key(path)]``), which is removed by then."""
+    A cwd that was removed is entered through the fd of its directory made again
+    (``handed[files.ghost_dir_key(path)]``), which is removed by then.  The root is
+    restore_root_frozen's."""
     warnings: list[str] = []
     pid = remote.task.tgid
-    if task.root and task.root != "/":
-        _change_dir(remote, task.root, handed)
-        with remote.scratch(b".\0") as p:
-            remote.checked("chroot", int(p), step=f"chroot {task.root}")
-    _change_dir(remote, task.cwd, handed)
+    _change_dir(remote, task.cwd, handed)       # as ptckpt sees it; the root comes later
     remote.checked("umask", task.umask, step="umask")
     remote.checked("personality", task.personality, step="personality")
     remote.checked("prctl", PR_SET_DUMPABLE, task.dumpable, step="dumpable")
