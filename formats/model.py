@@ -457,6 +457,7 @@ class GhostFile:
     atime_ns: int = 0
     size: int = 0                    # st_size (holes included)
     extents: tuple[tuple[int, int], ...] = ()   # (offset, length) of each data extent (SEEK_DATA/SEEK_HOLE)
+    handle: bytes = b""              # a name deleted while the file has other links: its file handle
 
 
 @dataclass(frozen=True)

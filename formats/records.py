@@ -672,7 +672,8 @@ MsgImageRecord = Record(MsgImage, Struct(
 # A deleted file still open or mapped (/proc/PID/fd/N or map_files link ending in
 # " (deleted)"), or a deleted directory open or a cwd/root: fstat(2) identity, mode,
 # owner, times and size, and the bytes of its data extents (lseek(2) SEEK_DATA/SEEK_HOLE;
-# before format 8: its whole contents, no extents).
+# before format 8: its whole contents, no extents).  A file with other links left
+# (st_nlink > 0) has its name_to_handle_at(2) file handle instead of its contents.
 GhostFileRecord = Record(GhostFile, Struct(
     "dev" / Int64ul,
     "ino" / Int64ul,
@@ -685,6 +686,7 @@ GhostFileRecord = Record(GhostFile, Struct(
     "atime_ns" / Since(8, Int64sl),
     "size" / Since(8, Int64ul),
     "extents" / Since(8, PrefixedArray(VarInt, CSequence(Int64ul, Int64ul))),
+    "handle" / Since(8, Blob),
 ))
 
 

@@ -108,6 +108,29 @@ def test_root_and_a_removed_root(spawn, ptckpt, tmp_path):
     assert not gone.exists()
 
 
+def test_deleted_name_of_a_file_linked_elsewhere(spawn, ptckpt, tmp_path):
+    """A name deleted while another link holds the file: the restored fd is that very file
+    (a copy would part from it), opened again by its file handle."""
+    name, other = tmp_path / "L", tmp_path / "L2"
+    name.write_bytes(b"shared by two names")
+    os.link(name, other)
+    target = spawn(str(idle_script(tmp_path, "linked.py", "import os, time\n"
+                                   f"fd = os.open({str(name)!r}, os.O_RDWR)\n"
+                                   f"os.unlink({str(name)!r})\n")), out=False)
+    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}") == f"{name} (deleted)")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        (ghost,) = image.ghost_files
+    assert ghost.handle and ghost.data == b""
+    _restore(ptckpt, tmp_path / "img")
+    assert os.stat(f"/proc/{target.pid}/fd/{fd}").st_ino == os.stat(other).st_ino
+    with open(f"/proc/{target.pid}/fd/{fd}", "r+b") as f:
+        f.write(b"SHARED")
+    assert other.read_bytes() == b"SHARED by two names"
+    assert sorted(os.listdir(tmp_path)).count("L") == 0
+
+
 def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
     script = idle_script(tmp_path, "fifo.py", "import os, time\n"
                          f"os.mkfifo({str(tmp_path / 'f')!r})\n"

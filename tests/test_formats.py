@@ -191,6 +191,8 @@ def sample_records() -> list:
                       data=b"ghost" * 1000),
             GhostFile(dev=0x10302, ino=100, path="/tmp/sparse", mode=0o106604, uid=0, gid=0, data=b"ab" * 4096,
                       mtime_ns=123456 * 10**9, atime_ns=-1, size=1 << 40, extents=((0, 4096), (1 << 39, 4096))),
+            GhostFile(dev=0x10302, ino=101, path="/tmp/linked", mode=0o100644, uid=0, gid=0, data=b"", size=19,
+                      handle=bytes.fromhex("080000000100000029c2200088da5a6a")),
             SavedFile(path="/slot3/state.bin", mode=0o100644, uid=0, gid=0, mtime_ns=-7, data=b"\0\1"),
             EventfdState(count=5, flags=0o4001, desc=4),
             TimerfdState(clockid=1, flags=0o4000, settime_flags=1, value_ns=2 * 10**9, interval_ns=5 * 10**8,

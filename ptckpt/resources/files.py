@@ -28,7 +28,7 @@ from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
-from .anonfds import ANON_FD_KINDS, is_mqueue
+from .anonfds import ANON_FD_KINDS, file_handle, is_mqueue, open_file_handle
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
@@ -267,6 +267,8 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
                                        f"({err.strerror})") from None
     try:
         st = os.fstat(fd)
+        if st.st_nlink and _stat.S_ISREG(st.st_mode) and path.endswith(DELETED):
+            return _linked_ghost(pid, fd, st, path, what)
         extents = data_extents(fd, st.st_size) if _stat.S_ISREG(st.st_mode) else []
         stored = sum(length for _off, length in extents)
         if stored > GHOST_LIMIT:
@@ -279,6 +281,18 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
     return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
                      uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks), mtime_ns=st.st_mtime_ns,
                      atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents))
+
+
+def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:
+    """A name deleted while the file has other links: its file handle, so that the restore
+    opens that very file again (a copy would part from the other names)."""
+    handle = file_handle(fd)
+    if not handle:
+        raise UnsupportedResource(pid, f"{what} -> {path}: a deleted name of a file with {st.st_nlink} "
+                                       f"other link(s), on a file system that gives no file handle")
+    return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
+                     uid=st.st_uid, gid=st.st_gid, data=b"", mtime_ns=st.st_mtime_ns, atime_ns=st.st_atime_ns,
+                     size=st.st_size, handle=handle)
 
 
 def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
@@ -469,6 +483,7 @@ class GhostPaths(dict):
     def __init__(self):
         super().__init__()
         self.made: list[str] = []
+        self.fds: list[int] = []          # files still linked elsewhere, opened by handle
 
 
 def create_ghost_files(ghosts: list[GhostFile]) -> GhostPaths:
@@ -479,6 +494,9 @@ def create_ghost_files(ghosts: list[GhostFile]) -> GhostPaths:
     out = GhostPaths()
     try:
         for n, g in sorted(enumerate(ghosts), key=lambda ng: ng[1].path.count("/")):
+            if g.handle:
+                out[("ghost", g.dev, g.ino)] = _open_linked(g, out.fds)
+                continue
             path = g.path
             for attempt in range(100):
                 try:
@@ -499,6 +517,18 @@ def create_ghost_files(ghosts: list[GhostFile]) -> GhostPaths:
         remove_ghost_files(out)
         raise
     return out
+
+
+def _open_linked(g: GhostFile, fds: list[int]) -> str:
+    """The file a deleted name led to, which other names still hold: opened by its file
+    handle; a /proc/self/fd path to reopen it by (its fd added to `fds`)."""
+    try:
+        fd = open_file_handle(g.dev, g.handle, os.O_PATH | O_CLOEXEC)
+    except OSError as err:
+        raise RestoreFailed(f"cannot open again the file {g.path} was a deleted name of (it had other "
+                            f"links): {err.strerror or err}") from None
+    fds.append(fd)
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def _make_one(g: GhostFile, path: str) -> int:
@@ -569,6 +599,10 @@ def _fill_file(fd: int, what: GhostFile | SavedFile) -> None:
 def remove_ghost_files(paths: dict[tuple, str]) -> None:
     """Unlink the made ghost files, remove the made directories (and the parents made
     for them), the last made first."""
+    if isinstance(paths, GhostPaths):
+        for fd in paths.fds:
+            os.close(fd)
+        paths.fds = []
     for path in reversed(getattr(paths, "made", list(paths.values()))):
         with contextlib.suppress(OSError):               # gone already; ENOTEMPTY: not ours to empty
             if os.path.isdir(path) and not os.path.islink(path):
