@@ -65,13 +65,20 @@ def test_deleted_paths_under_remap_path(spawn, ptckpt, tmp_path):
     assert (moved / "shared").read_bytes()[0:1] == b"x", "the mapping is the moved file's"
 
 
+def _holder_of_deleted(spawn, tmp_path, path, opening: str):
+    """A python3 target that opens `path` (`opening`: the os.open flags), then unlinks it:
+    (the target, the fd number whose link reads "PATH (deleted)")."""
+    target = spawn(str(idle_script(tmp_path, f"holder-{path.name}.py", "import os, time\n"
+                                   f"fd = os.open({str(path)!r}, {opening})\n"
+                                   f"os.unlink({str(path)!r})\n")), out=False)
+    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}") == f"{path} (deleted)")
+    return target, fd
+
+
 def test_deleted_file_opened_o_path(spawn, ptckpt, tmp_path):
     (tmp_path / "P").write_bytes(b"p")
-    target = spawn(str(idle_script(tmp_path, "opath.py", "import os, time\n"
-                                   f"p = os.open({str(tmp_path / 'P')!r}, os.O_PATH)\n"
-                                   f"os.unlink({str(tmp_path / 'P')!r})\n")), out=False)
-    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
-              if os.readlink(f"/proc/{target.pid}/fd/{n}") == f"{tmp_path}/P (deleted)")
+    target, fd = _holder_of_deleted(spawn, tmp_path, tmp_path / "P", "os.O_PATH")
     _dump_kill(ptckpt, target, tmp_path / "img")
     _restore(ptckpt, tmp_path / "img")
     assert os.readlink(f"/proc/{target.pid}/fd/{fd}") == f"{tmp_path}/P (deleted)"
@@ -114,11 +121,7 @@ def test_deleted_name_of_a_file_linked_elsewhere(spawn, ptckpt, tmp_path):
     name, other = tmp_path / "L", tmp_path / "L2"
     name.write_bytes(b"shared by two names")
     os.link(name, other)
-    target = spawn(str(idle_script(tmp_path, "linked.py", "import os, time\n"
-                                   f"fd = os.open({str(name)!r}, os.O_RDWR)\n"
-                                   f"os.unlink({str(name)!r})\n")), out=False)
-    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
-              if os.readlink(f"/proc/{target.pid}/fd/{n}") == f"{name} (deleted)")
+    target, fd = _holder_of_deleted(spawn, tmp_path, name, "os.O_RDWR")
     _dump_kill(ptckpt, target, tmp_path / "img")
     with ImageReader(tmp_path / "img") as image:
         (ghost,) = image.ghost_files
