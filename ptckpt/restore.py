@@ -732,9 +732,10 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for task in tasks.values():
                 task.set_sigmask(signals.ALL_BLOCKED)
             timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
-            files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
             signals.restore_pending_frozen(remote, vpid, proc.pending)
             warnings += process.restore_creds_frozen(remote, proc.creds)
+            # after the creds: F_SETOWN records the setter's, which decide whom SIGIO may reach
+            files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
             process.restore_pdeath_signal_frozen(remote, proc.task)
             overrides: dict = {}
             if events:
