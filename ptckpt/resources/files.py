@@ -428,13 +428,16 @@ def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
             remote.checked("fcntl", o.fd, F_SETSIG, o.signo, step=step)
     for f in fds:
         if f.flags & O_ASYNC and not f.skipped and not f.external and not (f.fd <= 2 and f.kind in STDIO_KINDS):
-            remote.checked("fcntl", f.fd, F_SETFL, f.flags & ~(O_CLOEXEC | 0o3), step=f"O_ASYNC on fd {f.fd}")
+            step = f"O_ASYNC on fd {f.fd}"
+            remote.checked("fcntl", f.fd, F_SETFL, remote.checked("fcntl", f.fd, F_GETFL, step=step) | O_ASYNC,
+                           step=step)
 
 
 # --- restore half ------------------------------------------------------------
 
 O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY = 0o100, 0o200, 0o1000, 0o400
 F_GETFD = 1
+F_GETFL = 3
 AT_FDCWD = -100 & (2**64 - 1)
 STDIO_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE,
                          FdKind.SOCKET})
