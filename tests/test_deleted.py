@@ -1,8 +1,8 @@
 """Deleted paths and file attributes round-trip: a sparse deleted file with its mode and
 mtime, an open removed directory, a removed cwd, a deleted FIFO with bytes in it, a shared
 file mapping that may be made writable, and an fd's SIGIO owner, signal and O_ASYNC.
-What cannot come back (a lease being broken, an owner outside the tree, a deleted FIFO held
-outside, a deleted device node)
+What cannot come back (an owner outside the tree, a deleted FIFO held outside, a deleted
+device node)
 is refused at dump by name."""
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-
-import pytest
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
@@ -157,13 +155,6 @@ def test_deleted_fifo_keeps_its_bytes(spawn, ptckpt, tmp_path):
 
 
 def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
-    (tmp_path / "E").write_bytes(b"e")
-    lease = spawn(str(idle_script(tmp_path, "lease.py", "import fcntl, os, signal, time\n"
-                                  "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
-                                  f"e = os.open({str(tmp_path / 'E')!r}, os.O_WRONLY)\n"
-                                  "fcntl.fcntl(e, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n")), out=False)
-    with pytest.raises(BlockingIOError):          # the lease break starts (45 s to give it up)
-        os.open(tmp_path / "E", os.O_RDONLY | os.O_NONBLOCK)
     owner = spawn(str(idle_script(tmp_path, "owner.py", "import fcntl, os, time\n"
                                   "r, w = os.pipe()\n"
                                   "fcntl.fcntl(r, fcntl.F_SETOWN, os.getppid())\n")), out=False)
@@ -179,7 +170,6 @@ def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
                                      f"p = os.open({str(tmp_path / 'N')!r}, os.O_RDWR)\n"
                                      f"os.unlink({str(tmp_path / 'N')!r})\n")), out=False)
         for target, words in ((node, [f"{tmp_path / 'N'} (deleted)", "a deleted device node"]),
-                              (lease, ["a lease being broken", str(tmp_path / "E")]),
                               (owner, ["SIGIO owner", f"process {os.getpid()}", "outside the dumped tree"]),
                               (held, [f"{fifo} (deleted)", "holds it too"])):
             _one_line(ptckpt("dump", target.pid, "-D", tmp_path / f"img{target.pid}"),

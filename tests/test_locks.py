@@ -16,7 +16,7 @@ import struct
 import pytest
 
 from ptckpt import procfs
-from ptckpt.errors import RestoreFailed, UnsupportedResource
+from ptckpt.errors import RestoreFailed
 from ptckpt.resources import locks
 from ptckpt.resources.locks import FileLock
 from ptckpt.tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
@@ -134,7 +134,7 @@ def test_fdinfo_shows_locks_per_description(spawn, files):
     assert locks.unsupported_locks(pid, procfs.list_fds(pid)) == []
 
 
-def test_a_lease_is_dumped_and_one_being_broken_refused(spawn, files):
+def test_leases_are_dumped_also_while_broken(spawn, files):
     (files / "E").write_bytes(b"e")
     script = idle_script(files, "lease.py", "import fcntl, os, signal, time\n"
                          "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
@@ -148,28 +148,34 @@ def test_a_lease_is_dumped_and_one_being_broken_refused(spawn, files):
         fd: [FileLock("lease", "write", 0, None, holder.pid)]}
     with pytest.raises(BlockingIOError):          # starts the break, does not wait for it
         os.open(files / "E", os.O_RDONLY | os.O_NONBLOCK)
-    with pytest.raises(UnsupportedResource, match="lease being broken") as err:
-        locks.dump_locks(holder.pid, fd)
-    assert str(files / "E") in str(err.value)
-    (problem,) = locks.unsupported_locks(holder.pid, procfs.list_fds(holder.pid))
-    assert problem.startswith(f"fd {fd} -> {files / 'E'}: a lease being broken (LEASE BREAKING ")
+    assert locks.dump_locks(holder.pid, fd) == [FileLock("lease-downgrading", "write", 0, None, holder.pid)]
+    assert locks.unsupported_locks(holder.pid, procfs.list_fds(holder.pid)) == []
 
 
 def test_leases_come_back(spawn, ptckpt, files, tmp_path):
-    """End to end: a read lease and a write lease are held again by the restored process."""
-    (files / "R").write_bytes(b"r")
-    (files / "W").write_bytes(b"w")
+    """End to end: a read lease and a write lease are held again by the restored process,
+    and so are one being broken and one being downgraded, with their breaks begun again."""
+    for name in "RWBD":
+        (files / name).write_bytes(name.encode())
     holder = spawn(str(idle_script(files, "leases.py", "import fcntl, os, signal, time\n"
                                    "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
                                    "r = os.open('R', os.O_RDONLY)\n"
                                    "fcntl.fcntl(r, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n"
                                    "w = os.open('W', os.O_WRONLY)\n"
-                                   "fcntl.fcntl(w, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n")), out=False)
+                                   "fcntl.fcntl(w, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
+                                   "b = os.open('B', os.O_RDONLY)\n"
+                                   "fcntl.fcntl(b, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n"
+                                   "d = os.open('D', os.O_WRONLY)\n"
+                                   "fcntl.fcntl(d, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n")), out=False)
+    for name, mode in (("B", os.O_WRONLY), ("D", os.O_RDONLY)):
+        with pytest.raises(BlockingIOError):      # the break begins
+            os.open(files / name, mode | os.O_NONBLOCK)
     _dump_kill(ptckpt, holder, tmp_path / "img")
     _restore(ptckpt, tmp_path / "img")
     with open("/proc/locks") as f:
         mine = sorted(line.split()[1:4] for line in f if line.split()[4] == str(holder.pid))
-    assert mine == [["LEASE", "ACTIVE", "READ"], ["LEASE", "ACTIVE", "WRITE"]]
+    assert mine == [["LEASE", "ACTIVE", "READ"], ["LEASE", "ACTIVE", "WRITE"],
+                    ["LEASE", "BREAKING", "READ"], ["LEASE", "BREAKING", "UNLCK"]]
     with pytest.raises(BlockingIOError):          # the write lease holds: an open must break it
         os.open(files / "W", os.O_RDONLY | os.O_NONBLOCK)
 
@@ -182,8 +188,9 @@ def test_parse_lock_lines():
     assert p("1: -> POSIX  ADVISORY  WRITE 88 fe:00:5 0 EOF") is None     # a waiter (/proc/locks)
     assert p("1: LEASE  ACTIVE    READ 5 fe:00:5 0 EOF") == FileLock("lease", "read", 0, None, 5)
     assert p("1: LEASE  ACTIVE    WRITE 5 fe:00:5 0 EOF") == FileLock("lease", "write", 0, None, 5)
-    for line, why in [("1: LEASE  BREAKING  UNLCK 5 fe:00:5 0 EOF", "lease being broken"),
-                      ("1: LEASE  BREAKER   READ 5 fe:00:5 0 EOF", "lease being broken"),
+    assert p("1: LEASE  BREAKING  UNLCK 5 fe:00:5 0 EOF") == FileLock("lease-breaking", "write", 0, None, 5)
+    assert p("1: LEASE  BREAKING  READ 5 fe:00:5 0 EOF") == FileLock("lease-downgrading", "write", 0, None, 5)
+    for line, why in [("1: LEASE  BREAKER   READ 5 fe:00:5 0 EOF", "a lease in a state"),
                       ("1: DELEG  ACTIVE    READ 5 fe:00:5 0 EOF", "delegation"),
                       ("1: POSIX  MANDATORY WRITE 5 08:02:9 0 EOF", "mandatory"),
                       ("1: FLOCK  ADVISORY  UNLCK 5 08:02:9 0 EOF", "UNLCK"),
