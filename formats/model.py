@@ -307,6 +307,17 @@ class PosixTimer:
 
 
 @dataclass(frozen=True)
+class FdOwner:
+    """Who gets SIGIO/SIGURG for an fd's open file description (fcntl F_SETOWN_EX, F_SETSIG):
+    recorded for an fd with an owner or a signal set (since format 8)."""
+
+    fd: int
+    owner_type: int           # F_OWNER_TID 0, F_OWNER_PID 1, F_OWNER_PGRP 2
+    pid: int                  # as the tree sees it; 0: no owner
+    signo: int                # F_GETSIG: 0 is SIGIO
+
+
+@dataclass(frozen=True)
 class Itimer:
     """An armed interval timer (setitimer(2))."""
 
@@ -331,6 +342,7 @@ class ProcessImage:
     locks: tuple[HeldLock, ...] = ()
     timers: tuple["PosixTimer", ...] = ()        # since format 7
     itimers: tuple["Itimer", ...] = ()
+    owners: tuple["FdOwner", ...] = ()           # since format 8
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------
@@ -460,7 +472,12 @@ class GhostFile:
     mode: int                 # st_mode
     uid: int
     gid: int
-    data: bytes = field(repr=False)
+    data: bytes = field(repr=False)  # the bytes of `extents`, one after another (before format 8: all)
+    mtime_ns: int = 0                # since format 8
+    atime_ns: int = 0
+    size: int = 0                    # st_size (holes included)
+    extents: tuple[tuple[int, int], ...] = ()   # (offset, length) of each data extent (SEEK_DATA/SEEK_HOLE)
+    handle: bytes = b""              # a name deleted while the file has other links: its file handle
 
 
 @dataclass(frozen=True)

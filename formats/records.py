@@ -25,7 +25,7 @@ Grammar (every integer little-endian)::
                       EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
-                      POSIX_TIMER* ITIMER*
+                      POSIX_TIMER* ITIMER* FD_OWNER*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
 
@@ -97,6 +97,7 @@ from ptckpt.formats.model import (
     PAGE_SIZE,
     Creds,
     Fd,
+    FdOwner,
     FdKind,
     GhostFile,
     HeldLock,
@@ -188,6 +189,7 @@ class EntryKind(enum.IntEnum):
     PAGE_RUN = 20
     POSIX_TIMER = 21
     ITIMER = 22
+    FD_OWNER = 26
 
 
 class EntryDecodeError(ValueError):
@@ -613,6 +615,16 @@ ItimerRecord = Record(Itimer, Struct(
     "left_us" / Int64ul,
 ))
 
+# --- FD_OWNER ----------------------------------------------------------------------
+# fcntl(2) F_GETOWN_EX (struct f_owner_ex: type, pid) and F_GETSIG of an fd's open file
+# description; the pid as the tree sees it.
+FdOwnerRecord = Record(FdOwner, Struct(
+    "fd" / Int32ul,
+    "owner_type" / Int32ul,
+    "pid" / Int32sl,
+    "signo" / Int32ul,
+))
+
 
 # --- PAGE_RUN ----------------------------------------------------------------
 # A run of consecutive present pages (man 5 proc /proc/PID/pagemap bits 63/62,
@@ -674,7 +686,10 @@ MsgImageRecord = Record(MsgImage, Struct(
 
 # --- GHOST_FILE --------------------------------------------------------------
 # A deleted file still open or mapped (/proc/PID/fd/N or map_files link ending in
-# " (deleted)"): fstat(2) identity, mode and owner, and its whole contents.
+# " (deleted)"), or a deleted directory open or a cwd/root: fstat(2) identity, mode,
+# owner, times and size, and the bytes of its data extents (lseek(2) SEEK_DATA/SEEK_HOLE;
+# before format 8: its whole contents, no extents).  A file with other links left
+# (st_nlink > 0) has its name_to_handle_at(2) file handle instead of its contents.
 GhostFileRecord = Record(GhostFile, Struct(
     "dev" / Int64ul,
     "ino" / Int64ul,
@@ -683,6 +698,11 @@ GhostFileRecord = Record(GhostFile, Struct(
     "uid" / Int32ul,
     "gid" / Int32ul,
     "data" / Blob,
+    "mtime_ns" / Since(8, Int64sl),
+    "atime_ns" / Since(8, Int64sl),
+    "size" / Since(8, Int64ul),
+    "extents" / Since(8, PrefixedArray(VarInt, CSequence(Int64ul, Int64ul))),
+    "handle" / Since(8, Blob),
 ))
 
 
@@ -895,6 +915,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.PAGE_RUN: PageRunRecord,
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
+    EntryKind.FD_OWNER: FdOwnerRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -911,7 +932,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
         EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
-        EntryKind.ITIMER,
+        EntryKind.ITIMER, EntryKind.FD_OWNER,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
     FileKind.PAGES: frozenset(),
@@ -942,7 +963,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

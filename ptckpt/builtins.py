@@ -432,8 +432,9 @@ class RemapPath(Plugin):
     def rewrite(self, proc_image):
         """The ProcessImage with every path under an OLD moved under its NEW."""
         r = lambda p: remap(p, self.pairs)
-        task = dataclasses.replace(proc_image.task, cwd=r(proc_image.task.cwd), exe=r(proc_image.task.exe),
-                                   root=r(proc_image.task.root))
+        kept = lambda p: p if p.endswith(" (deleted)") else r(p)    # a removed cwd or root: from the image
+        task = dataclasses.replace(proc_image.task, cwd=kept(proc_image.task.cwd), exe=r(proc_image.task.exe),
+                                   root=kept(proc_image.task.root))
         mm = dataclasses.replace(proc_image.mm, exe_file=r(proc_image.mm.exe_file))
         fds = tuple(dataclasses.replace(f, path=r(f.path)) if f.path.startswith("/") else f
                     for f in proc_image.fds)

@@ -139,7 +139,7 @@ def check_numa(pid: int) -> None:
 _FILES = "resources.files"
 FDINFO_COMMON: dict[str, Claim] = {
     "pos": _restored(_FILES + " (the offset)"),
-    "flags": _checked(_FILES + " (the open flags; O_ASYNC is refused)", lambda v: _fd_flags(v)),
+    "flags": _restored(_FILES + " (the open flags; O_ASYNC with its owner and signal)"),
     "mnt_id": _derived("the mount the path is opened on again"),
     "ino": _derived("the inode the path (or the object made again) has"),
     "lock": _restored("resources.locks"),
@@ -155,16 +155,6 @@ FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
     "SOCKET": {"scm_fds": _checked("resources.sockets (fds in flight in a unix socket)",
                                    lambda v: f"{v} fds in flight (SCM_RIGHTS)" if v != "0" else None)},
 }
-O_ASYNC = 0o20000
-
-
-def _fd_flags(value: str) -> Optional[str]:
-    flags = int(value, 8)
-    if flags & O_ASYNC:
-        return "O_ASYNC (signal-driven I/O: its owner and signal are not restored yet)"
-    return None
-
-
 def fdinfo_keys(text: str) -> list[tuple[str, str]]:
     """(key, value) of each line: "pos:\t0", "inotify wd:1 ino:...", "tfd:  5 events: ..."."""
     out = []

@@ -389,8 +389,10 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         for f in flist:
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
+    tree = {p: list(im.task.tids) for p, im in images.items()}
     for p, flist in fds.items():
-        bad = files.unsupported_fds(flist, stdio)
+        bad = files.unsupported_fds(flist, stdio) + files.owners_outside(
+            p, list(images[p].owners), tree, {im.task.pgid for im in images.values()})
         if bad:
             raise UnsupportedResource(p, bad[0])
     outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
@@ -399,7 +401,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         if all(f.desc in stdio for _p, f in holders):
             continue                      # the shell job's stdio: ptckpt restore gives its own
         if link in outside:
-            if holders[0][1].kind is FdKind.FIFO:
+            if holders[0][1].kind is FdKind.FIFO and not link.endswith(files.DELETED):
                 continue                  # named: the restore reopens it and meets the outside end
             p, f = next((p, f) for p, f in holders if f.desc not in stdio)
             q, n = outside[link][0]
@@ -411,7 +413,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
                     + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
                     + _fd_states(fds) + _terminals(root, fds[root])
-                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
+                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()},
+                                             {p: im.task for p, im in images.items()}))
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
@@ -555,6 +558,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             locks=tuple(locks.to_records(locks.dump_process_locks(pid, [f.fd for f in fds]))),
             timers=tuple(posix_timers),
             itimers=tuple(itimers),
+            owners=tuple(files.dump_owners(pid, fds)),
         )
         pages = writer.pages_writer(vpid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages, _merged(lent))

@@ -35,6 +35,7 @@ import re
 import resource
 import signal
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -575,8 +576,13 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
         ghost_paths = files.create_ghost_files(list(image.ghost_files))
-        for key, path in ghost_paths.items():          # what the deleted mappings map
-            opened[key] = files.open_description(_ghost_fd(key), path)
+        for g in image.ghost_files:
+            key = ("ghost", g.dev, g.ino)
+            if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
+                opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
+                    ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:                                     # what the deleted mappings map
+                opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
         socket_inos = {u.ino for u in image.unix_sockets}
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
@@ -764,16 +770,20 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                 _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
+            dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
             own_table = not proc.task.shares_files       # else its parent makes the fds for both
             if own_table:
                 files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
                                          extra=[(fd, key[2]) for key, fd in handed.items()
                                                 if isinstance(key, tuple) and key[:2] == ("install", vpid)],
-                                         keep={chan})
+                                         keep={chan, *dirs.values()})
                 for epfd, state in epolls:
                     epoll.restore_targets_frozen(remote, epfd, state.targets)
-            warnings += process.restore_task_frozen(remote, proc.task)
+            warnings += process.restore_task_frozen(remote, proc.task, dirs)
             process.restore_mm_frozen(remote, proc.mm)
+            process.restore_root_frozen(remote, proc.task, dirs)
+            for fd in set(dirs.values()) & set(inherited) if own_table else ():   # a deleted cwd or root
+                remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
             # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
             for fd, held in locks.from_records(proc.locks).items() if own_table else ():
                 locks.restore_locks_frozen(remote, fd, held)
@@ -806,6 +816,9 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                     with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
                                          keep_regs=False) as tremote:
                         warnings += creds.restore_creds_frozen(tremote, proc.creds)
+            if own_table:
+                # after the creds: F_SETOWN records the setter's, which decide whom SIGIO may reach
+                files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
             process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
             overrides: dict = {}

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import ast
 import os
+import stat
 import socket
 import zlib
 from bisect import bisect_left
@@ -127,6 +128,7 @@ def _process_json(reader: ImageReader, pid: int) -> dict[str, Any]:
         "sigactions": [record_to_json(s) for s in proc.sigactions],
         "pending_signals": [record_to_json(p) for p in proc.pending],
         "fds": [record_to_json(f) for f in proc.fds],
+        "fd_owners": [record_to_json(o) for o in proc.owners],
         "unknown_entries": [{"kind": e.kind, "size": len(e.payload)} for e in reader.unknown_entries(pid)],
         "pages": _pages_json(reader, pid),
     }
@@ -249,7 +251,9 @@ def _shared_table(reader: ImageReader) -> str:
         rows.append(["fifo" if p.path else "pipe", p.ino,
                      f"{len(p.data)} bytes buffered of {p.capacity}" + (f", {_printable(p.path)}" if p.path else "")])
     for g in reader.ghost_files:
-        rows.append(["ghost file", g.ino, f"{_printable(g.path)} (deleted), {len(g.data)} bytes"])
+        what = ("directory" if stat.S_ISDIR(g.mode) else f"{max(g.size, len(g.data))} bytes"
+                + (f", {len(g.data)} of data" if g.extents else ""))
+        rows.append(["ghost file", g.ino, f"{_printable(g.path)} (deleted), {what}"])
     for f in reader.saved_files:
         rows.append(["saved file", "-", f"{_printable(f.path)}, {len(f.data)} bytes"])
     for st in reader.fd_states:

@@ -81,7 +81,6 @@ def test_every_fdinfo_line_of_the_kinds_a_restore_makes_is_claimed(spawn, tmp_pa
 
 
 @pytest.mark.parametrize("kind, text, words", [
-    ("PIPE", "pos:\t0\nflags:\t02020002\nmnt_id:\t15\nino:\t1\n", "O_ASYNC"),
     ("SOCKET", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\nscm_fds: 2\n", "2 fds in flight"),
     ("EVENTFD", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\neventfd-count: 1\nfrob: 1\n", "'frob: 1'"),
     ("REGULAR", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\ntfd: 5 events: 1\n", "'tfd: 5 events: 1'"),

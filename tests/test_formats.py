@@ -30,6 +30,7 @@ from ptckpt.formats.model import (
     EpollState,
     InetMode,
     InetSocket,
+    FdOwner,
     Itimer,
     NetlinkSocket,
     EpollTarget,
@@ -164,6 +165,7 @@ def make_process(pid=100) -> ProcessImage:
                 PosixTimer(id=42, clockid=-6, signo=10, notify=4, tid=pid + 1, value=2**64 - 1, interval_ns=0,
                            left_ns=0)),
         itimers=(Itimer(which=0, interval_us=30_000, left_us=12_345),),
+        owners=(FdOwner(fd=7, owner_type=1, pid=pid, signo=0), FdOwner(fd=9, owner_type=2, pid=pid - 1, signo=29)),
     )
 
 
@@ -171,7 +173,7 @@ def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
             *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
-            PageRun(0x7f0000000000, 4, 8192),
+            *proc.owners, PageRun(0x7f0000000000, 4, 8192),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -187,6 +189,10 @@ def sample_records() -> list:
                      stime=5, rtime=6, ctime=7),
             GhostFile(dev=0x10302, ino=99, path=ODD_PATH, mode=0o100600, uid=1000, gid=100,
                       data=b"ghost" * 1000),
+            GhostFile(dev=0x10302, ino=100, path="/tmp/sparse", mode=0o106604, uid=0, gid=0, data=b"ab" * 4096,
+                      mtime_ns=123456 * 10**9, atime_ns=-1, size=1 << 40, extents=((0, 4096), (1 << 39, 4096))),
+            GhostFile(dev=0x10302, ino=101, path="/tmp/linked", mode=0o100644, uid=0, gid=0, data=b"", size=19,
+                      handle=bytes.fromhex("080000000100000029c2200088da5a6a")),
             SavedFile(path="/slot3/state.bin", mode=0o100644, uid=0, gid=0, mtime_ns=-7, data=b"\0\1"),
             EventfdState(count=5, flags=0o4001, desc=4),
             TimerfdState(clockid=1, flags=0o4000, settime_flags=1, value_ns=2 * 10**9, interval_ns=5 * 10**8,

@@ -16,12 +16,13 @@ import struct
 import pytest
 
 from ptckpt import procfs
-from ptckpt.errors import RestoreFailed, UnsupportedResource
+from ptckpt.errors import RestoreFailed
 from ptckpt.resources import locks
 from ptckpt.resources.locks import FileLock
 from ptckpt.tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
 
 from conftest import idle_script
+from test_restore import _dump_kill, _restore
 
 FLOCK = struct.Struct("<hh4xqqi4x")     # struct flock, x86_64: 32 bytes
 
@@ -133,21 +134,50 @@ def test_fdinfo_shows_locks_per_description(spawn, files):
     assert locks.unsupported_locks(pid, procfs.list_fds(pid)) == []
 
 
-def test_a_lease_is_refused_by_name(spawn, files):
+def test_leases_are_dumped_also_while_broken(spawn, files):
     (files / "E").write_bytes(b"e")
-    script = idle_script(files, "lease.py", "import fcntl, os, time\n"
-                         "e = os.open('E', os.O_RDONLY)\n"
-                         "fcntl.fcntl(e, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n")
+    script = idle_script(files, "lease.py", "import fcntl, os, signal, time\n"
+                         "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
+                         "e = os.open('E', os.O_WRONLY)\n"
+                         "fcntl.fcntl(e, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n")
     holder = spawn(str(script), out=False)
     fd = next(n for n in procfs.list_fds(holder.pid)
               if procfs.readlink_fd(holder.pid, n) == str(files / "E"))
-    with pytest.raises(UnsupportedResource, match="read lease") as err:
-        locks.dump_locks(holder.pid, fd)
-    assert str(files / "E") in str(err.value)
-    with pytest.raises(UnsupportedResource, match="lease"):
-        locks.dump_process_locks(holder.pid, procfs.list_fds(holder.pid))
-    (problem,) = locks.unsupported_locks(holder.pid, procfs.list_fds(holder.pid))
-    assert problem.startswith(f"fd {fd} -> {files / 'E'}: a read lease (LEASE ACTIVE READ {holder.pid} ")
+    assert locks.dump_locks(holder.pid, fd) == [FileLock("lease", "write", 0, None, holder.pid)]
+    assert locks.dump_process_locks(holder.pid, procfs.list_fds(holder.pid)) == {
+        fd: [FileLock("lease", "write", 0, None, holder.pid)]}
+    with pytest.raises(BlockingIOError):          # starts the break, does not wait for it
+        os.open(files / "E", os.O_RDONLY | os.O_NONBLOCK)
+    assert locks.dump_locks(holder.pid, fd) == [FileLock("lease-downgrading", "write", 0, None, holder.pid)]
+    assert locks.unsupported_locks(holder.pid, procfs.list_fds(holder.pid)) == []
+
+
+def test_leases_come_back(spawn, ptckpt, files, tmp_path):
+    """End to end: a read lease and a write lease are held again by the restored process,
+    and so are one being broken and one being downgraded, with their breaks begun again."""
+    for name in "RWBD":
+        (files / name).write_bytes(name.encode())
+    holder = spawn(str(idle_script(files, "leases.py", "import fcntl, os, signal, time\n"
+                                   "signal.signal(signal.SIGIO, signal.SIG_IGN)\n"
+                                   "r = os.open('R', os.O_RDONLY)\n"
+                                   "fcntl.fcntl(r, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n"
+                                   "w = os.open('W', os.O_WRONLY)\n"
+                                   "fcntl.fcntl(w, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
+                                   "b = os.open('B', os.O_RDONLY)\n"
+                                   "fcntl.fcntl(b, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n"
+                                   "d = os.open('D', os.O_WRONLY)\n"
+                                   "fcntl.fcntl(d, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n")), out=False)
+    for name, mode in (("B", os.O_WRONLY), ("D", os.O_RDONLY)):
+        with pytest.raises(BlockingIOError):      # the break begins
+            os.open(files / name, mode | os.O_NONBLOCK)
+    _dump_kill(ptckpt, holder, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    with open("/proc/locks") as f:
+        mine = sorted(line.split()[1:4] for line in f if line.split()[4] == str(holder.pid))
+    assert mine == [["LEASE", "ACTIVE", "READ"], ["LEASE", "ACTIVE", "WRITE"],
+                    ["LEASE", "BREAKING", "READ"], ["LEASE", "BREAKING", "UNLCK"]]
+    with pytest.raises(BlockingIOError):          # the write lease holds: an open must break it
+        os.open(files / "W", os.O_RDONLY | os.O_NONBLOCK)
 
 
 def test_parse_lock_lines():
@@ -156,7 +186,11 @@ def test_parse_lock_lines():
     assert p("2: POSIX  ADVISORY  READ 77 fe:00:5 0 99") == FileLock("posix", "read", 0, 99, 77)
     assert p("3: OFDLCK ADVISORY  WRITE -1 fe:00:5 200 EOF") == FileLock("ofd", "write", 200, None, -1)
     assert p("1: -> POSIX  ADVISORY  WRITE 88 fe:00:5 0 EOF") is None     # a waiter (/proc/locks)
-    for line, why in [("1: LEASE  ACTIVE    READ 5 fe:00:5 0 EOF", "read lease"),
+    assert p("1: LEASE  ACTIVE    READ 5 fe:00:5 0 EOF") == FileLock("lease", "read", 0, None, 5)
+    assert p("1: LEASE  ACTIVE    WRITE 5 fe:00:5 0 EOF") == FileLock("lease", "write", 0, None, 5)
+    assert p("1: LEASE  BREAKING  UNLCK 5 fe:00:5 0 EOF") == FileLock("lease-breaking", "write", 0, None, 5)
+    assert p("1: LEASE  BREAKING  READ 5 fe:00:5 0 EOF") == FileLock("lease-downgrading", "write", 0, None, 5)
+    for line, why in [("1: LEASE  BREAKER   READ 5 fe:00:5 0 EOF", "a lease in a state"),
                       ("1: DELEG  ACTIVE    READ 5 fe:00:5 0 EOF", "delegation"),
                       ("1: POSIX  MANDATORY WRITE 5 08:02:9 0 EOF", "mandatory"),
                       ("1: FLOCK  ADVISORY  UNLCK 5 08:02:9 0 EOF", "UNLCK"),

@@ -434,12 +434,23 @@ def test_busy_pid(spawn, ptckpt, tmp_path):
 def test_deleted_file_above_the_ghost_limit_is_refused_at_dump(spawn, ptckpt, tmp_path):
     big = tmp_path / "big.bin"
     script = idle_script(tmp_path, "ghost.py",
-                         f"import os, time\nf = open({str(big)!r}, 'wb')\nf.truncate((64 << 20) + 1)\n"
-                         f"os.unlink({str(big)!r})\n")
+                         f"import os, time\nf = open({str(big)!r}, 'wb')\nf.write(bytes([1]) * ((64 << 20) + 1))\n"
+                         f"f.flush()\nos.unlink({str(big)!r})\n")
     target = spawn(str(script), out=False)
     _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img"), ExitCode.UNSUPPORTED_RESOURCE,
-              f"{big} (deleted)", "67108865 bytes", "64 MiB at most")
+              f"{big} (deleted)", "67108865 bytes of data", "64 MiB at most")
     assert pid_alive(target.pid) and not (tmp_path / "img").exists()
+    target.kill()
+    # a sparse one counts by its data: 1 GiB of holes and a byte
+    script = idle_script(tmp_path, "sparse.py",
+                         f"import os, time\nf = open({str(big)!r}, 'wb')\nf.seek(1 << 30)\nf.write(b'x')\n"
+                         f"f.flush()\nos.unlink({str(big)!r})\n")
+    target = spawn(str(script), out=False)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img2")
+    assert res.returncode == 0, res.stderr
+    with ImageReader(tmp_path / "img2") as image:
+        (ghost,) = image.ghost_files
+    assert ghost.size == (1 << 30) + 1 and len(ghost.data) <= 4096
 
 
 def test_failure_halfway_kills_the_half_built_process(spawn, ptckpt, tmp_path):

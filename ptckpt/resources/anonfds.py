@@ -200,6 +200,10 @@ _inotify_init1 = _proto("inotify_init1", _c_int, _c_int)
 _inotify_add_watch = _proto("inotify_add_watch", _c_int, _c_int, _c_char_p, ctypes.c_uint32)
 _inotify_rm_watch = _proto("inotify_rm_watch", _c_int, _c_int, _c_int)
 _open_by_handle_at = _proto("open_by_handle_at", _c_int, _c_int, _c_char_p, _c_int)
+_name_to_handle_at = _proto("name_to_handle_at", _c_int, _c_int, _c_char_p, _c_char_p,
+                            ctypes.POINTER(_c_int), _c_int)
+AT_EMPTY_PATH = 0x1000
+MAX_HANDLE_SZ = 128
 _fstatfs = _proto("fstatfs", _c_int, _c_int, ctypes.POINTER(_Statfs))
 # mq_open is variadic (mode, attr); on x86_64 integer and pointer arguments are
 # passed the same way either way.
@@ -424,6 +428,40 @@ class _Mounts:
             fd = self._open[point] = os.open(point, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
                                              | O_CLOEXEC)
         return fd
+
+
+    def open_handle(self, dev: int, handle: bytes, flags: int) -> int:
+        """An fd of the inode of `handle` on device `dev` (open_by_handle_at through one of
+        its mounts), opened with `flags`; OSError if none works (ESTALE: it is gone)."""
+        failed: OSError = FileNotFoundError(f"no mount of device {os.major(dev)}:{os.minor(dev)} "
+                                            f"is visible to ptckpt")
+        for point in self._by_dev.get(dev, []):
+            try:
+                return _check(_open_by_handle_at(self._mount_fd(point), handle, flags), "open_by_handle_at")
+            except OSError as err:
+                failed = err
+        raise failed
+
+
+def file_handle(fd: int) -> bytes:
+    """name_to_handle_at(2) of an open file: struct file_handle (handle_bytes, handle_type,
+    f_handle), the way open_by_handle_at takes it; b"" if its file system gives none."""
+    buf = ctypes.create_string_buffer(struct.pack("Ii", MAX_HANDLE_SZ, 0) + bytes(MAX_HANDLE_SZ))
+    mount_id = _c_int()
+    if _name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), AT_EMPTY_PATH) < 0:
+        return b""
+    size = struct.unpack_from("I", buf.raw)[0]
+    return buf.raw[:8 + size]
+
+
+def open_file_handle(dev: int, handle: bytes, flags: int) -> int:
+    """An fd of the file of `handle` (file_handle) on device `dev`, opened with `flags`."""
+    mounts = _Mounts()
+    try:
+        fd = mounts.open_handle(dev, handle, flags)
+    finally:
+        mounts.close()
+    return fd
 
 
 def _path_of_handle(mount_fd: int, handle: bytes, ino: int) -> str | None:

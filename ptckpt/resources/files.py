@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import socket
 import stat as _stat
+import struct
 from collections.abc import Mapping
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import Fd, FdKind, GhostFile, SavedFile, Vma, VmaKind
+from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
-from .anonfds import ANON_FD_KINDS, is_mqueue
+from .anonfds import ANON_FD_KINDS, file_handle, is_mqueue, open_file_handle
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
@@ -206,9 +208,11 @@ GHOST_LIMIT = 64 << 20          # bytes of one deleted file the image takes at m
 
 
 def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
-    """("ghost", st_dev, st_ino) of a deleted regular file an fd or a file mapping refers to."""
+    """("ghost", st_dev, st_ino) of a deleted regular file or directory an fd or a file
+    mapping refers to."""
     if isinstance(what, Fd):
-        if what.kind is FdKind.REGULAR and what.path.endswith(DELETED):
+        if what.path.endswith(DELETED) and (what.kind in (FdKind.REGULAR, FdKind.DIRECTORY) or (
+                what.kind is FdKind.PATH and (_stat.S_ISREG(what.mode) or _stat.S_ISDIR(what.mode)))):
             return ("ghost", what.dev, what.ino)
         return None
     if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
@@ -217,9 +221,27 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
     return None
 
 
-def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]]) -> list[GhostFile]:
-    """The contents of every deleted file the tree holds open or mapped (once per file)."""
+def ghost_dir_key(path: str) -> tuple[str, str] | None:
+    """("ghost-dir", where it was) of a cwd or root that was removed (its /proc link text)."""
+    return ("ghost-dir", path.removesuffix(DELETED)) if path.endswith(DELETED) else None
+
+
+def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]],
+                     tasks: Mapping[int, Task] = {}) -> list[GhostFile]:
+    """The contents of every deleted file the tree holds open or mapped, and every deleted
+    directory it holds open or as cwd or root (once per file)."""
     out: dict[tuple, GhostFile] = {}
+    dirs: dict[str, GhostFile] = {}
+    for pid, task in tasks.items():
+        for what, path in (("cwd", task.cwd), ("root", task.root)):
+            if not ghost_dir_key(path):
+                continue
+            g = _read_ghost(pid, f"/proc/{pid}/{what}", path, what)
+            other = dirs.setdefault(g.path, g)
+            if (other.dev, other.ino) != (g.dev, g.ino):
+                raise UnsupportedResource(pid, f"{what} -> {path}: two deleted directories of one name "
+                                               f"are cwd or root in the tree (not supported)")
+            out.setdefault(("ghost", g.dev, g.ino), g)
     for pid, flist in fds.items():
         for f in flist:
             key = ghost_key(f)
@@ -235,6 +257,9 @@ def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]]) -> li
 
 
 def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
+    """A deleted file's (or directory's) identity, mode, owner, times, size and the bytes
+    of its data extents, through a /proc link to it.  Holes stay holes: only the extents
+    SEEK_DATA/SEEK_HOLE find are read."""
     try:
         fd = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
@@ -242,20 +267,59 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
                                        f"({err.strerror})") from None
     try:
         st = os.fstat(fd)
-        if st.st_size > GHOST_LIMIT:
-            raise UnsupportedResource(pid, f"{what} -> {path}: a deleted file of {st.st_size} bytes "
+        if st.st_nlink and _stat.S_ISREG(st.st_mode) and path.endswith(DELETED):
+            return _linked_ghost(pid, fd, st, path, what)
+        extents = data_extents(fd, st.st_size) if _stat.S_ISREG(st.st_mode) else []
+        stored = sum(length for _off, length in extents)
+        if stored > GHOST_LIMIT:
+            raise UnsupportedResource(pid, f"{what} -> {path}: a deleted file of {stored} bytes of data "
                                            f"(the image takes {GHOST_LIMIT >> 20} MiB at most)")
-        chunks, size = [], st.st_size
-        while size > 0:
-            chunk = os.read(fd, min(size, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size -= len(chunk)
+        chunks = [os.pread(fd, length, off) for off, length in extents]
+        extents = [(off, len(c)) for (off, _n), c in zip(extents, chunks)]   # a file shrinking now
     finally:
         os.close(fd)
     return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
-                     uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks))
+                     uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks), mtime_ns=st.st_mtime_ns,
+                     atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents))
+
+
+def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:
+    """A name deleted while the file has other links: its file handle, so that the restore
+    opens that very file again (a copy would part from the other names)."""
+    handle = file_handle(fd)
+    if not handle:
+        raise UnsupportedResource(pid, f"{what} -> {path}: a deleted name of a file with {st.st_nlink} "
+                                       f"other link(s), on a file system that gives no file handle")
+    return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
+                     uid=st.st_uid, gid=st.st_gid, data=b"", mtime_ns=st.st_mtime_ns, atime_ns=st.st_atime_ns,
+                     size=st.st_size, handle=handle)
+
+
+def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each data extent of a file (lseek(2) SEEK_DATA / SEEK_HOLE; a
+    filesystem without them reports the whole file as data)."""
+    out, pos = [], 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:                          # ENXIO: only a hole is left
+            break
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end > start:
+            out.append((start, end - start))
+        pos = end
+    return out
+
+
+def _whole(g: GhostFile) -> bytes:
+    """A recorded file's contents as one string of bytes, holes as zeros."""
+    if not g.extents:
+        return g.data
+    buf, at = bytearray(g.size), 0
+    for off, length in g.extents:
+        buf[off:off + length] = g.data[at:at + length]
+        at += length
+    return bytes(buf)
 
 
 def is_unix(f: Fd) -> bool:
@@ -279,7 +343,13 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     (descriptions in `exempt` are the shell job's stdio)."""
     out = []
     for f in fds:
-        if f.desc in exempt or f.kind in RESTORABLE_KINDS:
+        if f.desc in exempt:
+            continue
+        if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED) and not ghost_key(f):
+            what = "FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH else "device node"
+            out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
+            continue
+        if f.kind in RESTORABLE_KINDS:
             continue
         if f.kind is FdKind.SOCKET:
             if restorable_socket(f):
@@ -295,10 +365,79 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     return out
 
 
+# --- fd owners (F_SETOWN_EX, F_SETSIG, O_ASYNC) -------------------------------------
+
+F_SETOWN_EX, F_GETOWN_EX, F_SETSIG, F_GETSIG = 15, 16, 10, 11
+F_OWNER_TID, F_OWNER_PID, F_OWNER_PGRP = 0, 1, 2
+O_ASYNC = 0o20000
+_OWNER_KINDS = {F_OWNER_TID: "thread", F_OWNER_PID: "process", F_OWNER_PGRP: "process group"}
+
+
+def dump_owners(pid: int, fds: list[Fd]) -> list[FdOwner]:
+    """The owner (F_GETOWN_EX) and signal (F_GETSIG) of each fd that has one, read through a
+    copy of the fd (pidfd_getfd: the same open file description, which holds them).  The
+    pids are as ptckpt sees them."""
+    out = []
+    for f in fds:
+        if f.kind in (FdKind.NSFS, FdKind.UNKNOWN) or f.external:
+            continue
+        try:
+            copy = pidfd_getfd(pid, f.fd)
+        except PtckptError:
+            continue
+        try:
+            kind, who = struct.unpack("ii", fcntl.fcntl(copy, F_GETOWN_EX, bytes(8)))
+            signo = fcntl.fcntl(copy, F_GETSIG)
+        except OSError:
+            continue
+        finally:
+            os.close(copy)
+        if who or signo:
+            out.append(FdOwner(fd=f.fd, owner_type=kind, pid=who, signo=signo))
+    return out
+
+
+def owners_outside(pid: int, owners: list[FdOwner], tree: Mapping[int, list[int]], pgids: set[int]) -> list[str]:
+    """'fd N: its SIGIO owner, process 77, is not in the tree' for each owner a restore
+    cannot name again (`tree`: each member's pid -> its tids, `pgids`: the tree's groups).
+    A thread of another member is not made yet when this one's owners are set."""
+    out = []
+    for o in owners:
+        if not o.pid:
+            continue
+        ok = (o.pid in pgids if o.owner_type == F_OWNER_PGRP
+              else o.pid in tree or o.pid in tree.get(pid, ()) if o.owner_type == F_OWNER_TID
+              else o.pid in tree)
+        if not ok:
+            out.append(f"fd {o.fd}: its SIGIO owner ({_OWNER_KINDS.get(o.owner_type, o.owner_type)} {o.pid}, "
+                       f"F_SETOWN) is outside the dumped tree; set it to a member, or none, before the dump")
+    return out
+
+
+def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
+    """F_SETOWN_EX and F_SETSIG on each fd that had them (pids as the restored tree sees
+    them), and O_ASYNC, which open(2) ignores, on each fd that had it."""
+    for o in owners:
+        if o.fd <= 2 and any(f.fd == o.fd and f.kind in STDIO_KINDS for f in fds):
+            continue                      # the shell job's stdio is ptckpt restore's own
+        step = f"owner of fd {o.fd}"
+        if o.pid:
+            with remote.scratch(struct.pack("ii", o.owner_type, o.pid)) as p:
+                remote.checked("fcntl", o.fd, F_SETOWN_EX, int(p), step=step)
+        if o.signo:
+            remote.checked("fcntl", o.fd, F_SETSIG, o.signo, step=step)
+    for f in fds:
+        if f.flags & O_ASYNC and not f.skipped and not f.external and not (f.fd <= 2 and f.kind in STDIO_KINDS):
+            step = f"O_ASYNC on fd {f.fd}"
+            remote.checked("fcntl", f.fd, F_SETFL, remote.checked("fcntl", f.fd, F_GETFL, step=step) | O_ASYNC,
+                           step=step)
+
+
 # --- restore half ------------------------------------------------------------
 
 O_CREAT, O_EXCL, O_TRUNC, O_NOCTTY = 0o100, 0o200, 0o1000, 0o400
 F_GETFD = 1
+F_GETFL = 3
 AT_FDCWD = -100 & (2**64 - 1)
 STDIO_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE,
                          FdKind.SOCKET})
@@ -319,8 +458,8 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
     for f in fds:
         if f.skipped or f.external or f.desc in handed or f.fd <= 2 and f.kind in STDIO_KINDS:
             continue
-        if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
-            out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
+        if f.kind in BY_PATH_KINDS and f.path.endswith(DELETED):
+            out.append(f"fd {f.fd} -> {f.path} (a deleted file the image does not hold)")
             continue
         if f.kind in BY_PATH_KINDS or (f.kind is FdKind.TTY and f.path.startswith("/dev/")):
             continue
@@ -340,30 +479,77 @@ def open_description(f: Fd, path: str | None = None) -> int:
     return fd
 
 
-def create_ghost_files(ghosts: list[GhostFile]) -> dict[tuple, str]:
-    """Make each deleted file again, with its bytes, mode and owner, where it was (or beside it
-    when that name is taken now): {ghost_key: path}.  The caller opens what it needs, then
-    unlinks them all (remove_ghost_files), so they are deleted-but-open again."""
-    out: dict[tuple, str] = {}
+class GhostPaths(dict):
+    """{ghost_key: the path a ghost was made at again}; `made` lists every path made
+    (the ghosts and the missing parent directories made for them) in the order made."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[str] = []
+        self.fds: list[int] = []          # files still linked elsewhere, opened by handle
+
+
+def create_ghost_files(ghosts: list[GhostFile]) -> GhostPaths:
+    """Make each deleted file or directory again (a directory: empty), with its bytes, holes,
+    mode, owner and times, where it was (or beside it when that name is taken now; missing
+    parent directories made too): {ghost_key: path}.  The caller opens what it needs, then
+    removes them all (remove_ghost_files), so they are deleted-but-open again."""
+    out = GhostPaths()
     try:
-        for n, g in enumerate(ghosts):
+        for n, g in sorted(enumerate(ghosts), key=lambda ng: ng[1].path.count("/")):
+            if g.handle:
+                out[("ghost", g.dev, g.ino)] = _open_linked(g, out.fds)
+                continue
             path = g.path
             for attempt in range(100):
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, g.mode & 0o7777)
+                    fd = _make_one(g, path)
                     break
                 except FileExistsError:
                     path = f"{g.path}.ptckpt-ghost-{os.getpid()}-{n}-{attempt}"
+                except FileNotFoundError:
+                    _make_parents(os.path.dirname(path), out.made)
                 except OSError as err:
                     raise RestoreFailed(f"cannot recreate the deleted file {g.path}: {err.strerror}") from None
             else:
                 raise RestoreFailed(f"cannot recreate the deleted file {g.path}: every name is taken")
             out[("ghost", g.dev, g.ino)] = path
+            out.made.append(path)
             _fill_file(fd, g)
     except BaseException:
         remove_ghost_files(out)
         raise
     return out
+
+
+def _open_linked(g: GhostFile, fds: list[int]) -> str:
+    """The file a deleted name led to, which other names still hold: opened by its file
+    handle; a /proc/self/fd path to reopen it by (its fd added to `fds`)."""
+    try:
+        fd = open_file_handle(g.dev, g.handle, os.O_PATH | O_CLOEXEC)
+    except OSError as err:
+        raise RestoreFailed(f"cannot open again the file {g.path} was a deleted name of (it had other "
+                            f"links): {err.strerror or err}") from None
+    fds.append(fd)
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def _make_one(g: GhostFile, path: str) -> int:
+    """Create a ghost's file (or directory) at `path`: an fd of it, to fill."""
+    if _stat.S_ISDIR(g.mode):
+        os.mkdir(path, 0o700)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+
+
+def _make_parents(directory: str, made: list[str]) -> None:
+    """The missing directories down to `directory` (a deleted file's parent that was
+    removed too), each added to `made` to be removed again."""
+    if not directory or os.path.isdir(directory):
+        return
+    _make_parents(os.path.dirname(directory), made)
+    os.mkdir(directory, 0o700)
+    made.append(directory)
 
 
 def dump_saved_files(pid_of: dict[str, int], patterns) -> list[SavedFile]:
@@ -375,7 +561,7 @@ def dump_saved_files(pid_of: dict[str, int], patterns) -> list[SavedFile]:
             g = _read_ghost(pid, path, path, f"--save-file {path}")
             st = os.stat(path)
             out.append(SavedFile(path=path, mode=g.mode, uid=g.uid, gid=g.gid, mtime_ns=st.st_mtime_ns,
-                                 data=g.data))
+                                 data=_whole(g)))
     return out
 
 
@@ -390,22 +576,42 @@ def put_back_saved_files(saved: list[SavedFile]) -> None:
 
 
 def _fill_file(fd: int, what: GhostFile | SavedFile) -> None:
-    """Write a recorded file's bytes, mode and owner into `fd`, then close it."""
+    """Write a recorded file's bytes (at their extents: holes stay holes), owner and mode
+    (in that order: chown clears set-user-ID and set-group-ID) and a ghost's times into
+    `fd`, then close it."""
     try:
+        extents = getattr(what, "extents", ()) or ((0, len(what.data)),)
         view = memoryview(what.data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, what.mode & 0o7777)
+        for off, length in extents:
+            part = view[:length]
+            view = view[length:]
+            while part:
+                n = os.pwrite(fd, part, off)
+                part, off = part[n:], off + n
+        if isinstance(what, GhostFile) and what.size and _stat.S_ISREG(what.mode):
+            os.ftruncate(fd, what.size)
         with contextlib.suppress(OSError):
             os.fchown(fd, what.uid, what.gid)
+        os.fchmod(fd, what.mode & 0o7777)
+        if isinstance(what, GhostFile) and what.mtime_ns:
+            os.utime(fd, ns=(what.atime_ns, what.mtime_ns))
     finally:
         os.close(fd)
 
 
 def remove_ghost_files(paths: dict[tuple, str]) -> None:
-    for path in paths.values():
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    """Unlink the made ghost files, remove the made directories (and the parents made
+    for them), the last made first."""
+    if isinstance(paths, GhostPaths):
+        for fd in paths.fds:
+            os.close(fd)
+        paths.fds = []
+    for path in reversed(getattr(paths, "made", list(paths.values()))):
+        with contextlib.suppress(OSError):               # gone already; ENOTEMPTY: not ours to empty
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
 
 
 def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}, *,

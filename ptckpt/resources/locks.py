@@ -1,4 +1,4 @@
-"""File locks a process holds: flock(2), POSIX record locks and OFD locks.
+"""File locks a process holds: flock(2), POSIX record locks, OFD locks and leases.
 
 Dump half: :func:`dump_locks` reads the ``lock:`` lines of /proc/PID/fdinfo/FD
 (fs/locks.c show_fd_locks, man 5 proc)::
@@ -25,15 +25,23 @@ the lowest fd of the same file (st_dev, st_ino) that is open for the lock's type
 (a readable fd for a read lock, a writable one for a write lock); an flock or
 OFD lock under the lowest fd of its description (kcmp).
 
-Leases (``LEASE``/``DELEG`` lines), mandatory locks (kernels before 5.15) and
-any form this version does not know cannot be held again: the dump functions
+A lease (``LEASE ACTIVE READ|WRITE``, fcntl F_SETLEASE) belongs to its open file
+description, like an flock.  A lease being broken (``LEASE BREAKING UNLCK``, kind
+"lease-breaking") or downgraded (``LEASE BREAKING READ``, "lease-downgrading": a
+write lease an open for reading broke) is taken again and broken again the same
+way by an open of ptckpt's that does not wait (the lease-break-time starts
+anew); its type is the one its fd's open mode allows (a read lease needs
+O_RDONLY).  An NFS delegation (``DELEG``), mandatory locks (kernels before 5.15)
+and any form this version does not know cannot be held again: the dump functions
 raise :class:`~ptckpt.errors.UnsupportedResource` naming the fd and the line,
 so nothing is dropped silently.  :func:`unsupported_locks` lists them as
 strings instead, for an inventory that reports rather than refuses.
 
 Restore half: :func:`restore_locks_frozen` takes each lock again from inside
 the restored process, by injection: flock(fd, LOCK_SH|LOCK_EX | LOCK_NB),
-fcntl(fd, F_SETLK) or fcntl(fd, F_OFD_SETLK).  Nothing waits: a lock somebody
+fcntl(fd, F_SETLK), fcntl(fd, F_OFD_SETLK) or fcntl(fd, F_SETLEASE) (which
+fails while the file is open elsewhere for writing, or at all for a write
+lease).  Nothing waits: a lock somebody
 else holds raises :class:`~ptckpt.errors.RestoreFailed` naming the file, the
 lock and the holders (found in every process's fdinfo, else with F_GETLK /
 F_OFD_GETLK injected, else in /proc/locks).
@@ -66,6 +74,8 @@ F_RDLCK, F_WRLCK, F_UNLCK = 0, 1, 2
 SEEK_SET = 0
 # include/uapi/asm-generic/fcntl.h (flock(2))
 LOCK_SH, LOCK_EX, LOCK_NB = 1, 2, 4
+F_SETLEASE = 1024
+F_SETOWN = 8
 O_ACCMODE = 0o3
 O_PATH = 0o10000000
 
@@ -73,7 +83,8 @@ O_PATH = 0o10000000
 # off_t l_start (offset 8), off_t l_len, pid_t l_pid, 4 bytes of padding = 32 bytes.
 _FLOCK = struct.Struct("<hh4xqqi4x")
 
-KINDS = ("flock", "posix", "ofd")
+KINDS = ("flock", "posix", "ofd", "lease", "lease-breaking", "lease-downgrading")
+LEASES = ("lease", "lease-breaking", "lease-downgrading")
 _KIND_OF_WORD = {"FLOCK": "flock", "POSIX": "posix", "OFDLCK": "ofd"}
 _TYPE_OF_WORD = {"READ": "read", "WRITE": "write"}
 _SHOWN = {"flock": "flock", "posix": "POSIX", "ofd": "OFD"}
@@ -89,7 +100,7 @@ class FileLock:
     ancestor), -1 for OFD locks.
     """
 
-    kind: str               # "flock" | "posix" | "ofd"
+    kind: str               # "flock" | "posix" | "ofd" | one of LEASES
     type: str               # "read" | "write"
     start: int
     end: int | None
@@ -99,6 +110,9 @@ class FileLock:
         """'POSIX write lock on bytes 200-EOF', 'exclusive flock (LOCK_EX)'."""
         if self.kind == "flock":
             return "exclusive flock (LOCK_EX)" if self.type == "write" else "shared flock (LOCK_SH)"
+        if self.kind in LEASES:
+            how = {"lease": "", "lease-breaking": " being broken", "lease-downgrading": " being downgraded"}
+            return f"{self.type} lease{how[self.kind]} (F_SETLEASE)"
         end = "EOF" if self.end is None else str(self.end)
         return f"{_SHOWN.get(self.kind, self.kind)} {self.type} lock on bytes {self.start}-{end}"
 
@@ -137,10 +151,21 @@ def parse_lock(text: str) -> FileLock | None:
     if len(words) < 7:
         raise UnsupportedLock(f"a lock line ptckpt cannot read ({shown!r})")
     kind_word, mode, type_word = words[0], words[1], words[2]
-    if kind_word in ("LEASE", "DELEG"):
-        what = "lease" if kind_word == "LEASE" else "delegation"
-        raise UnsupportedLock(f"a {type_word.lower()} {what} ({shown}); "
-                              f"leases are not checkpointed")
+    if kind_word == "DELEG":
+        raise UnsupportedLock(f"an NFS delegation ({shown}); delegations are not checkpointed")
+    if kind_word == "LEASE":
+        # fs/locks.c lock_get_status: ACTIVE, BREAKING (then the type it breaks to) or
+        # BREAKER (/proc/locks only: the open that waits)
+        kind = {("ACTIVE", "READ"): "lease", ("ACTIVE", "WRITE"): "lease",
+                ("BREAKING", "UNLCK"): "lease-breaking", ("BREAKING", "READ"): "lease-downgrading"}.get(
+                    (mode, type_word))
+        if kind is None:
+            raise UnsupportedLock(f"a lease in a state ptckpt cannot make again ({shown})")
+        try:
+            return FileLock(kind, "read" if type_word == "READ" and kind == "lease" else "write", 0, None,
+                            int(words[3]))
+        except ValueError:
+            raise UnsupportedLock(f"a lock line ptckpt cannot read ({shown!r})") from None
     kind = _KIND_OF_WORD.get(kind_word)
     if kind is None:
         raise UnsupportedLock(f"a {kind_word} lock ({shown})")
@@ -169,16 +194,18 @@ def dump_locks(pid: int, fd: int) -> list[FileLock]:
     or a mandatory lock, procfs.FdGone if the fd is not open.
     """
     info = procfs.read_fdinfo(pid, fd)
-    return _locks_of(pid, fd, info.extra.get("lock", []))
+    return _locks_of(pid, fd, info.extra.get("lock", []), info.flags)
 
 
-def _locks_of(pid: int, fd: int, lines: Iterable[str]) -> list[FileLock]:
+def _locks_of(pid: int, fd: int, lines: Iterable[str], flags: int) -> list[FileLock]:
     out = []
     for text in lines:
         try:
             lock = parse_lock(text)
         except UnsupportedLock as err:
             raise UnsupportedResource(pid, f"fd {fd} ({_path(pid, fd)}): {err}") from None
+        if lock is not None and lock.kind == "lease-breaking" and flags & O_ACCMODE == os.O_RDONLY:
+            lock = FileLock(lock.kind, "read", lock.start, lock.end, lock.pid)   # what it was
         if lock is not None:
             out.append(lock)
     return out
@@ -235,7 +262,7 @@ def dump_process_locks(pid: int, fds: list[int]) -> dict[int, list[FileLock]]:
         except (procfs.FdGone, FileNotFoundError):
             continue
         files[fd] = _OpenFile(fd, (st.st_dev, st.st_ino), info.flags)
-        locks = _locks_of(pid, fd, info.extra.get("lock", []))
+        locks = _locks_of(pid, fd, info.extra.get("lock", []), info.flags)
         if locks:
             seen[fd] = locks
 
@@ -302,6 +329,11 @@ def restore_locks_frozen(remote: RemoteSyscalls, fd: int, locks: Sequence[FileLo
 
 
 def _take(remote: RemoteSyscalls, fd: int, lock: FileLock) -> int:
+    if lock.kind in LEASES:
+        res = remote.syscall("fcntl", fd, F_SETLEASE, F_WRLCK if lock.type == "write" else F_RDLCK)
+        if res >= 0 and lock.kind != "lease":
+            _break_lease(remote, fd, lock)
+        return res
     if lock.kind == "flock":
         op = (LOCK_EX if lock.type == "write" else LOCK_SH) | LOCK_NB
         return remote.syscall("flock", fd, op)
@@ -310,8 +342,31 @@ def _take(remote: RemoteSyscalls, fd: int, lock: FileLock) -> int:
         return remote.syscall("fcntl", fd, cmd, int(p))
 
 
+def _break_lease(remote: RemoteSyscalls, fd: int, lock: FileLock) -> None:
+    """Start the break of the lease just taken through `fd` again: an open of ptckpt's that
+    does not wait (EWOULDBLOCK), for writing (to break it) or reading (to downgrade it).
+    The fd's owner is cleared first, so that the break signals nobody: the restored
+    process had that signal already (its owner comes back later, from the image)."""
+    pid = remote.task.tgid
+    remote.checked("fcntl", fd, F_SETOWN, 0, step=f"clear the owner of fd {fd} before its lease break")
+    mode = os.O_RDONLY if lock.kind == "lease-downgrading" else os.O_WRONLY
+    try:
+        os.close(os.open(f"/proc/{pid}/fd/{fd}", mode | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY))
+    except BlockingIOError:
+        return                                    # the break has begun
+    except OSError as err:
+        raise RestoreFailed(f"cannot break again the {lock.describe()} on {_path(pid, fd)} "
+                            f"(pid {pid} fd {fd}): {err.strerror}") from None
+    raise RestoreFailed(f"cannot break again the {lock.describe()} on {_path(pid, fd)} "
+                        f"(pid {pid} fd {fd}): an open did not meet the lease")
+
+
 def _conflict_text(remote: RemoteSyscalls, fd: int, lock: FileLock) -> str:
     pid = remote.task.tgid
+    if lock.kind in LEASES:
+        return ("the file is open elsewhere" + (" for writing" if lock.type == "read" else "")
+                + " (" + (", ".join(f"pid {p} ({procfs.comm_or_unknown(p)}) fd {n}" for p, n in
+                                    _openers(pid, fd)) or "by whom, unknown") + ")")
     holders = lock_holders(pid, fd, lock)
     if holders:
         return "held by " + "; ".join(
@@ -338,6 +393,25 @@ def _getlk(remote: RemoteSyscalls, fd: int, lock: FileLock) -> FileLock | None:
         return None
     return FileLock("ofd" if l_pid == -1 else "posix", "write" if l_type == F_WRLCK else "read",
                     start, None if length == 0 else start + length - 1, l_pid)
+
+
+def _openers(pid: int, fd: int) -> list[tuple[int, int]]:
+    """(pid, fd) of every other fd open on the file of pid's fd (a lease's conflicts)."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return []
+    out = []
+    for other in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            for n in procfs.list_fds(other):
+                if (other, n) != (pid, fd):
+                    o = os.stat(f"/proc/{other}/fd/{n}")
+                    if (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
+                        out.append((other, n))
+        except (OSError, PtckptError):
+            continue
+    return out
 
 
 def _conflicts(want: FileLock, other: FileLock) -> bool:

@@ -761,8 +761,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
             remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
                            step=step)
         elif vma.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED, VmaKind.SHMEM, VmaKind.DEVICE):
-            writable_shared = vma.shared and vma.prot & PROT_WRITE
-            fd = files.open(vma.path, O_RDWR if writable_shared else O_RDONLY, step)
+            fd = files.open(vma.path, O_RDWR if may_write_file(vma) else O_RDONLY, step)
             remote.checked("mmap", vma.start, length, prot, flags, fd, vma.pgoff, step=step)
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
@@ -785,6 +784,12 @@ def _forget_parent_pages(remote, vma: Vma, runs: Sequence[PageRun]) -> None:
             if r.vaddr < vma.end and r.vaddr + r.npages * PAGE_SIZE > vma.start]
     for s, e in _without([(vma.start, vma.end)], list(vma.cow) + mine):
         remote.checked("madvise", s, e - s, MADV_DONTNEED, step=f"drop the parent's pages {s:#x}-{e:#x}")
+
+
+def may_write_file(vma: Vma) -> bool:
+    """A shared file mapping that may be made writable (VmFlags "mw", VM_MAYWRITE: its file
+    was open for writing when mapped), so mprotect(PROT_WRITE) works after restore too."""
+    return bool(vma.shared and (vma.prot & PROT_WRITE or "mw" in vma.vmflags.split()))
 
 
 def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:

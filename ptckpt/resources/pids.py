@@ -146,7 +146,8 @@ def virtual_process(view: PidView, image: ProcessImage) -> ProcessImage:
         pending=tuple(dataclasses.replace(s, tid=v(s.tid)) for s in image.pending),
         locks=tuple(dataclasses.replace(lk, pid=v(lk.pid)) for lk in image.locks),
         timers=tuple(dataclasses.replace(t, tid=v(t.tid) if t.tid else 0, clockid=_virtual_clock(v, t.clockid))
-                     for t in image.timers))
+                     for t in image.timers),
+        owners=tuple(dataclasses.replace(o, pid=v(o.pid)) for o in image.owners))
 
 
 def _virtual_clock(v, clockid: int) -> int:

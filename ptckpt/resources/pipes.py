@@ -15,6 +15,8 @@ import ctypes
 import errno
 import fcntl
 import os
+import secrets
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import PtckptError, RestoreFailed
@@ -31,6 +33,7 @@ _libc.tee.restype = ctypes.c_ssize_t
 _libc.tee.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint]
 
 PIPE_KINDS = frozenset({FdKind.PIPE, FdKind.FIFO})
+DELETED = " (deleted)"
 
 
 def is_reader(f: Fd) -> bool:
@@ -133,7 +136,8 @@ def _create_one(buf: PipeBuffer, holders: Sequence[Fd]) -> dict[int, int]:
         if buf.path:
             # A FIFO: a reader and writer of our own keeps it open (so opening a
             # write end does not fail with ENXIO) and lets us fill it.
-            keeper = os.open(buf.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            keeper = (_ghost_fifo(buf.path, holders[0].mode) if buf.path.endswith(DELETED)
+                      else os.open(buf.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
             reader = writer = keeper
         else:
             reader, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -149,7 +153,8 @@ def _create_one(buf: PipeBuffer, holders: Sequence[Fd]) -> dict[int, int]:
                     fd = end                        # the pipe's own end serves its first holder
                     used.add(end)
                 else:
-                    fd = os.open(buf.path or f"/proc/self/fd/{end}",
+                    fd = os.open(f"/proc/self/fd/{end}" if not buf.path or buf.path.endswith(DELETED)
+                                 else buf.path,
                                  (f.flags & O_ACCMODE) | os.O_NONBLOCK | os.O_CLOEXEC)
                 _set_flags(fd, f.flags)
                 made[f.desc] = fd
@@ -161,6 +166,25 @@ def _create_one(buf: PipeBuffer, holders: Sequence[Fd]) -> dict[int, int]:
             os.close(fd)
         raise RestoreFailed(f"cannot recreate {what}: {err.strerror}") from None
     return made
+
+
+def _ghost_fifo(path: str, mode: int) -> int:
+    """A FIFO that was deleted while open: made again where it was (beside it when that
+    name is taken, in the temporary directory when its directory is gone too), opened,
+    and unlinked."""
+    path = path.removesuffix(DELETED)
+    spare = f".ptckpt-fifo-{os.getpid()}-{secrets.token_hex(4)}"
+    where = os.path.dirname(path)
+    for name in (path, os.path.join(where, spare), os.path.join(tempfile.gettempdir(), spare)):
+        try:
+            os.mkfifo(name, mode & 0o7777)
+            break
+        except (FileExistsError, FileNotFoundError):
+            continue
+    try:
+        return os.open(name, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        os.unlink(name)
 
 
 def _fill(fd: int, data: bytes, what: str) -> None:

@@ -16,11 +16,13 @@ import os
 import resource
 import struct
 import time
+from collections.abc import Mapping
 
 from .. import procfs
 from ..errors import PtckptError, UnsupportedResource
 from ..formats.model import Mm, ProcessImage, Rlimit, Task
 from ..tracee import KCMP_FILES, KCMP_FS, RemoteSyscalls, same_kernel_object
+from .files import ghost_dir_key
 
 PR_GET_DUMPABLE = 3
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
@@ -169,16 +171,36 @@ def restore_mm_frozen(remote: RemoteSyscalls, mm: Mm, step: str = "restore mm fi
             remote.syscall("close", exe_fd)
 
 
-def restore_task_frozen(remote: RemoteSyscalls, task: Task) -> list[str]:
-    """cwd, root, umask, personality, dumpable from inside; comm, nice, oom_score_adj,
-    timerslack from outside.  Returns warnings (things that could not be set)."""
+def _change_dir(remote: RemoteSyscalls, path: str, handed: Mapping) -> None:
+    """chdir(path), or fchdir() to the directory a deleted one was made again as."""
+    made = handed.get(ghost_dir_key(path))
+    if made is not None:
+        remote.checked("fchdir", made, step=f"fchdir to {path}")
+        return
+    with remote.scratch(os.fsencode(path) + b"\0") as p:
+        remote.checked("chdir", int(p), step=f"chdir {path}")
+
+
+def restore_root_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}) -> None:
+    """chroot, once nothing more is opened by a path seen from ptckpt's root (the exe, the
+    cwd: chroot does not move the cwd); a removed root through its directory made again."""
+    if task.root and task.root != "/":
+        made = handed.get(ghost_dir_key(task.root))
+        root = f"/proc/self/fd/{made}" if made is not None else task.root
+        with remote.scratch(os.fsencode(root) + b"\0") as p:
+            remote.checked("chroot", int(p), step=f"chroot {task.root}")
+
+
+def restore_task_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}) -> list[str]:
+    """cwd, umask, personality, dumpable from inside; comm, nice, oom_score_adj,
+    timerslack from outside.  Returns warnings (things that could not be set).
+
+    A cwd that was removed is entered through the fd of its directory made again
+    (``handed[files.ghost_dir_key(path)]``), which is removed by then.  The root is
+    restore_root_frozen's."""
     warnings: list[str] = []
     pid = remote.task.tgid
-    if task.root and task.root != "/":
-        with remote.scratch(os.fsencode(task.root) + b"\0") as p:
-            remote.checked("chroot", int(p), step=f"chroot {task.root}")
-    with remote.scratch(os.fsencode(task.cwd) + b"\0") as p:
-        remote.checked("chdir", int(p), step=f"chdir {task.cwd}")
+    _change_dir(remote, task.cwd, handed)       # as ptckpt sees it; the root comes later
     remote.checked("umask", task.umask, step="umask")
     remote.checked("personality", task.personality, step="personality")
     remote.checked("prctl", PR_SET_DUMPABLE, task.dumpable, step="dumpable")
