@@ -398,9 +398,10 @@ def dump_owners(pid: int, fds: list[Fd]) -> list[FdOwner]:
 
 
 def owners_outside(pid: int, owners: list[FdOwner], tree: Mapping[int, list[int]], pgids: set[int]) -> list[str]:
-    """'fd N: its SIGIO owner, process 77, is not in the tree' for each owner a restore
-    cannot name again (`tree`: each member's pid -> its tids, `pgids`: the tree's groups).
-    A thread of another member is not made yet when this one's owners are set."""
+    """'fd N: its SIGIO owner (process 77, F_SETOWN) is outside the dumped tree ...' for each
+    owner a restore cannot name again (`tree`: each member's pid -> its tids, `pgids`: the
+    tree's groups).  A thread of another member is not made yet when this one's owners are
+    set, so only its leader may be named."""
     out = []
     for o in owners:
         if not o.pid:
