@@ -418,9 +418,7 @@ def owners_outside(pid: int, owners: list[FdOwner], tree: Mapping[int, list[int]
 def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
     """F_SETOWN_EX and F_SETSIG on each fd that had them (pids as the restored tree sees
     them), and O_ASYNC, which open(2) ignores, on each fd that had it."""
-    for o in owners:
-        if o.fd <= 2 and any(f.fd == o.fd and f.kind in STDIO_KINDS for f in fds):
-            continue                      # the shell job's stdio is ptckpt restore's own
+    for o in owners:                      # (none on the shell job's stdio: see the dump)
         step = f"owner of fd {o.fd}"
         if o.pid:
             with remote.scratch(struct.pack("ii", o.owner_type, o.pid)) as p:
