@@ -276,11 +276,25 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
                                            f"(the image takes {GHOST_LIMIT >> 20} MiB at most)")
         chunks = [os.pread(fd, length, off) for off, length in extents]
         extents = [(off, len(c)) for (off, _n), c in zip(extents, chunks)]   # a file shrinking now
+        xattrs = _xattrs(fd)
     finally:
         os.close(fd)
     return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
                      uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks), mtime_ns=st.st_mtime_ns,
-                     atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents))
+                     atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents), xattrs=xattrs)
+
+
+def _xattrs(fd: int) -> tuple[tuple[str, bytes], ...]:
+    """(name, value) of each extended attribute of an open file (none where unsupported)."""
+    try:
+        names = os.listxattr(fd)
+    except OSError:
+        return ()
+    out = []
+    for name in sorted(names):
+        with contextlib.suppress(OSError):             # removed meanwhile
+            out.append((name, os.getxattr(fd, name)))
+    return tuple(out)
 
 
 def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:
@@ -592,6 +606,12 @@ def _fill_file(fd: int, what: GhostFile | SavedFile) -> None:
         with contextlib.suppress(OSError):
             os.fchown(fd, what.uid, what.gid)
         os.fchmod(fd, what.mode & 0o7777)
+        for name, value in getattr(what, "xattrs", ()):  # after the mode: an ACL's mask agrees with it
+            try:
+                os.setxattr(fd, name, value)
+            except OSError as err:
+                raise RestoreFailed(f"cannot give the deleted file {what.path} its extended attribute "
+                                    f"{name}: {err.strerror}") from None
         if isinstance(what, GhostFile) and what.mtime_ns:
             os.utime(fd, ns=(what.atime_ns, what.mtime_ns))
     finally:
