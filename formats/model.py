@@ -478,6 +478,7 @@ class GhostFile:
     size: int = 0                    # st_size (holes included)
     extents: tuple[tuple[int, int], ...] = ()   # (offset, length) of each data extent (SEEK_DATA/SEEK_HOLE)
     handle: bytes = b""              # a name deleted while the file has other links: its file handle
+    xattrs: tuple[tuple[str, bytes], ...] = ()  # extended attributes (name, value), ACLs among them
 
 
 @dataclass(frozen=True)

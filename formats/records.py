@@ -690,6 +690,7 @@ MsgImageRecord = Record(MsgImage, Struct(
 # owner, times and size, and the bytes of its data extents (lseek(2) SEEK_DATA/SEEK_HOLE;
 # before format 8: its whole contents, no extents).  A file with other links left
 # (st_nlink > 0) has its name_to_handle_at(2) file handle instead of its contents.
+# listxattr(2)/getxattr(2): its extended attributes (POSIX ACLs are system.posix_acl_*).
 GhostFileRecord = Record(GhostFile, Struct(
     "dev" / Int64ul,
     "ino" / Int64ul,
@@ -703,6 +704,7 @@ GhostFileRecord = Record(GhostFile, Struct(
     "size" / Since(8, Int64ul),
     "extents" / Since(8, PrefixedArray(VarInt, CSequence(Int64ul, Int64ul))),
     "handle" / Since(8, Blob),
+    "xattrs" / Since(8, PrefixedArray(VarInt, CSequence(Text, Blob))),
 ))
 
 

@@ -391,6 +391,9 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
                 objects.setdefault(f.path, []).append((p, f))
     tree = {p: list(im.task.tids) for p, im in images.items()}
     for p, flist in fds.items():
+        # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
+        shell = {f.fd for f in flist if f.desc in stdio}
+        images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
         bad = files.unsupported_fds(flist, stdio) + files.owners_outside(
             p, list(images[p].owners), tree, {im.task.pgid for im in images.values()})
         if bad:

@@ -113,6 +113,16 @@ def test_root_and_a_removed_root(spawn, ptckpt, tmp_path):
     assert not gone.exists()
 
 
+def test_deleted_file_keeps_its_extended_attributes(spawn, ptckpt, tmp_path):
+    path = tmp_path / "X"
+    path.write_bytes(b"x")
+    os.setxattr(path, "user.ptckpt", b"kept\0too")
+    target, fd = _holder_of_deleted(spawn, tmp_path, path, "os.O_RDONLY")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    assert os.getxattr(f"/proc/{target.pid}/fd/{fd}", "user.ptckpt") == b"kept\0too"
+
+
 def test_deleted_name_of_a_file_linked_elsewhere(spawn, ptckpt, tmp_path):
     """A name deleted while another link holds the file: the restored fd is that very file
     (a copy would part from it), opened again by its file handle."""

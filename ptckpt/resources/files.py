@@ -276,11 +276,25 @@ def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
                                            f"(the image takes {GHOST_LIMIT >> 20} MiB at most)")
         chunks = [os.pread(fd, length, off) for off, length in extents]
         extents = [(off, len(c)) for (off, _n), c in zip(extents, chunks)]   # a file shrinking now
+        xattrs = _xattrs(fd)
     finally:
         os.close(fd)
     return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
                      uid=st.st_uid, gid=st.st_gid, data=b"".join(chunks), mtime_ns=st.st_mtime_ns,
-                     atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents))
+                     atime_ns=st.st_atime_ns, size=st.st_size, extents=tuple(extents), xattrs=xattrs)
+
+
+def _xattrs(fd: int) -> tuple[tuple[str, bytes], ...]:
+    """(name, value) of each extended attribute of an open file (none where unsupported)."""
+    try:
+        names = os.listxattr(fd)
+    except OSError:
+        return ()
+    out = []
+    for name in sorted(names):
+        with contextlib.suppress(OSError):             # removed meanwhile
+            out.append((name, os.getxattr(fd, name)))
+    return tuple(out)
 
 
 def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:
@@ -398,9 +412,10 @@ def dump_owners(pid: int, fds: list[Fd]) -> list[FdOwner]:
 
 
 def owners_outside(pid: int, owners: list[FdOwner], tree: Mapping[int, list[int]], pgids: set[int]) -> list[str]:
-    """'fd N: its SIGIO owner, process 77, is not in the tree' for each owner a restore
-    cannot name again (`tree`: each member's pid -> its tids, `pgids`: the tree's groups).
-    A thread of another member is not made yet when this one's owners are set."""
+    """'fd N: its SIGIO owner (process 77, F_SETOWN) is outside the dumped tree ...' for each
+    owner a restore cannot name again (`tree`: each member's pid -> its tids, `pgids`: the
+    tree's groups).  A thread of another member is not made yet when this one's owners are
+    set, so only its leader may be named."""
     out = []
     for o in owners:
         if not o.pid:
@@ -417,9 +432,7 @@ def owners_outside(pid: int, owners: list[FdOwner], tree: Mapping[int, list[int]
 def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
     """F_SETOWN_EX and F_SETSIG on each fd that had them (pids as the restored tree sees
     them), and O_ASYNC, which open(2) ignores, on each fd that had it."""
-    for o in owners:
-        if o.fd <= 2 and any(f.fd == o.fd and f.kind in STDIO_KINDS for f in fds):
-            continue                      # the shell job's stdio is ptckpt restore's own
+    for o in owners:                      # (none on the shell job's stdio: see the dump)
         step = f"owner of fd {o.fd}"
         if o.pid:
             with remote.scratch(struct.pack("ii", o.owner_type, o.pid)) as p:
@@ -593,6 +606,12 @@ def _fill_file(fd: int, what: GhostFile | SavedFile) -> None:
         with contextlib.suppress(OSError):
             os.fchown(fd, what.uid, what.gid)
         os.fchmod(fd, what.mode & 0o7777)
+        for name, value in getattr(what, "xattrs", ()):  # after the mode: an ACL's mask agrees with it
+            try:
+                os.setxattr(fd, name, value)
+            except OSError as err:
+                raise RestoreFailed(f"cannot give the deleted file {what.path} its extended attribute "
+                                    f"{name}: {err.strerror}") from None
         if isinstance(what, GhostFile) and what.mtime_ns:
             os.utime(fd, ns=(what.atime_ns, what.mtime_ns))
     finally:
