@@ -216,7 +216,7 @@ def test_leave_running_keeps_counting_without_eintr(spawn, ptckpt, tmp_path):
         assert res.returncode == 0, res.stderr
     target.wait_progress()
     assert target.read_counter() > before
-    sleeper = spawn("sleeper", 1)
+    sleeper = spawn("sleeper", 3)        # long enough to be dumped on a loaded machine
     res = ptckpt("dump", sleeper.pid, "-D", tmp_path / "sleep-img")
     assert res.returncode == 0, res.stderr
     assert sleeper.wait_exit(10) == 0
