@@ -104,17 +104,24 @@ STATUS: dict[str, Claim] = {
 }
 
 
-def check_status(pid: int, tid: int, raw: dict[str, str]) -> None:
-    """Refuse the dump, by name, if a thread's status shows state no restore makes."""
-    who = "" if tid == pid else f"thread {tid}: "
-    for key, value in raw.items():
-        claim = STATUS.get(key)
+def _judge(pid: int, pairs, claim_of, unknown: str, refused: str) -> None:
+    """Each (key, value) against its claim: a key without one refuses with `unknown`, a
+    refused value with `refused` (both formatted with key, value and why)."""
+    for key, value in pairs:
+        claim = claim_of(key)
         if claim is None:
-            raise UnsupportedResource(pid, f"{who}/proc status field '{key}: {value}' (state this "
+            raise UnsupportedResource(pid, unknown.format(key=key, value=value) + " (state this "
                                       "ptckpt does not know; a newer ptckpt may)")
         why = claim.refuse(value) if claim.refuse else None
         if why:
-            raise UnsupportedResource(pid, f"{who}{why} ('{key}' in /proc status)")
+            raise UnsupportedResource(pid, refused.format(key=key, value=value, why=why))
+
+
+def check_status(pid: int, tid: int, raw: dict[str, str]) -> None:
+    """Refuse the dump, by name, if a thread's status shows state no restore makes."""
+    who = "" if tid == pid else f"thread {tid}: "
+    _judge(pid, raw.items(), STATUS.get, who + "/proc status field '{key}: {value}'",
+           who + "{why} ('{key}' in /proc status)")
 
 
 def check_numa(pid: int) -> None:
@@ -168,14 +175,9 @@ def fdinfo_keys(text: str) -> list[tuple[str, str]]:
 def check_fdinfo(pid: int, fd: int, kind: str, text: str) -> None:
     """Refuse, by name, an fd whose fdinfo shows state no restore makes."""
     own = FDINFO_BY_KIND.get(kind, {})
-    for key, value in fdinfo_keys(text):
-        claim = FDINFO_COMMON.get(key) or own.get(key)
-        if claim is None:
-            raise UnsupportedResource(pid, f"fd {fd} ({kind.lower()}) with '{key}: {value}' in its "
-                                      "fdinfo (state this ptckpt does not know; a newer ptckpt may)")
-        why = claim.refuse(value) if claim.refuse else None
-        if why:
-            raise UnsupportedResource(pid, f"fd {fd} ({kind.lower()}) with {why}")
+    what = f"fd {fd} ({kind.lower()}) with "
+    _judge(pid, fdinfo_keys(text), lambda key: FDINFO_COMMON.get(key) or own.get(key),
+           what + "'{key}: {value}' in its fdinfo", what + "{why}")
 
 
 # --- namespaces --------------------------------------------------------------

@@ -11,7 +11,8 @@ import signal
 from ptckpt.formats.image import ImageReader
 from ptckpt.resources import memory
 
-from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
+from test_restore import _dump_kill, _restore
+from conftest import kill_pids, reap_orphans, wait_until
 
 FAMILY = r"""
 import mmap, os, signal, sys, time
@@ -52,19 +53,13 @@ def test_pages_shared_copy_on_write_stay_shared(spawn, ptckpt, tmp_path):
     try:
         before = _shared_kib(child, parent.pid)
         assert before >= 32 * 1024
-        res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill")
-        assert res.returncode == 0, res.stderr
+        _dump_kill(ptckpt, parent, tmp_path / "img", members)
         with ImageReader(tmp_path / "img") as image:
             inherited = sum(e - s for v in image.process(child).vmas for s, e in v.cow) // 1024
             saved = [sum(r.npages for r in image.page_runs(p)) * 4 for p in members]
         assert inherited >= 32 * 1024
         assert saved[1] < 8 * 1024, "the child's copy of the shared pages is not saved again"
-        parent.wait_exit(10)
-        for p in members:
-            wait_pid_free(p)
-        res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
-        assert res.returncode == 0, res.stderr
-        parent.adopt(parent.pid)
+        parent.adopt(_restore(ptckpt, tmp_path / "img"))
         assert _shared_kib(child, parent.pid) >= 32 * 1024, "shared again after the restore"
         os.kill(child, signal.SIGUSR1)
         wait_until(lambda: os.path.exists(f"{parent.out_path}.child"), 5)

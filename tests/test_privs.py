@@ -12,6 +12,7 @@ import pytest
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
+from test_restore import _dump_kill, _restore
 from conftest import wait_pid_free, wait_until
 
 
@@ -49,19 +50,12 @@ def test_credentials_and_prctl_state_survive_in_every_thread(spawn, ptckpt, tmp_
     wait_until(lambda: sorted(_sched(target.pid, t) for t in threads) == [(0, 3), (3, 7)], 5)
     last = str(os.cpu_count() - 1)
     assert cpus[str(target.pid)] == last
-    image = tmp_path / "img"
-    res = ptckpt("dump", target.pid, "-D", image, "--kill")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    with ImageReader(image) as reader:
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as reader:
         proc = reader.process(reader.inventory.root_pid)
         assert proc.creds.securebits == 1 << 4 and proc.creds.no_new_privs
         assert proc.task.thp_disable and proc.task.mdwe == 1
-    if not pidns:
-        wait_pid_free(target.pid)
-    res = ptckpt("restore", "-D", image, "--detach", *(["--pidns"] if pidns else []))
-    assert res.returncode == 0, res.stderr
-    pid = int(res.stdout.split()[-1])
+    pid = _restore(ptckpt, tmp_path / "img", *(["--pidns"] if pidns else []))
     target.adopt(pid)
     now = sorted(os.listdir(f"/proc/{pid}/task"))
     assert len(now) == 2
@@ -106,13 +100,8 @@ def test_seccomp_strict_mode_is_entered_again(spawn, ptckpt, tmp_path):
     with seccomp suspended (root), so it can dump the process and put it back in the mode."""
     target = spawn("privs", "strict")
     assert _status(target.pid)["Seccomp"] == "1"
-    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
-    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
-    assert res.returncode == 0, res.stderr
-    target.adopt(target.pid)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    target.adopt(_restore(ptckpt, tmp_path / "img"))
     assert _status(target.pid)["Seccomp"] == "1"
     assert target.alive() and _status(target.pid)["State"].startswith("S"), "back in its read"
 

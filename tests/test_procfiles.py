@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
+from test_restore import _dump_kill, _restore
+from conftest import kill_pids, reap_orphans, wait_until
 
 PARENT = r"""
 import ctypes, os, signal, sys, time
@@ -37,14 +38,8 @@ def test_a_file_under_proc_of_a_member_follows_it(spawn, ptckpt, tmp_path, pidns
     child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
     members = [parent.pid, child]
     try:
-        res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--kill")
-        assert res.returncode == 0, res.stderr
-        parent.wait_exit(10)
-        for p in members:
-            wait_pid_free(p)
-        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", *(["--pidns"] if pidns else []))
-        assert res.returncode == 0, res.stderr
-        pid = int(res.stdout.split()[-1])
+        _dump_kill(ptckpt, parent, tmp_path / "img", members)
+        pid = _restore(ptckpt, tmp_path / "img", *(["--pidns"] if pidns else []))
         parent.adopt(pid)
         kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
         assert len(kids) == 1

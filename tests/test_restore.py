@@ -28,11 +28,13 @@ from ptckpt.formats.model import PAGE_SIZE
 from conftest import IDLE_TAIL, idle_script, kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
 
 
-def _dump_kill(ptckpt, target, image: Path) -> None:
+def _dump_kill(ptckpt, target, image: Path, members=()) -> None:
+    """dump --kill, then wait until the target's pid (and each of `members`) is free."""
     res = ptckpt("dump", target.pid, "-D", image, "--kill")
     assert res.returncode == 0, res.stderr
     target.wait_exit(10)
-    wait_pid_free(target.pid)
+    for pid in {target.pid, *members}:
+        wait_pid_free(pid)
 
 
 def _restore(ptckpt, image: Path, *extra) -> int:

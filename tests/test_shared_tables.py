@@ -6,7 +6,8 @@ from __future__ import annotations
 from ptckpt.formats.image import ImageReader
 from ptckpt.tracee import KCMP_FILES, KCMP_FS, same_kernel_object
 
-from conftest import kill_pids, reap_orphans, wait_pid_free
+from test_restore import _dump_kill, _restore
+from conftest import kill_pids, reap_orphans
 
 
 def test_a_shared_fd_table_and_cwd_stay_shared(spawn, ptckpt, tmp_path):
@@ -15,18 +16,12 @@ def test_a_shared_fd_table_and_cwd_stay_shared(spawn, ptckpt, tmp_path):
     members = [target.pid, a, b]
     try:
         assert same_kernel_object(target.pid, a, KCMP_FILES) and same_kernel_object(target.pid, a, KCMP_FS)
-        res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-        assert res.returncode == 0, res.stderr
+        _dump_kill(ptckpt, target, tmp_path / "img", members)
         with ImageReader(tmp_path / "img") as image:
             marks = {p: (image.process(p).task.shares_files, image.process(p).task.shares_fs)
                      for p in members}
         assert marks == {target.pid: (False, False), a: (True, True), b: (False, False)}
-        target.wait_exit(10)
-        for p in members:
-            wait_pid_free(p)
-        res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
-        assert res.returncode == 0, res.stderr
-        target.adopt(target.pid)
+        target.adopt(_restore(ptckpt, tmp_path / "img"))
         for kind in (KCMP_FILES, KCMP_FS):
             assert same_kernel_object(target.pid, a, kind), kind
             assert not same_kernel_object(target.pid, b, kind), kind

@@ -10,7 +10,7 @@ from ptckpt.errors import UnsupportedResource
 from ptckpt.formats.model import Vma, VmaKind
 from ptckpt.resources import memory
 
-from conftest import wait_pid_free
+from test_restore import _dump_kill, _restore
 
 
 def _smaps_flags(pid: int) -> dict[int, tuple[str, set[str]]]:
@@ -39,13 +39,8 @@ def test_madvise_hints_locks_names_guards_and_seals_survive(spawn, ptckpt, tmp_p
     if "droppable" not in areas:
         made.discard("dp")
     assert made <= seen, f"not covered by the fixture: {made - seen}"
-    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
-    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
-    assert res.returncode == 0, res.stderr
-    target.adopt(target.pid)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    target.adopt(_restore(ptckpt, tmp_path / "img"))
     after = _smaps_flags(target.pid)
     for name, addr in areas.items():
         assert after[addr] == before[addr], name
