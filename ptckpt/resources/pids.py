@@ -255,7 +255,8 @@ def end_stub(task: Task, gadget: int, wait_status: int) -> None:
         regs.rdi = os.WEXITSTATUS(wait_status)
         task.set_regs(regs)
     try:
-        task.resume(0)                           # SIGKILL may have ended it already
+        if sig != signal.SIGKILL:                # SIGKILL ends even a stopped task: no resume
+            task.resume(0)
         while True:
             st = task.wait()
             task.resume(st.signo if st.kind is StopKind.SIGNAL and st.signo == sig else 0)
