@@ -394,6 +394,13 @@ class UnixSocket:
     queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
     options: tuple[tuple[int, int, bytes], ...] = ()   # (level, optname, value) to set again (format 6)
+    pending: bool = False     # a connection in a listener's accept queue, not yet accepted (format 8):
+                              # ino is a number of ptckpt's, listener its listener, peer its client
+                              # end (0: closed), queue what the client sent it
+    deleted: bool = False     # its bound path names no longer its socket file (unlinked or replaced)
+    file_mode: int = 0        # st_mode of its socket file (0: none or unknown), and its owner
+    file_uid: int = 0
+    file_gid: int = 0
 
 
 class InetMode(enum.IntEnum):

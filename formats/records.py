@@ -579,7 +579,9 @@ class _OptionsAdapter(Adapter):
 # unix(7); sock_diag(7) NETLINK_SOCK_DIAG unix_diag_msg (include/uapi/linux/
 # unix_diag.h): udiag_ino, udiag_type, udiag_state, UNIX_DIAG_NAME, UNIX_DIAG_PEER,
 # UNIX_DIAG_RQLEN (listen backlog), UNIX_DIAG_SHUTDOWN; the receive queue read
-# with MSG_PEEK and SO_PEEK_OFF (socket(7)).
+# with MSG_PEEK and SO_PEEK_OFF (socket(7)); UNIX_DIAG_ICONS (pending connections,
+# read by accept(2) on a copy of the listener); UNIX_DIAG_VFS against stat(2) of the
+# bound path (deleted or replaced names; the socket file's mode and owner).
 UnixSocketRecord = Record(UnixSocket, Struct(
     "ino" / Int64ul,
     "type" / Int16ul,
@@ -592,6 +594,11 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "queue" / PrefixedArray(VarInt, Blob),
     "listener" / Int64ul,
     "options" / Since(6, _OptionsAdapter(_SOCKOPTS)),
+    "pending" / Since(8, Flag),
+    "deleted" / Since(8, Flag),
+    "file_mode" / Since(8, Int32ul),
+    "file_uid" / Since(8, Int32ul),
+    "file_gid" / Since(8, Int32ul),
 ))
 
 # --- POSIX_TIMER, ITIMER ----------------------------------------------------------

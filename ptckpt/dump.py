@@ -413,11 +413,12 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
             internal_pipes.append(holders[0][1].ino)
     if net is None:
         net = inet.InetDump(inet.Policy(), "")
-    return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
-                    + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
-                    + _fd_states(fds) + _terminals(root, fds[root])
-                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()},
-                                             {p: im.task for p, im in images.items()}))
+    out = (pipes.dump_pipes(fds, internal_pipes) + net.capture_frozen(fds, stdio)
+           + netlink.dump_netlink_sockets(fds) + _fd_states(fds) + _terminals(root, fds[root])
+           + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()},
+                                    {p: im.task for p, im in images.items()}))
+    # Last: reading a pending connection's data accepts it, which only a kill makes good.
+    return images, out + sockets.dump_unix_sockets(fds, stdio, leave_running=net.policy.leave_running)
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
