@@ -401,6 +401,17 @@ class UnixSocket:
     file_mode: int = 0        # st_mode of its socket file (0: none or unknown), and its owner
     file_uid: int = 0
     file_gid: int = 0
+    queue_fds: tuple[tuple[int, ...], ...] = ()   # per queue item, the descriptions (Fd.desc) it
+                                                  # carries in flight (SCM_RIGHTS); () when none
+
+
+@dataclass(frozen=True)
+class InFlightFd:
+    """A file description in flight in a unix socket's queue (SCM_RIGHTS), as the fd a
+    peek at dump installed in ptckpt showed it; fd.desc numbers it with the tree's fds
+    (format 8)."""
+
+    fd: Fd
 
 
 class InetMode(enum.IntEnum):

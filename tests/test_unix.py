@@ -97,3 +97,49 @@ def test_deleted_and_replaced_socket_paths_stay_deleted(spawn, ptckpt, tmp_path,
     assert lines == [f"NAME {gone}", "GONE True", "SERVED [b'after']", f"Y {replaced}", "X reached [b'to x']"]
     assert not os.path.lexists(gone)
     assert not [n for n in os.listdir(tmp_path) if ".ptckpt-aside" in n]
+
+
+SCM_LINES = ["PIPE b'pipe' b'through pipe'", "FILE b'file' b'345'", "SOCK b'sock' b'inside' b'back'",
+             "PLAIN b'plain'"]
+
+
+@pytest.mark.parametrize("stype", ["stream", "seqpacket", "dgram"])
+def test_fds_in_flight_come_back_with_their_files(spawn, ptckpt, tmp_path, stype):
+    """A pipe end, a file at its offset and a socket with its own queue, each in flight
+    and closed by the sender: after the round trip each message comes with its file."""
+    t = spawn("unixkinds.py", "scm", stype)
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        kinds = sorted(f.kind.name for f in image.in_flight)
+        carried = [u.queue_fds for u in image.unix_sockets if u.queue_fds]
+    assert kinds == ["PIPE", "REGULAR", "SOCKET"]
+    assert len(carried) == 1 and sum(map(len, carried[0])) == 3
+    _restore(ptckpt, tmp_path / "img")
+    assert _after(t, 4) == SCM_LINES
+
+
+def test_fds_in_flight_stay_queued_after_a_leave_running_dump(spawn, ptckpt, tmp_path):
+    """The dump peeks at them (copies, closed again): the program then reads every
+    message with its file, as if no dump had happened."""
+    t = spawn("unixkinds.py", "scm", "stream")
+    res = _dump(ptckpt, t, tmp_path / "img")
+    assert res.returncode == 0, res.stderr
+    assert _after(t, 4) == SCM_LINES
+
+
+def test_an_fd_in_flight_of_a_kind_not_passed_again_is_refused(spawn, ptckpt, tmp_path):
+    t = spawn("unixkinds.py", "scm-eventfd")
+    res = _dump(ptckpt, t, tmp_path / "img", "--kill")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "in flight", "eventfd")
+    assert _after(t, 1) == ["EVENTFD 7"]
+
+
+def test_queued_credentials_its_reader_would_see_are_refused(spawn, ptckpt, tmp_path):
+    """A message queued for a reader with SO_PASSCRED carries its sender's pid, uid and
+    gid, which a restore cannot queue again: refused by name, and the program then reads
+    the message with its own credentials, as if no dump had been tried."""
+    t = spawn("unixkinds.py", "scm-creds")
+    res = _dump(ptckpt, t, tmp_path / "img", "--kill")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "SCM_CREDENTIALS",
+              f"pid {t.pid}", "SO_PASSCRED")
+    assert _after(t, 1) == [f"CREDS b'who' True {os.getuid()} {os.getgid()}"]

@@ -27,11 +27,25 @@ and shutdowns are applied.  A deleted name is bound at its path (what is there
 now moved aside meanwhile) and unlinked once every connection by name is made.
 The stubs inherit the sockets and dup3() them into place (restore.build_handoff).
 
-Socket options (SO_PASSCRED, SO_PASSSEC, buffer sizes ...: :mod:`.sockopts`) are set
-again once the connections are made.
+Fds in flight (SCM_RIGHTS): :func:`peek_queues_frozen` peeks at every queue once,
+before the tree's fds are numbered, keeping the fds the peeks pass (copies in ptckpt;
+the queue is left as it was, so a leave-running dump is exact).  Those files are
+numbered and dumped with the tree's as if ptckpt held them (pipes with their bytes,
+unix sockets with their own queues, files by path and offset, deleted files), and
+recorded as IN_FLIGHT_FD; each queue item names the descriptions it carries
+(UnixSocket.queue_fds).  The restore opens them with the tree's and sends each item
+with its fds again.  Other kinds in flight (epoll, eventfd, inet sockets ...) are
+refused by name.  In a stream, a peek cannot tell where the skb that carries fds
+begins: bytes queued without fds just before it come back in one piece with it (a
+reader then gets the fds with its first read of those bytes).
 
-Not kept: the sender address of each queued datagram, fds in flight
-(refused by sock_diag.peek).
+Socket options (SO_PASSCRED, SO_PASSSEC, buffer sizes ...: :mod:`.sockopts`) are set
+again once the connections are made and the queues refilled.  Queued messages that
+carry their sender's credentials (SCM_CREDENTIALS) for a reader with SO_PASSCRED on
+are refused: a restore would queue them with ptckpt's, or none.
+
+Not kept: the sender address of each queued datagram; the credentials of messages
+queued for a reader without SO_PASSCRED (it would see them if it turned it on).
 """
 
 from __future__ import annotations
@@ -47,10 +61,10 @@ from collections.abc import Mapping, Sequence
 
 from .. import procfs, sockdiag
 from ..errors import RestoreFailed, SharedOutside, UnsupportedResource
-from ..formats.model import Fd, UnixSocket
+from ..formats.model import Fd, FdKind, InFlightFd, UnixSocket
 from ..tracee import pidfd_getfd
 from . import sockopts
-from .files import is_unix
+from .files import dump_fd, is_unix
 
 TCP_ESTABLISHED, TCP_CLOSE, TCP_LISTEN = 1, 7, 10
 RCV_SHUTDOWN, SEND_SHUTDOWN = 1, 2
@@ -59,11 +73,86 @@ O_ACCMODE = 0o3
 
 # --- dump half -----------------------------------------------------------------
 
+IN_FLIGHT_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.PIPE,
+                             FdKind.FIFO})      # and unix sockets
+
+
+@dataclasses.dataclass
+class InFlight:
+    """What the tree's unix sockets hold queued, peeked once while it is frozen, with the
+    fds in flight (SCM_RIGHTS) that the peeks installed in ptckpt (this process, `holder`):
+    `fds` describes them as ptckpt's own fds, to be numbered with the tree's."""
+
+    queues: dict[int, sockdiag.QueueSnapshot] = dataclasses.field(default_factory=dict)
+    fds: list[Fd] = dataclasses.field(default_factory=list)
+    carrier: dict[int, tuple[int, Fd]] = dataclasses.field(default_factory=dict)  # fd -> socket
+    holder: int = dataclasses.field(default_factory=os.getpid)
+
+    def close(self) -> None:
+        for snap in self.queues.values():
+            for passed in snap.passed:
+                for fd in passed:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        self.queues.clear()
+
+    def records(self) -> list[InFlightFd]:
+        return [InFlightFd(f) for f in self.fds]
+
+
+def peek_queues_frozen(fds: Mapping[int, Sequence[Fd]], root: int) -> InFlight:
+    """Peek at the queue of every unix socket of the frozen tree (but the root's stdio),
+    keeping the fds in flight; those that are unix sockets are peeked at too."""
+    out = InFlight()
+    todo = [(pid, f) for pid, flist in fds.items() for f in flist
+            if is_unix(f) and not (pid == root and f.fd <= 2)]
+    try:
+        while todo:
+            pid, f = todo.pop(0)
+            if f.ino in out.queues:
+                continue
+            copy = pidfd_getfd(pid, f.fd) if pid != out.holder else os.dup(f.fd)
+            try:
+                snap = out.queues[f.ino] = sockdiag.snapshot_queue(copy, keep_fds=True)
+            finally:
+                os.close(copy)
+            for n in (n for passed in snap.passed for n in passed):
+                g = dump_fd(out.holder, n)
+                out.fds.append(g)
+                out.carrier[n] = (pid, f)
+                if is_unix(g):
+                    todo.append((out.holder, g))
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def refuse_in_flight(flight: InFlight) -> None:
+    """An fd in flight of a kind a restore cannot pass again is refused, naming the socket
+    that carries it (and, for one carried by an fd in flight itself, the first socket)."""
+    for f in flight.fds:
+        if f.kind in IN_FLIGHT_KINDS or is_unix(f):
+            continue
+        pid, carrier = flight.carrier[f.fd]
+        while pid == flight.holder:
+            pid, carrier = flight.carrier[carrier.fd]
+        raise UnsupportedResource(pid, f"{_kind_name(f)} {f.path} in flight (SCM_RIGHTS) in fd "
+                                       f"{carrier.fd} ({carrier.path})")
+
+
+def _kind_name(f: Fd) -> str:
+    if f.kind is FdKind.SOCKET:
+        return f"a {dict(f.details).get('family', 'socket')} socket"
+    return f.kind.name.lower()
+
+
 def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
-                      leave_running: bool = False) -> list[UnixSocket]:
+                      leave_running: bool = False, flight: InFlight | None = None) -> list[UnixSocket]:
     """A UnixSocket for every AF_UNIX socket the tree holds (descriptions in `skip` are the
     root's stdio, which a restore takes from ptckpt restore instead), and a pending one for
-    each connection waiting in the accept queue of one of its listeners."""
+    each connection waiting in the accept queue of one of its listeners.  `flight` holds
+    the queues peeked already (peek_queues_frozen), and the numbered fds in flight."""
     holders: dict[int, tuple[int, Fd]] = {}
     for pid, flist in fds.items():
         for f in flist:
@@ -75,6 +164,8 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
     members = set(fds)
     _refuse_outside(holders, diag, members)
     names = {d.name: d.ino for d in diag.values() if d.listening and d.name}
+    flight = flight or InFlight()
+    desc_of = {f.fd: f.desc for f in flight.fds}
     out: list[UnixSocket] = []
     embryo_of: dict[int, int] = {}                # pending client inode -> its embryo's number
     for ino, (pid, f) in holders.items():
@@ -88,15 +179,17 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
         if d is None:
             raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}): a unix socket sock_diag does not list")
         peer = diag.get(d.peer)
+        queue, passed = _queue(pid, f, flight)
         out.append(UnixSocket(
             ino=ino, type=d.type, state=d.state, name=d.name or b"",
             peer=d.peer if d.peer in holders else embryo_of.get(ino, 0),
             peer_name=(peer.name or b"") if peer else b"",
             backlog=d.wqueue if d.listening else 0,
             shutdown=d.shutdown,
-            queue=() if d.listening else tuple(_peek(pid, f)),
+            queue=() if d.listening else queue,
             listener=names.get(d.name, 0) if d.name and not d.listening and d.peer else 0,
             options=_options(pid, f),
+            queue_fds=tuple(tuple(desc_of[n] for n in p) for p in passed) if any(passed) else (),
             **_socket_file(pid, d),
         ))
     return out
@@ -142,6 +235,8 @@ def _accept_all(pid: int, f: Fd, count: int) -> list[tuple[bytes, ...]]:
                                                    f"went away while the tree was frozen")
                 child, _addr = listener.accept()
                 with child:
+                    snap = sockdiag.snapshot_queue(child)     # it inherits the listener's SO_PASSCRED
+                    _refuse_credentials(pid, f, snap)
                     out.append(tuple(sockdiag.peek_queue(child)))
     finally:
         os.close(copy)
@@ -212,26 +307,56 @@ def _options(pid: int, f: Fd) -> tuple:
         return sockopts.read_options(sock)
 
 
-def _peek(pid: int, f: Fd) -> list[bytes]:
-    copy = pidfd_getfd(pid, f.fd)
-    try:
-        return sockdiag.peek_queue(copy)
-    finally:
-        os.close(copy)
+def _queue(pid: int, f: Fd, flight: InFlight) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
+    """The receive queue of a socket, and the fds in flight with each item: from the peek
+    of peek_queues_frozen, else peeked now (refused if fds ride in it)."""
+    snap = flight.queues.get(f.ino)
+    if snap is None:
+        copy = pidfd_getfd(pid, f.fd)
+        try:
+            return tuple(sockdiag.peek_queue(copy)), ()
+        finally:
+            os.close(copy)
+    if snap.oob is not None:
+        raise sockdiag.SocketQueueError("peek of a socket receive queue",
+                                        "an out-of-band (MSG_OOB) byte is pending; not supported")
+    _refuse_credentials(pid, f, snap)
+    return snap.messages, snap.passed
+
+
+def _refuse_credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot) -> None:
+    """Queued messages whose sender's credentials their reader gets (SO_PASSCRED on):
+    a restore would queue them with ptckpt's, or none, so they are refused."""
+    if snap.passcred and snap.creds:
+        cpid, uid, gid = snap.creds[0]
+        raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with {len(snap.creds)} "
+                                       f"queued messages carrying their sender's credentials "
+                                       f"(SCM_CREDENTIALS pid {cpid} uid {uid} gid {gid}), which a "
+                                       f"restore cannot queue again; let it read them first")
 
 
 # --- restore half --------------------------------------------------------------
 
 def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
-                        cwd_of: Mapping[int, str] | None = None) -> dict[int, int]:
+                        cwd_of: Mapping[int, str] | None = None,
+                        passing: Mapping[int, int] | None = None) -> dict[int, int]:
     """Make the image's unix sockets in ptckpt: {desc: fd}, one fd per description in `descs`
     (their Fd.ino names the socket).  `cwd_of` maps a socket inode to the directory a
-    relative name was bound in.  The caller owns the fds."""
+    relative name was bound in.  `passing` has ptckpt's fd of every other description
+    ({desc: fd}) a queue may carry in flight.  The caller owns the fds."""
     by_ino = {r.ino: r for r in records}
     cwd_of = cwd_of or {}
     made: dict[int, socket.socket] = {}
     temps: list[socket.socket] = []
     refilled: set[int] = set()
+    senders: dict[int, socket.socket] = {}        # a socket whose peer had closed: its stand-in
+
+    def fd_of(desc: int) -> int:
+        if passing and desc in passing:
+            return passing[desc]
+        if desc in descs and descs[desc].ino in made:
+            return made[descs[desc].ino].fileno()
+        raise RestoreFailed(f"unix socket: a description in flight (desc {desc}) was not made")
     names = _Names(cwd_of)
     try:
         listeners: dict[bytes, socket.socket] = {}
@@ -254,8 +379,7 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
                 # Its peer was closed: a pair whose other end goes away again after the refill.
                 made[r.ino], other = socket.socketpair(socket.AF_UNIX, r.type)
                 temps.append(other)
-                _refill(r, other)
-                refilled.add(r.ino)
+                senders[r.ino] = other
         for e in (r for r in records if r.pending):  # accept queues, in queue order
             _queue_connection(e, by_ino.get(e.peer), made, names, temps)
             refilled.add(e.ino)
@@ -266,7 +390,7 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
             if r.ino not in refilled and r.queue:
                 peer = by_ino.get(r.peer)
                 mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
-                _refill(r, made[r.peer] if mutual else None)
+                _refill(r, senders.get(r.ino) or (made[r.peer] if mutual else None), fd_of, names)
         for r in records:
             if r.ino in made:
                 _shutdown(made[r.ino], r.shutdown)
@@ -430,20 +554,20 @@ def _addr(name: bytes):
     return name if name[:1] == b"\0" else os.fsdecode(name)
 
 
-def _refill(r: UnixSocket, sender: socket.socket | None) -> None:
-    """Put r's receive queue back: sent by its peer, or (a datagram socket) to its name."""
-    if not r.queue:
-        return
+def _refill(r: UnixSocket, sender: socket.socket | None, fd_of, names: "_Names") -> None:
+    """Put r's receive queue back: sent by its peer, or (a datagram socket) to its name;
+    with the fds in flight beside each item (fd_of: desc -> ptckpt's fd)."""
+    fds = [[fd_of(d) for d in item] for item in r.queue_fds]
     if sender is None and r.type == socket.SOCK_DGRAM and r.name:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            for message in r.queue:
-                _call(f"refill the queue of {_show(r.name)}", s.sendto, message, socket.MSG_DONTWAIT,
-                      _addr(r.name))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, \
+                _in_directory(names._cwd(r.name, r.ino)):
+            _call(f"refill the queue of {_show(r.name)}", sockdiag.send_queue, s, list(r.queue),
+                  socket.SOCK_DGRAM, fds, _addr(r.name))
         return
     if sender is None:
         raise RestoreFailed(f"socket:[{r.ino}] has {len(r.queue)} queued messages and no end to "
                             f"send them from")
-    sockdiag.send_queue(sender, list(r.queue), r.type)
+    sockdiag.send_queue(sender, list(r.queue), r.type, fds)
 
 
 def _shutdown(s: socket.socket, how: int) -> None:
