@@ -395,7 +395,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     # fds claimed as external by a plugin are not this function's business
     fds = {p: [f for f in im.fds if not f.external] for p, im in images.items()}
     stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
-    flight = flight or sockets.InFlight()
+    flight = (flight or sockets.InFlight()).without(
+        {f.ino for im in images.values() for f in im.fds if f.external and f.kind is FdKind.SOCKET})
     sockets.refuse_in_flight(flight)
     held = {**fds, flight.holder: flight.fds} if flight.fds else fds
     objects: dict[str, list[tuple[int, Fd]]] = {}

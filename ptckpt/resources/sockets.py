@@ -99,6 +99,15 @@ class InFlight:
     def records(self) -> list[InFlightFd]:
         return [InFlightFd(f) for f in self.fds]
 
+    def without(self, external: set[int]) -> "InFlight":
+        """The fds in flight but those carried (maybe through other fds in flight) by the
+        sockets of inodes `external` (claimed by a plugin: not this dump's to take)."""
+        def root(n: int) -> Fd:
+            pid, carrier = self.carrier[n]
+            return root(carrier.fd) if pid == self.holder else carrier
+        kept = [f for f in self.fds if root(f.fd).ino not in external]
+        return dataclasses.replace(self, fds=kept) if len(kept) != len(self.fds) else self
+
 
 def peek_queues_frozen(fds: Mapping[int, Sequence[Fd]], root: int) -> InFlight:
     """Peek at the queue of every unix socket of the frozen tree (but the root's stdio),
