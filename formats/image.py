@@ -69,6 +69,7 @@ from ptckpt.formats.model import (
     Terminal,
     Thread,
     UnixSocket,
+    InFlightFd,
     Vma,
     Zombie,
 )
@@ -671,6 +672,7 @@ class ImageReader:
         self.terminals: tuple[Terminal, ...] = ()
         self.inet_sockets: tuple[InetSocket, ...] = ()
         self.netlink_sockets: tuple[NetlinkSocket, ...] = ()
+        self.in_flight: tuple[Fd, ...] = ()       # descriptions in flight in unix sockets
         self.plugin_data: tuple[PluginData, ...] = ()
         self.version = 0                          # format version of inventory.img
         self._processes: dict[int, ProcessImage] = {}
@@ -768,6 +770,7 @@ class ImageReader:
         self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
         self.inet_sockets = tuple(e for e in entries if isinstance(e, InetSocket))
         self.netlink_sockets = tuple(e for e in entries if isinstance(e, NetlinkSocket))
+        self.in_flight = tuple(e.fd for e in entries if isinstance(e, InFlightFd))
         self.plugin_data = tuple(e for e in entries if isinstance(e, PluginData))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")

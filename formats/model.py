@@ -394,6 +394,24 @@ class UnixSocket:
     queue: tuple[bytes, ...]  # its receive queue: one item per message (a stream: one item)
     listener: int = 0         # an accepted socket: inode of the listening socket it came from
     options: tuple[tuple[int, int, bytes], ...] = ()   # (level, optname, value) to set again (format 6)
+    pending: bool = False     # a connection in a listener's accept queue, not yet accepted (format 8):
+                              # ino is a number of ptckpt's, listener its listener, peer its client
+                              # end (0: closed), queue what the client sent it
+    deleted: bool = False     # its bound path names no longer its socket file (unlinked or replaced)
+    file_mode: int = 0        # st_mode of its socket file (0: none or unknown), and its owner
+    file_uid: int = 0
+    file_gid: int = 0
+    queue_fds: tuple[tuple[int, ...], ...] = ()   # per queue item, the descriptions (Fd.desc) it
+                                                  # carries in flight (SCM_RIGHTS); () when none
+
+
+@dataclass(frozen=True)
+class InFlightFd:
+    """A file description in flight in a unix socket's queue (SCM_RIGHTS), as the fd a
+    peek at dump installed in ptckpt showed it; fd.desc numbers it with the tree's fds
+    (format 8)."""
+
+    fd: Fd
 
 
 class InetMode(enum.IntEnum):

@@ -22,7 +22,7 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
+                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER*
@@ -102,6 +102,7 @@ from ptckpt.formats.model import (
     GhostFile,
     HeldLock,
     InetSocket,
+    InFlightFd,
     Itimer,
     NetlinkSocket,
     InetMode,
@@ -176,6 +177,7 @@ class EntryKind(enum.IntEnum):
     TERMINAL = 38
     INET_SOCKET = 39
     NETLINK_SOCKET = 40
+    IN_FLIGHT_FD = 49
     TASK = 10
     CREDS = 11
     MM = 12
@@ -579,7 +581,9 @@ class _OptionsAdapter(Adapter):
 # unix(7); sock_diag(7) NETLINK_SOCK_DIAG unix_diag_msg (include/uapi/linux/
 # unix_diag.h): udiag_ino, udiag_type, udiag_state, UNIX_DIAG_NAME, UNIX_DIAG_PEER,
 # UNIX_DIAG_RQLEN (listen backlog), UNIX_DIAG_SHUTDOWN; the receive queue read
-# with MSG_PEEK and SO_PEEK_OFF (socket(7)).
+# with MSG_PEEK and SO_PEEK_OFF (socket(7)); UNIX_DIAG_ICONS (pending connections,
+# read by accept(2) on a copy of the listener); UNIX_DIAG_VFS against stat(2) of the
+# bound path (deleted or replaced names; the socket file's mode and owner).
 UnixSocketRecord = Record(UnixSocket, Struct(
     "ino" / Int64ul,
     "type" / Int16ul,
@@ -592,6 +596,12 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "queue" / PrefixedArray(VarInt, Blob),
     "listener" / Int64ul,
     "options" / Since(6, _OptionsAdapter(_SOCKOPTS)),
+    "pending" / Since(8, Flag),
+    "deleted" / Since(8, Flag),
+    "file_mode" / Since(8, Int32ul),
+    "file_uid" / Since(8, Int32ul),
+    "file_gid" / Since(8, Int32ul),
+    "queue_fds" / Since(8, PrefixedArray(VarInt, PrefixedArray(VarInt, VarInt))),
 ))
 
 # --- POSIX_TIMER, ITIMER ----------------------------------------------------------
@@ -881,6 +891,14 @@ NetlinkSocketRecord = Record(NetlinkSocket, Struct(
 ))
 
 
+# --- IN_FLIGHT_FD ----------------------------------------------------------------
+# unix(7) SCM_RIGHTS: a file description queued in a socket, as MSG_PEEK installed it
+# in the dumper (net/unix/af_unix.c unix_peek_fds); the FD record's fields.
+InFlightFdRecord = Record(InFlightFd, Struct(
+    "fd" / FdRecord,
+))
+
+
 # --- the record table and entry framing --------------------------------------
 
 RECORDS: dict[EntryKind, Record] = {
@@ -904,6 +922,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.TERMINAL: TerminalRecord,
     EntryKind.INET_SOCKET: InetSocketRecord,
     EntryKind.NETLINK_SOCKET: NetlinkSocketRecord,
+    EntryKind.IN_FLIGHT_FD: InFlightFdRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -929,7 +948,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
                                    EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
-                                   EntryKind.NETLINK_SOCKET}),
+                                   EntryKind.NETLINK_SOCKET, EntryKind.IN_FLIGHT_FD}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -965,7 +984,8 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,
+                  RawEntry]
 
 
 def _kind_name(kind: int) -> str:

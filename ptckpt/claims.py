@@ -159,8 +159,8 @@ FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
     "SIGNALFD": {"sigmask": _restored("resources.anonfds")},
     "INOTIFY": {"inotify wd": _restored("resources.anonfds")},
     "EPOLL": {"tfd": _restored("resources.epoll")},
-    "SOCKET": {"scm_fds": _checked("resources.sockets (fds in flight in a unix socket)",
-                                   lambda v: f"{v} fds in flight (SCM_RIGHTS)" if v != "0" else None)},
+    "SOCKET": {"scm_fds": _restored("resources.sockets (fds in flight in a unix socket: dumped with "
+                                    "their files, passed again; kinds it cannot pass are refused there)")},
 }
 def fdinfo_keys(text: str) -> list[tuple[str, str]]:
     """(key, value) of each line: "pos:\t0", "inotify wd:1 ino:...", "tfd:  5 events: ..."."""

@@ -139,6 +139,7 @@ def dump(pid: int, directory: str | None = None, *,
     writer = ImageWriter(directory)
     writer.create()
     session = Session()
+    flight = sockets.InFlight()
     result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
     net = inet.InetDump(inet.Policy(established=tcp_established, close=tcp_close,
                                     leave_running=mode is DumpMode.LEAVE_RUNNING), result.directory)
@@ -182,11 +183,14 @@ def dump(pid: int, directory: str | None = None, *,
         log.info("capture what the tree shares")
         images = process.dump_sharing(images, pid)
         images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
-        numbered = files.number_descriptions({p: list(im.fds) for p, im in images.items()})
+        flight = sockets.peek_queues_frozen({p: im.fds for p, im in images.items()}, pid)
+        numbered = files.number_descriptions({**{p: list(im.fds) for p, im in images.items()},
+                                              flight.holder: flight.fds})
+        flight.fds = numbered.pop(flight.holder)
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
         if events:
             images = _plugins_frozen(events, session, images, view)
-        images, shared = capture_sharing_frozen(pid, images, net)
+        images, shared = capture_sharing_frozen(pid, images, net, flight)
         shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)
@@ -215,12 +219,14 @@ def dump(pid: int, directory: str | None = None, *,
         ), shared)
         writer.commit()
     except BaseException:
+        flight.close()
         writer.abort()
         with contextlib.suppress(PtckptError):   # the original error is the one to report
             net.abort()
         with contextlib.suppress(PtckptError):
             session.resume_all()
         raise
+    flight.close()
     log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
     if mode is DumpMode.LEAVE_RUNNING:
         for p, addr in blocks.items():           # the program learns it continues after a dump
@@ -367,7 +373,8 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
             order.append(member)
 
 
-def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet.InetDump | None = None):
+def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet.InetDump | None = None,
+                           flight: sockets.InFlight | None = None):
     """What the members of a frozen tree share (their fd descriptions numbered already):
     (the images, image-wide records of the pipes and sockets inside the tree).
 
@@ -380,12 +387,20 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     terminal or pipe, which a restore takes from ptckpt restore).  A FIFO held
     outside too is left to its name: the restore reopens it by path, and its
     bytes stay in the kernel as long as the outside end keeps it open.
+
+    `flight` (sockets.peek_queues_frozen) has the unix sockets' queues and the fds in
+    flight in them, numbered with the tree's: those files are dumped as if held by one
+    more process (ptckpt, which holds copies), and recorded as IN_FLIGHT_FD.
     """
     # fds claimed as external by a plugin are not this function's business
     fds = {p: [f for f in im.fds if not f.external] for p, im in images.items()}
     stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
+    flight = (flight or sockets.InFlight()).without(
+        {f.ino for im in images.values() for f in im.fds if f.external and f.kind is FdKind.SOCKET})
+    sockets.refuse_in_flight(flight)
+    held = {**fds, flight.holder: flight.fds} if flight.fds else fds
     objects: dict[str, list[tuple[int, Fd]]] = {}
-    for p, flist in fds.items():
+    for p, flist in held.items():
         for f in flist:
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
@@ -413,11 +428,14 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
             internal_pipes.append(holders[0][1].ino)
     if net is None:
         net = inet.InetDump(inet.Policy(), "")
-    return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
-                    + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
-                    + _fd_states(fds) + _terminals(root, fds[root])
-                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()},
-                                             {p: im.task for p, im in images.items()}))
+    out = (pipes.dump_pipes(held, internal_pipes) + net.capture_frozen(fds, stdio)
+           + netlink.dump_netlink_sockets(fds) + _fd_states(fds) + _terminals(root, fds[root])
+           + files.dump_ghost_files(held, {p: list(im.vmas) for p, im in images.items()},
+                                    {p: im.task for p, im in images.items()})
+           + flight.records())
+    # Last: reading a pending connection's data accepts it, which only a kill makes good.
+    return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
+                                                   flight=flight)
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:

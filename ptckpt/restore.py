@@ -535,6 +535,9 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
             if f.desc:
                 uses[f.desc] = uses.get(f.desc, 0) + 1
                 rep.setdefault(f.desc, f)
+    for f in image.in_flight:                 # held by no process, maybe: in flight in a socket
+        rep.setdefault(f.desc, f)
+    flying = {f.desc for f in image.in_flight}
     stdio = _root_stdio(root)
     pipe_inos = {b.ino for b in image.pipes}
     socket_inos = ({u.ino for u in image.unix_sockets} | {r.ino for r in image.inet_sockets}
@@ -553,7 +556,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
             out[d] = f
         elif files.ghost_key(f) in ghosts or d in states:
             out[d] = f
-        elif uses[d] > 1 and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
+        elif (uses.get(d, 0) > 1 or d in flying) and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f
     return out
 
@@ -584,10 +587,6 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             else:                                     # what the deleted mappings map
                 opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
         socket_inos = {u.ino for u in image.unix_sockets}
-        cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
-        opened.update(sockets.create_unix_sockets(
-            image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
-            cwd_of))
         inet_inos = {r.ino for r in image.inet_sockets}
         if inet_inos:
             net = net if net is not None else inet.InetRestore(image.inet_sockets)
@@ -605,7 +604,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                 if f.kind is FdKind.MEMFD:            # the same object for its mappings
                     made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         for d, f in plan.items():
-            if d in opened:
+            if d in opened or f.kind is FdKind.SOCKET and f.ino in socket_inos:
                 continue
             tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
             if tty is not None and "pty-master" not in opened:
@@ -618,6 +617,11 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                                         f"restore has no fd {f.fd} of its own to give it") from None
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
+        # Unix sockets last: their queues may carry any of the others in flight.
+        cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
+        opened.update(sockets.create_unix_sockets(
+            image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
+            cwd_of, {d: fd for d, fd in opened.items() if isinstance(d, int)}))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))

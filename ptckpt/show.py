@@ -155,6 +155,7 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "unix_sockets": [_socket_json(u, holders) for u in reader.unix_sockets],
             "inet_sockets": [_socket_json(r, holders) for r in reader.inet_sockets],
             "netlink_sockets": [_socket_json(r, holders) for r in reader.netlink_sockets],
+            "in_flight": [record_to_json(f) for f in reader.in_flight],
             "sysv": [dict(record_to_json(o), record=type(o).__name__) for o in reader.sysv],
             "ghost_files": [record_to_json(g) for g in reader.ghost_files],
             "saved_files": [record_to_json(f) for f in reader.saved_files],

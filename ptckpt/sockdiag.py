@@ -96,8 +96,11 @@ SO_PEEK_OFF (socket option 42 on x86_64, SOL_SOCKET):
   stays pending.  A consumed error is retried past once and reported in
   QueueSnapshot.pending_error: userspace cannot put it back.
 * File descriptors in flight (SCM_RIGHTS) are copied into the peeking
-  process (unix_peek_fds).  They are closed again at once and counted.  A
-  stream peek also stops after each skb that carries fds.
+  process (unix_peek_fds).  They are closed again at once and counted, or
+  kept for the caller (snapshot_queue(keep_fds=True)).  A stream peek stops
+  after each skb that carries fds; and it passes the fds of the next skb that
+  has any even when it copies no byte of it (a 1-byte peek of "ab" queued
+  before "cd"+fds passes the fds), so no peek tells where that skb begins.
 * SOCK_STREAM out-of-band data (MSG_OOB, CONFIG_AF_UNIX_OOB): an
   offset-based peek returns the urgent byte inline at its place, though a
   reader without SO_OOBINLINE never gets it inline.  Its presence is
@@ -133,7 +136,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ptckpt.errors import ExitCode, OSErrorTranslator, PtckptError
 
@@ -196,6 +199,7 @@ _NLMSGERR = struct.Struct("=i")             # struct nlmsgerr starts with int er
 _U32 = struct.Struct("=I")
 _TWO_U32 = struct.Struct("=II")
 _INT = struct.Struct("=i")
+_UCRED = struct.Struct("=iII")              # struct ucred: pid, uid, gid
 
 _NL_BUFSIZE = 1 << 16       # netlink dump skbs are at most 32 KiB
 _NL_TIMEOUT = 5.0           # seconds; a dump answers at once
@@ -292,6 +296,11 @@ class QueueSnapshot:
     oob: bytes | None                     # stream: pending urgent byte (shown inline in messages)
     peek_off: int                         # the socket's SO_PEEK_OFF, left as it was
     pending_error: int                    # errno of a socket error the peek consumed, 0: none
+    passed: tuple[tuple[int, ...], ...] = ()   # snapshot_queue(keep_fds=True): the fds in flight,
+                                               # installed in this process, per message
+    creds: tuple[tuple[int, int, int], ...] = ()   # (pid, uid, gid) queued messages carry, as
+                                                   # far as the walk saw them (SO_PASSCRED on)
+    passcred: bool = False                    # the socket's own SO_PASSCRED (its reader sees them)
 
     @property
     def nbytes(self) -> int:
@@ -480,6 +489,14 @@ class _Walk:
     senders: list[bytes | None]
     fds: int = 0
     pending_error: int = 0
+    keep: bool = False                      # keep the passed fds (else closed at once) ...
+    passed: list[tuple[int, ...]] = field(default_factory=list)    # ... per message
+    creds: list[tuple[int, int, int]] = field(default_factory=list)   # SCM_CREDENTIALS seen (pid != 0)
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _address(addr: object) -> bytes | None:
@@ -489,23 +506,27 @@ def _address(addr: object) -> bytes | None:
     return os.fsencode(addr) if isinstance(addr, str) else bytes(addr)
 
 
-def _close_passed_fds(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, bool]:
-    """Close the fds a peek installed in this process; (SCM_RIGHTS count, had creds)."""
-    count = 0
-    creds = False
+def _passed_fds(ancdata: list[tuple[int, int, bytes]],
+                keep: bool) -> tuple[tuple[int, ...], tuple[int, int, int] | None]:
+    """The fds a peek installed in this process (SCM_RIGHTS; closed at once unless `keep`,
+    a pidfd always), and the SCM_CREDENTIALS (pid, uid, gid) that came with them, if any."""
+    passed: list[int] = []
+    creds = None
     for level, ctype, data in ancdata:
         if level != socket.SOL_SOCKET:
             continue
         if ctype in (socket.SCM_RIGHTS, SCM_PIDFD):
             fds = array.array("i")
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-            for fd in fds:
-                os.close(fd)
             if ctype == socket.SCM_RIGHTS:
-                count += len(fds)
-        elif ctype == socket.SCM_CREDENTIALS:
-            creds = True
-    return count, creds
+                passed += fds
+            else:
+                _close_all(fds)
+        elif ctype == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            creds = _UCRED.unpack_from(data)
+    if not keep:
+        _close_all(passed)
+    return tuple(passed), creds
 
 
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
@@ -517,8 +538,9 @@ _SOCKET_ERRORS = frozenset({_errno.ECONNRESET, _errno.ECONNREFUSED, _errno.ECONN
 
 
 def _peek_once(s: socket.socket, buf: bytearray | memoryview, walk: _Walk,
-               flags: int) -> tuple[int, bool, object] | None:
-    """One MSG_PEEK: (length, had SCM_CREDENTIALS, sender) or None at EAGAIN.
+               flags: int) -> tuple[int, bool, object, tuple[int, ...]] | None:
+    """One MSG_PEEK: (length, had SCM_CREDENTIALS, sender, the fds it passed: kept ones
+    when walk.keep, else closed) or None at EAGAIN.
 
     A pending socket error returned instead of data is recorded in walk and
     the peek repeated once (reading it cleared it).
@@ -533,11 +555,17 @@ def _peek_once(s: socket.socket, buf: bytearray | memoryview, walk: _Walk,
                 raise
             walk.pending_error = err.errno
             continue
-        nfds, creds = _close_passed_fds(anc)
-        walk.fds += nfds
+        passed, creds = _passed_fds(anc, walk.keep)
+        if creds is not None and creds[0]:
+            walk.creds.append(creds)
+        walk.fds += len(passed)
         if msg_flags & socket.MSG_CTRUNC:
             walk.fds += 1       # ancillary data did not fit our buffer: assume fds
-        return nbytes, creds, addr
+            if walk.keep:
+                _close_all(passed)
+                raise SocketQueueError("peek of a socket receive queue",
+                                       "more fds in flight in one message than a peek can take")
+        return nbytes, creds, addr, passed
     return None
 
 
@@ -547,19 +575,31 @@ def _peek_stream(s: socket.socket, walk: _Walk) -> None:
     if total <= 0:
         return
     s.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
-    data = bytearray()
+    data = bytearray()                  # of the segment being read
+    seen = 0
     buf = bytearray(min(total, _STREAM_CHUNK))
-    while len(data) < total:
-        view = memoryview(buf)[: min(len(buf), total - len(data))]
+    while seen < total:
+        view = memoryview(buf)[: min(len(buf), total - seen)]
         got = _peek_once(s, view, walk, 0)
         if got is None or got[0] == 0:
             break
         data += view[: got[0]]
-    if len(data) != total:
+        seen += got[0]
+        if got[3] and walk.keep:
+            # A peek stops after the skb carrying fds: the segment ends there.  Where that
+            # skb begins no peek tells (one passes the fds of the next skb that has any,
+            # however few bytes it copies), so bytes queued without fds just before it
+            # join its segment.
+            walk.messages.append(bytes(data))
+            walk.passed.append(got[3])
+            data = bytearray()
+    if seen != total:
         raise SockDiagError("peek of a stream socket",
-                            f"the queue held {total} bytes but {len(data)} could be peeked "
+                            f"the queue held {total} bytes but {seen} could be peeked "
                             "(is the target stopped?)")
-    walk.messages.append(bytes(data))
+    if data or not walk.messages:
+        walk.messages.append(bytes(data))
+        walk.passed.append(())
 
 
 def _peek_datagram(s: socket.socket, stype: int, walk: _Walk) -> bool:
@@ -575,13 +615,17 @@ def _peek_datagram(s: socket.socket, stype: int, walk: _Walk) -> bool:
         got = _peek_once(s, buf, walk, socket.MSG_TRUNC)
         if got is None:
             return False
-        nbytes, creds, addr = got
+        nbytes, creds, addr, passed = got
         if stype == socket.SOCK_SEQPACKET and not creds:
             return False                # end of queue of a shut-down seqpacket socket
         if nbytes <= size:
             walk.messages.append(bytes(buf[:nbytes]))
             walk.senders.append(_address(addr))
+            walk.passed.append(passed)
             return True
+        if walk.keep:
+            _close_all(passed)          # the repeated peek passes them again
+        walk.fds -= len(passed)
         if offset >= 0:
             s.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, offset)
         size = nbytes
@@ -595,7 +639,7 @@ def _peek_datagrams(s: socket.socket, stype: int, walk: _Walk) -> None:
     the offset walk would skip it (see module doc).
     """
     s.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, -1)
-    head = _Walk([], [])
+    head = _Walk([], [], keep=walk.keep)
     if not _peek_datagram(s, stype, head):
         walk.pending_error = head.pending_error
         return
@@ -603,7 +647,11 @@ def _peek_datagrams(s: socket.socket, stype: int, walk: _Walk) -> None:
     if head.messages[0] == b"":
         walk.messages.append(b"")
         walk.senders.append(head.senders[0])
+        walk.passed.append(head.passed[0])
+        walk.creds += head.creds
         walk.fds += head.fds
+    elif walk.keep:
+        _close_all(head.passed[0])      # the walk passes them again
     s.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
     while _peek_datagram(s, stype, walk):
         pass
@@ -650,7 +698,7 @@ def _peek_seqpacket(s: socket.socket, walk: _Walk) -> None:
 
 
 @_wrap_oserror("peek of a socket receive queue")
-def snapshot_queue(sock: socket.socket | int) -> QueueSnapshot:
+def snapshot_queue(sock: socket.socket | int, keep_fds: bool = False) -> QueueSnapshot:
     """Read the whole receive queue of an AF_UNIX socket without consuming it.
 
     `sock` is typically a pidfd_getfd copy of a stopped target's fd.  The
@@ -658,25 +706,37 @@ def snapshot_queue(sock: socket.socket | int) -> QueueSnapshot:
     during the walk and put back in a finally.  What the queue gives to a
     later reader stays byte for byte the same; see the module doc for what
     the kernel lets a peek see (zero-length messages, pending errors, fds).
+
+    With `keep_fds`, the fds in flight that the peek installed in this process are kept:
+    snapshot.passed holds them, per message (a stream's messages are then its segments,
+    each ending where fds ride); the caller closes them.
     """
     with _borrowed(sock) as s:
         stype = _getint(s, socket.SO_TYPE)
-        walk = _Walk([], [])
+        passcred = bool(_getint(s, socket.SO_PASSCRED))
+        walk = _Walk([], [], keep=keep_fds)
         oob = None
-        with _saved_option(s, SO_PEEK_OFF) as peek_off:
-            if _listening(s, stype):
-                pass
-            elif stype == socket.SOCK_STREAM:
-                oob = _oob_byte(s)
-                _peek_stream(s, walk)
-            elif stype == socket.SOCK_SEQPACKET:
-                _peek_seqpacket(s, walk)
-            else:
-                _peek_datagrams(s, stype, walk)
+        try:
+            with _saved_option(s, SO_PEEK_OFF) as peek_off:
+                if _listening(s, stype):
+                    pass
+                elif stype == socket.SOCK_STREAM:
+                    oob = _oob_byte(s)
+                    _peek_stream(s, walk)
+                elif stype == socket.SOCK_SEQPACKET:
+                    _peek_seqpacket(s, walk)
+                else:
+                    _peek_datagrams(s, stype, walk)
+        except BaseException:
+            for passed in walk.passed:
+                _close_all(passed)
+            raise
         return QueueSnapshot(type=stype, messages=tuple(walk.messages),
                              senders=tuple(walk.senders) if stype != socket.SOCK_STREAM else (),
                              fds=walk.fds, oob=oob, peek_off=peek_off,
-                             pending_error=walk.pending_error)
+                             pending_error=walk.pending_error,
+                             passed=tuple(walk.passed) if keep_fds else (),
+                             creds=tuple(walk.creds), passcred=passcred)
 
 
 def peek_queue(sock: socket.socket | int) -> list[bytes]:
@@ -762,13 +822,25 @@ def _send_stream(s: socket.socket, data: bytes) -> None:
                 raise _full_error(done, len(data), socket.SOCK_STREAM, err) from err
 
 
-def _send_messages(s: socket.socket, stype: int, messages: Sequence[bytes]) -> None:
-    """Queue datagrams one send each, growing SO_SNDBUF on EAGAIN / EMSGSIZE."""
+def _rights(fds: Sequence[int]) -> list:
+    """The ancillary data passing `fds` (SCM_RIGHTS), or none."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+
+
+def _send_messages(s: socket.socket, stype: int, messages: Sequence[bytes],
+                   fds: Sequence[Sequence[int]] = (), address=None) -> None:
+    """Queue datagrams one send each (with the fds in flight beside each, and to `address`
+    when given), growing SO_SNDBUF on EAGAIN / EMSGSIZE.  A stream's segments go the same
+    way, a short send finished without the fds (they went with its first part)."""
     i = 0
     stuck = 0
     while i < len(messages):
         try:
-            s.send(messages[i], _SEND)
+            anc = _rights(fds[i] if i < len(fds) else ())
+            args = (_SEND, address) if address is not None else (_SEND,)
+            sent = s.sendmsg([messages[i]], anc, *args) if anc or address is not None else s.send(messages[i], _SEND)
+            if stype == socket.SOCK_STREAM and sent < len(messages[i]):
+                _send_stream(s, messages[i][sent:])
             i += 1
             stuck = 0
         except OSError as err:
@@ -782,7 +854,7 @@ def _send_messages(s: socket.socket, stype: int, messages: Sequence[bytes]) -> N
 
 @_wrap_oserror("refill of a socket queue")
 def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
-               type: int | None = None) -> None:
+               type: int | None = None, fds: Sequence[Sequence[int]] = (), address=None) -> None:
     """Send `messages` on a connected AF_UNIX socket so that they wait, with the
     same boundaries, in its PEER's receive queue (restore side).
 
@@ -793,6 +865,10 @@ def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
     grown (SO_SNDBUFFORCE as root) and the send retried; SO_SNDBUF is put
     back to its old value at the end.  Raises SocketQueueError when the
     peer cannot take everything (see module doc: max_dgram_qlen).
+
+    `fds`, parallel to `messages`: the fds to pass with each (SCM_RIGHTS; a stream
+    then sends its items one by one, so that each ends where its fds ride).  `address`:
+    send every message there (an unconnected datagram socket).
     """
     with _borrowed(sock) as s:
         stype = _getint(s, socket.SO_TYPE)
@@ -800,9 +876,9 @@ def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
             raise ValueError(f"socket type is {stype}, not {type}")
         original = _getint(s, socket.SO_SNDBUF)
         try:
-            if stype == socket.SOCK_STREAM:
+            if stype == socket.SOCK_STREAM and not any(fds):
                 _send_stream(s, b"".join(messages))
             else:
-                _send_messages(s, stype, messages)
+                _send_messages(s, stype, messages, fds, address)
         finally:
             _restore_sndbuf(s, original)

@@ -81,7 +81,7 @@ def test_every_fdinfo_line_of_the_kinds_a_restore_makes_is_claimed(spawn, tmp_pa
 
 
 @pytest.mark.parametrize("kind, text, words", [
-    ("SOCKET", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\nscm_fds: 2\n", "2 fds in flight"),
+    ("SOCKET", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\nscm_fds: 2\nscm_frob: 1\n", "'scm_frob: 1'"),
     ("EVENTFD", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\neventfd-count: 1\nfrob: 1\n", "'frob: 1'"),
     ("REGULAR", "pos:\t0\nflags:\t02\nmnt_id:\t8\nino:\t9\ntfd: 5 events: 1\n", "'tfd: 5 events: 1'"),
 ])

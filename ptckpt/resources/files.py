@@ -144,40 +144,44 @@ def _mount_fstypes(pid: int) -> dict[int, str]:
 def dump_fds(pid: int) -> list[Fd]:
     """Every open fd of `pid` (works on a running or a frozen process)."""
     fstypes = _mount_fstypes(pid)
-    out: list[Fd] = []
-    for fd in procfs.list_fds(pid):
-        try:
-            link = procfs.readlink_fd(pid, fd)
-            info = procfs.read_fdinfo(pid, fd)
-        except procfs.FdGone:
-            continue
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            st = None
-        kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
-        if kind is FdKind.REGULAR and info.mnt_id not in fstypes and is_mqueue(pid, fd):
-            kind = FdKind.MQUEUE          # mq_open()'s internal mount is in no mountinfo
-        details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
-        if kind is FdKind.SOCKET:
-            details.extend(_socket_details(pid, fd))
-        out.append(Fd(
-            fd=fd,
-            kind=kind,
-            path=link,
-            flags=info.flags,
-            pos=info.pos,
-            cloexec=bool(info.flags & O_CLOEXEC),
-            mnt_id=info.mnt_id,
-            dev=st.st_dev if st else 0,
-            ino=st.st_ino if st else info.ino,
-            mode=st.st_mode if st else 0,
-            rdev=st.st_rdev if st else 0,
-            size=st.st_size if st else 0,
-            mtime_ns=st.st_mtime_ns if st else 0,
-            details=tuple(details),
-        ))
-    return out
+    return [f for f in (dump_fd(pid, fd, fstypes) for fd in procfs.list_fds(pid)) if f is not None]
+
+
+def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None) -> Fd | None:
+    """One open fd of `pid` (None: it was closed meanwhile)."""
+    if fstypes is None:
+        fstypes = _mount_fstypes(pid)
+    try:
+        link = procfs.readlink_fd(pid, fd)
+        info = procfs.read_fdinfo(pid, fd)
+    except procfs.FdGone:
+        return None
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        st = None
+    kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
+    if kind is FdKind.REGULAR and info.mnt_id not in fstypes and is_mqueue(pid, fd):
+        kind = FdKind.MQUEUE          # mq_open()'s internal mount is in no mountinfo
+    details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
+    if kind is FdKind.SOCKET:
+        details.extend(_socket_details(pid, fd))
+    return Fd(
+        fd=fd,
+        kind=kind,
+        path=link,
+        flags=info.flags,
+        pos=info.pos,
+        cloexec=bool(info.flags & O_CLOEXEC),
+        mnt_id=info.mnt_id,
+        dev=st.st_dev if st else 0,
+        ino=st.st_ino if st else info.ino,
+        mode=st.st_mode if st else 0,
+        rdev=st.st_rdev if st else 0,
+        size=st.st_size if st else 0,
+        mtime_ns=st.st_mtime_ns if st else 0,
+        details=tuple(details),
+    )
 
 
 def number_descriptions(fds: dict[int, list[Fd]]) -> dict[int, list[Fd]]:

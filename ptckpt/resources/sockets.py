@@ -2,26 +2,50 @@
 
 Dump half: :func:`dump_unix_sockets` reads each AF_UNIX socket of the tree
 through sock_diag (:mod:`ptckpt.sockdiag`: type, state, bound name, peer,
-backlog, shutdown) and copies its receive queue without consuming it (MSG_PEEK
-with SO_PEEK_OFF on a pidfd_getfd copy).  A socket whose peer lives outside the
-tree, or that an outside socket is connected to, is refused naming both ends;
-so is a listener with connections not yet accepted.
+backlog, shutdown, pending connections) and copies its receive queue without
+consuming it (MSG_PEEK with SO_PEEK_OFF on a pidfd_getfd copy).  A socket whose
+peer lives outside the tree, or that an outside socket is connected to (or waits
+to be accepted by), is refused naming both ends.  A bound path is compared with
+the socket's file (UNIX_DIAG_VFS): the file's mode and owner are kept, or the
+name is marked deleted when the path was unlinked or names another file now.
+
+Connections waiting in a listener's accept queue become pending records, in queue
+order.  What their clients sent waits in the server ends, which no fd reaches: when
+a client sent something or closed, the dump accepts them all on its copy of the
+listener to peek at it (the dump's last step; a leave-running dump is refused then,
+since an accepted connection cannot be put back).
 
 Restore half: :func:`create_unix_sockets` makes them again in ptckpt, before
 any stub exists: listeners bound and listening; a connected pair with no
 names as a socketpair; an accepted connection by connecting a fresh client to
 the listener of its name (a stand-in listener when the original was closed)
-and accepting it, so both ends keep their names; datagram sockets bound and
-connected by name.  Then every queue is refilled from the other end (or sent
-to the socket's name), and shutdowns are applied.  The stubs inherit the
-sockets and dup3() them into place (restore.build_handoff).
+and accepting it, so both ends keep their names; then the pending connections,
+their clients (a stand-in, closed again, for one that had closed) connecting
+and sending what they had sent; datagram sockets bound and connected by name.
+Then every queue is refilled from the other end (or sent to the socket's name),
+and shutdowns are applied.  A deleted name is bound at its path (what is there
+now moved aside meanwhile) and unlinked once every connection by name is made.
+The stubs inherit the sockets and dup3() them into place (restore.build_handoff).
+
+Fds in flight (SCM_RIGHTS): :func:`peek_queues_frozen` peeks at every queue once,
+before the tree's fds are numbered, keeping the fds the peeks pass (copies in ptckpt;
+the queue is left as it was, so a leave-running dump is exact).  Those files are
+numbered and dumped with the tree's as if ptckpt held them (pipes with their bytes,
+unix sockets with their own queues, files by path and offset, deleted files), and
+recorded as IN_FLIGHT_FD; each queue item names the descriptions it carries
+(UnixSocket.queue_fds).  The restore opens them with the tree's and sends each item
+with its fds again.  Other kinds in flight (epoll, eventfd, inet sockets ...) are
+refused by name.  In a stream, a peek cannot tell where the skb that carries fds
+begins: bytes queued without fds just before it come back in one piece with it (a
+reader then gets the fds with its first read of those bytes).
 
 Socket options (SO_PASSCRED, SO_PASSSEC, buffer sizes ...: :mod:`.sockopts`) are set
-again once the connections are made.
+again once the connections are made and the queues refilled.  Queued messages that
+carry their sender's credentials (SCM_CREDENTIALS) for a reader with SO_PASSCRED on
+are refused: a restore would queue them with ptckpt's, or none.
 
-Not kept: the sender address of each queued datagram, fds in flight
-(refused by sock_diag.peek), the owner and mode of a bound socket file (ptckpt
-binds it again).
+Not kept: the sender address of each queued datagram; the credentials of messages
+queued for a reader without SO_PASSCRED (it would see them if it turned it on).
 """
 
 from __future__ import annotations
@@ -30,16 +54,17 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import select
 import socket
 import stat as _stat
 from collections.abc import Mapping, Sequence
 
 from .. import procfs, sockdiag
 from ..errors import RestoreFailed, SharedOutside, UnsupportedResource
-from ..formats.model import Fd, UnixSocket
+from ..formats.model import Fd, FdKind, InFlightFd, UnixSocket
 from ..tracee import pidfd_getfd
 from . import sockopts
-from .files import is_unix
+from .files import dump_fd, is_unix
 
 TCP_ESTABLISHED, TCP_CLOSE, TCP_LISTEN = 1, 7, 10
 RCV_SHUTDOWN, SEND_SHUTDOWN = 1, 2
@@ -48,9 +73,95 @@ O_ACCMODE = 0o3
 
 # --- dump half -----------------------------------------------------------------
 
-def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[UnixSocket]:
+IN_FLIGHT_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.PIPE,
+                             FdKind.FIFO})      # and unix sockets
+
+
+@dataclasses.dataclass
+class InFlight:
+    """What the tree's unix sockets hold queued, peeked once while it is frozen, with the
+    fds in flight (SCM_RIGHTS) that the peeks installed in ptckpt (this process, `holder`):
+    `fds` describes them as ptckpt's own fds, to be numbered with the tree's."""
+
+    queues: dict[int, sockdiag.QueueSnapshot] = dataclasses.field(default_factory=dict)
+    fds: list[Fd] = dataclasses.field(default_factory=list)
+    carrier: dict[int, tuple[int, Fd]] = dataclasses.field(default_factory=dict)  # fd -> socket
+    holder: int = dataclasses.field(default_factory=os.getpid)
+
+    def close(self) -> None:
+        for snap in self.queues.values():
+            for passed in snap.passed:
+                for fd in passed:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        self.queues.clear()
+
+    def records(self) -> list[InFlightFd]:
+        return [InFlightFd(f) for f in self.fds]
+
+    def without(self, external: set[int]) -> "InFlight":
+        """The fds in flight but those carried (maybe through other fds in flight) by the
+        sockets of inodes `external` (claimed by a plugin: not this dump's to take)."""
+        def root(n: int) -> Fd:
+            pid, carrier = self.carrier[n]
+            return root(carrier.fd) if pid == self.holder else carrier
+        kept = [f for f in self.fds if root(f.fd).ino not in external]
+        return dataclasses.replace(self, fds=kept) if len(kept) != len(self.fds) else self
+
+
+def peek_queues_frozen(fds: Mapping[int, Sequence[Fd]], root: int) -> InFlight:
+    """Peek at the queue of every unix socket of the frozen tree (but the root's stdio),
+    keeping the fds in flight; those that are unix sockets are peeked at too."""
+    out = InFlight()
+    todo = [(pid, f) for pid, flist in fds.items() for f in flist
+            if is_unix(f) and not (pid == root and f.fd <= 2)]
+    try:
+        while todo:
+            pid, f = todo.pop(0)
+            if f.ino in out.queues:
+                continue
+            copy = pidfd_getfd(pid, f.fd) if pid != out.holder else os.dup(f.fd)
+            try:
+                snap = out.queues[f.ino] = sockdiag.snapshot_queue(copy, keep_fds=True)
+            finally:
+                os.close(copy)
+            for n in (n for passed in snap.passed for n in passed):
+                g = dump_fd(out.holder, n)
+                out.fds.append(g)
+                out.carrier[n] = (pid, f)
+                if is_unix(g):
+                    todo.append((out.holder, g))
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def refuse_in_flight(flight: InFlight) -> None:
+    """An fd in flight of a kind a restore cannot pass again is refused, naming the socket
+    that carries it (and, for one carried by an fd in flight itself, the first socket)."""
+    for f in flight.fds:
+        if f.kind in IN_FLIGHT_KINDS or is_unix(f):
+            continue
+        pid, carrier = flight.carrier[f.fd]
+        while pid == flight.holder:
+            pid, carrier = flight.carrier[carrier.fd]
+        raise UnsupportedResource(pid, f"{_kind_name(f)} {f.path} in flight (SCM_RIGHTS) in fd "
+                                       f"{carrier.fd} ({carrier.path})")
+
+
+def _kind_name(f: Fd) -> str:
+    if f.kind is FdKind.SOCKET:
+        return f"a {dict(f.details).get('family', 'socket')} socket"
+    return f.kind.name.lower()
+
+
+def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
+                      leave_running: bool = False, flight: InFlight | None = None) -> list[UnixSocket]:
     """A UnixSocket for every AF_UNIX socket the tree holds (descriptions in `skip` are the
-    root's stdio, which a restore takes from ptckpt restore instead)."""
+    root's stdio, which a restore takes from ptckpt restore instead), and a pending one for
+    each connection waiting in the accept queue of one of its listeners.  `flight` holds
+    the queues peeked already (peek_queues_frozen), and the numbered fds in flight."""
     holders: dict[int, tuple[int, Fd]] = {}
     for pid, flist in fds.items():
         for f in flist:
@@ -62,40 +173,123 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[U
     members = set(fds)
     _refuse_outside(holders, diag, members)
     names = {d.name: d.ino for d in diag.values() if d.listening and d.name}
-    out = []
+    flight = flight or InFlight()
+    desc_of = {f.fd: f.desc for f in flight.fds}
+    out: list[UnixSocket] = []
+    embryo_of: dict[int, int] = {}                # pending client inode -> its embryo's number
+    for ino, (pid, f) in holders.items():
+        d = diag.get(ino)
+        if d is not None and d.listening and d.icons:
+            pending = _take_pending(pid, f, d, holders, diag, leave_running, PENDING_BASE + len(out))
+            embryo_of.update({e.peer: e.ino for e in pending if e.peer})
+            out += pending
     for ino, (pid, f) in holders.items():
         d = diag.get(ino)
         if d is None:
             raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}): a unix socket sock_diag does not list")
-        if d.listening and d.icons:
-            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, listening on {_show(d.name)}) with "
-                                           f"{len(d.icons)} connections not yet accepted")
         peer = diag.get(d.peer)
+        queue, passed = _queue(pid, f, flight)
         out.append(UnixSocket(
             ino=ino, type=d.type, state=d.state, name=d.name or b"",
-            peer=d.peer if d.peer in holders else 0,
+            peer=d.peer if d.peer in holders else embryo_of.get(ino, 0),
             peer_name=(peer.name or b"") if peer else b"",
             backlog=d.wqueue if d.listening else 0,
             shutdown=d.shutdown,
-            queue=() if d.listening else tuple(_peek(pid, f)),
+            queue=() if d.listening else queue,
             listener=names.get(d.name, 0) if d.name and not d.listening and d.peer else 0,
             options=_options(pid, f),
+            queue_fds=tuple(tuple(desc_of[n] for n in p) for p in passed) if any(passed) else (),
+            **_socket_file(pid, d),
         ))
     return out
 
 
+PENDING_BASE = 1 << 62          # numbers of pending connections (their server end has no inode)
+
+
+def _take_pending(pid: int, f: Fd, d, holders: Mapping, diag: Mapping, leave_running: bool,
+                  first: int) -> list[UnixSocket]:
+    """The connections waiting in listener `d`'s accept queue, in queue order (PENDING
+    records).  What a client sent waits in the server end, which no fd reaches: when a
+    client sent something (its SIOCOUTQ counts it) or has closed (it may have), the
+    queue is read by accepting every connection on ptckpt's copy of the listener, which a
+    leave-running dump cannot undo (refused)."""
+    clients = [diag.get(c) if c else None for c in d.icons]
+    queues: list[tuple[bytes, ...]] = [()] * len(clients)
+    if any(c is None or c.wqueue for c in clients):
+        if leave_running:
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, listening on {_show(d.name)}) has "
+                                           f"{len(clients)} connections not yet accepted whose clients "
+                                           f"sent data or closed: a leave-running dump cannot read them "
+                                           f"without accepting them (dump with --kill)")
+        queues = _accept_all(pid, f, len(clients))
+    return [UnixSocket(ino=first + n, type=d.type, state=TCP_ESTABLISHED, name=d.name or b"",
+                       peer=c.ino if c is not None and c.ino in holders else 0,
+                       peer_name=(c.name or b"") if c is not None else b"", backlog=0, shutdown=0,
+                       queue=q, listener=d.ino, pending=True)
+            for n, (c, q) in enumerate(zip(clients, queues))]
+
+
+def _accept_all(pid: int, f: Fd, count: int) -> list[tuple[bytes, ...]]:
+    """Accept `count` connections on a copy of the listener (frozen target: they are all
+    queued) and peek what each holds; the accepted sockets are closed again."""
+    copy = pidfd_getfd(pid, f.fd)
+    out = []
+    try:
+        with socket.socket(fileno=os.dup(copy)) as listener:
+            for _ in range(count):
+                ready = select.select([listener], [], [], 0)[0]
+                if not ready:
+                    raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}): a pending connection "
+                                                   f"went away while the tree was frozen")
+                child, _addr = listener.accept()
+                with child:
+                    snap = sockdiag.snapshot_queue(child)     # it inherits the listener's SO_PASSCRED
+                    _refuse_credentials(pid, f, snap)
+                    out.append(tuple(sockdiag.peek_queue(child)))
+    finally:
+        os.close(copy)
+    return out
+
+
+def _socket_file(pid: int, d) -> dict:
+    """A bound path's socket file: its mode and owner, or deleted=True when the path names
+    another file now, or none (unlinked)."""
+    if not d.path:
+        return {}
+    path = d.path if d.path.startswith(b"/") else os.path.join(f"/proc/{pid}/cwd".encode(), d.path)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return {"deleted": True}
+    if (st.st_dev, st.st_ino) != (d.vfs_dev, d.vfs_ino):
+        return {"deleted": True}
+    return {"file_mode": st.st_mode, "file_uid": st.st_uid, "file_gid": st.st_gid}
+
+
 def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set[int]) -> None:
-    """A connection that leaves the tree, in either direction, cannot be rebuilt from it."""
+    """A connection that leaves the tree, in either direction, cannot be rebuilt from it;
+    nor can one waiting to be accepted by a listener on the other side."""
     for ino, (pid, f) in holders.items():
         d = diag.get(ino)
         if d is not None and d.peer and d.peer not in holders:
             raise SharedOutside(pid, f.fd, f.path, f"its peer socket:[{d.peer}]"
                                 f"{_named(diag.get(d.peer))} is {_holder(d.peer, members)}")
+        for c in d.icons if d is not None and d.listening else ():
+            if c and c not in holders:
+                raise SharedOutside(pid, f.fd, f.path, f"socket:[{c}]{_named(diag.get(c))} waits to be "
+                                    f"accepted by it (pending connection) and is {_holder(c, members)}")
     for d in diag.values():
         if d.peer in holders and d.ino not in holders:
             pid, f = holders[d.peer]
             raise SharedOutside(pid, f.fd, f.path, f"socket:[{d.ino}]{_named(d)} is connected to it "
                                 f"from {_holder(d.ino, members)}")
+        if d.listening and d.ino not in holders:
+            for c in d.icons:
+                if c in holders:
+                    pid, f = holders[c]
+                    raise SharedOutside(pid, f.fd, f.path, f"it waits to be accepted by socket:[{d.ino}]"
+                                        f"{_named(d)}, {_holder(d.ino, members)}")
 
 
 def _holder(ino: int, members: set[int]) -> str:
@@ -122,60 +316,94 @@ def _options(pid: int, f: Fd) -> tuple:
         return sockopts.read_options(sock)
 
 
-def _peek(pid: int, f: Fd) -> list[bytes]:
-    copy = pidfd_getfd(pid, f.fd)
-    try:
-        return sockdiag.peek_queue(copy)
-    finally:
-        os.close(copy)
+def _queue(pid: int, f: Fd, flight: InFlight) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
+    """The receive queue of a socket, and the fds in flight with each item: from the peek
+    of peek_queues_frozen, else peeked now (refused if fds ride in it)."""
+    snap = flight.queues.get(f.ino)
+    if snap is None:
+        copy = pidfd_getfd(pid, f.fd)
+        try:
+            return tuple(sockdiag.peek_queue(copy)), ()
+        finally:
+            os.close(copy)
+    if snap.oob is not None:
+        raise sockdiag.SocketQueueError("peek of a socket receive queue",
+                                        "an out-of-band (MSG_OOB) byte is pending; not supported")
+    _refuse_credentials(pid, f, snap)
+    return snap.messages, snap.passed
+
+
+def _refuse_credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot) -> None:
+    """Queued messages whose sender's credentials their reader gets (SO_PASSCRED on):
+    a restore would queue them with ptckpt's, or none, so they are refused."""
+    if snap.passcred and snap.creds:
+        cpid, uid, gid = snap.creds[0]
+        raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with {len(snap.creds)} "
+                                       f"queued messages carrying their sender's credentials "
+                                       f"(SCM_CREDENTIALS pid {cpid} uid {uid} gid {gid}), which a "
+                                       f"restore cannot queue again; let it read them first")
 
 
 # --- restore half --------------------------------------------------------------
 
 def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
-                        cwd_of: Mapping[int, str] | None = None) -> dict[int, int]:
+                        cwd_of: Mapping[int, str] | None = None,
+                        passing: Mapping[int, int] | None = None) -> dict[int, int]:
     """Make the image's unix sockets in ptckpt: {desc: fd}, one fd per description in `descs`
     (their Fd.ino names the socket).  `cwd_of` maps a socket inode to the directory a
-    relative name was bound in.  The caller owns the fds."""
+    relative name was bound in.  `passing` has ptckpt's fd of every other description
+    ({desc: fd}) a queue may carry in flight.  The caller owns the fds."""
     by_ino = {r.ino: r for r in records}
     cwd_of = cwd_of or {}
     made: dict[int, socket.socket] = {}
     temps: list[socket.socket] = []
     refilled: set[int] = set()
+    senders: dict[int, socket.socket] = {}        # a socket whose peer had closed: its stand-in
+
+    def fd_of(desc: int) -> int:
+        if passing and desc in passing:
+            return passing[desc]
+        if desc in descs and descs[desc].ino in made:
+            return made[descs[desc].ino].fileno()
+        raise RestoreFailed(f"unix socket: a description in flight (desc {desc}) was not made")
+    names = _Names(cwd_of)
     try:
         listeners: dict[bytes, socket.socket] = {}
+        for r in sorted((r for r in records if r.state == TCP_LISTEN), key=lambda r: r.deleted):
+            made[r.ino] = _new(r, names)
+            made[r.ino].listen(max(r.backlog, 1))
+            listeners[r.name] = made[r.ino]
+        waiting = {r.peer for r in records if r.pending}      # clients not yet accepted
         for r in records:
-            if r.state == TCP_LISTEN:
-                made[r.ino] = _new(r, cwd_of.get(r.ino))
-                made[r.ino].listen(max(r.backlog, 1))
-                listeners[r.name] = made[r.ino]
-        for r in records:
-            if r.ino in made:
+            if r.ino in made or r.pending or r.ino in waiting:
                 continue
             peer = by_ino.get(r.peer)
             if peer is not None and peer.peer == r.ino and not (r.name or peer.name):
                 made[r.ino], made[peer.ino] = socket.socketpair(socket.AF_UNIX, r.type)
             elif r.type == socket.SOCK_DGRAM or r.state != TCP_ESTABLISHED:
-                made[r.ino] = _new(r, cwd_of.get(r.ino))
+                made[r.ino] = _new(r, names)
             elif peer is not None:
-                made.update(_accepted_pair(r, peer, listeners, temps, cwd_of))
+                made.update(_accepted_pair(r, peer, listeners, temps, names))
             else:
                 # Its peer was closed: a pair whose other end goes away again after the refill.
                 made[r.ino], other = socket.socketpair(socket.AF_UNIX, r.type)
                 temps.append(other)
-                _refill(r, other)
-                refilled.add(r.ino)
+                senders[r.ino] = other
+        for e in (r for r in records if r.pending):  # accept queues, in queue order
+            _queue_connection(e, by_ino.get(e.peer), made, names, temps)
+            refilled.add(e.ino)
         for r in records:                            # datagram connections, by name
             if r.type == socket.SOCK_DGRAM and r.peer and r.peer_name:
                 _call(f"connect to {_show(r.peer_name)}", made[r.ino].connect, _addr(r.peer_name))
         for r in records:
-            if r.ino not in refilled:
+            if r.ino not in refilled and r.queue:
                 peer = by_ino.get(r.peer)
                 mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
-                _refill(r, made[r.peer] if mutual else None)
+                _refill(r, senders.get(r.ino) or (made[r.peer] if mutual else None), fd_of, names)
         for r in records:
-            _shutdown(made[r.ino], r.shutdown)
-            _call("set its options", sockopts.apply_options, made[r.ino], r.options)
+            if r.ino in made:
+                _shutdown(made[r.ino], r.shutdown)
+                _call("set its options", sockopts.apply_options, made[r.ino], r.options)
         out: dict[int, int] = {}
         for d, f in descs.items():
             s = made.get(f.ino)
@@ -184,24 +412,46 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
                 fcntl.fcntl(out[d], fcntl.F_SETFL, f.flags & ~O_ACCMODE)
         return out
     finally:
-        for s in list(made.values()) + temps:
+        for s in temps:                              # stand-ins and closed clients go first
+            s.close()
+        names.unlink_deleted()
+        for s in made.values():
             s.close()
 
 
+def _queue_connection(e: UnixSocket, client: UnixSocket | None, made: dict, names: "_Names",
+                      temps: list) -> None:
+    """A connection waiting in the accept queue of listener e.listener: its client end
+    connects (a stand-in, closed again, when the client had closed) and sends what the
+    client had sent, so that accept() returns it with that data."""
+    listener = made.get(e.listener)
+    if listener is None:
+        raise RestoreFailed(f"unix socket: a pending connection of socket:[{e.listener}], which the "
+                            f"image does not hold")
+    if client is not None:
+        c = made[client.ino] = _new(client, names)
+    else:
+        c = socket.socket(socket.AF_UNIX, e.type)
+        temps.append(c)
+    names.connect(c, e.name, e.listener, "(a connection not yet accepted)")
+    if e.queue:
+        sockdiag.send_queue(c, list(e.queue), e.type)
+
+
 def _accepted_pair(a: UnixSocket, b: UnixSocket, listeners: dict, temps: list,
-                   cwd_of: Mapping[int, str]) -> dict[int, socket.socket]:
+                   names: "_Names") -> dict[int, socket.socket]:
     """Both ends of a connection made through a listener: the accepted end carries the
     listener's name.  A client connects to a listener of that name (the image's own, or a
     stand-in when it was closed) and the listener accepts: both ends keep their names."""
     server, client = (a, b) if a.listener or (a.name and not b.listener and not b.name) else (b, a)
     listener = listeners.get(server.name)
     if listener is None:
-        listener = _new(dataclasses.replace(server, state=TCP_LISTEN), cwd_of.get(server.ino))
+        listener = _new(dataclasses.replace(server, state=TCP_LISTEN), names)
         listener.listen(1)
         temps.append(listener)
-    c = _new(client, cwd_of.get(client.ino))
+    c = _new(client, names)
     try:
-        _call(f"connect to {_show(server.name)}", c.connect, _addr(server.name))
+        names.connect(c, server.name, server.ino)
         s, _ = listener.accept()
     except BaseException:
         c.close()
@@ -209,32 +459,87 @@ def _accepted_pair(a: UnixSocket, b: UnixSocket, listeners: dict, temps: list,
     return {client.ino: c, server.ino: s}
 
 
-def _new(r: UnixSocket, cwd: str | None) -> socket.socket:
+def _new(r: UnixSocket, names: "_Names") -> socket.socket:
     s = socket.socket(socket.AF_UNIX, r.type)
     if r.name:
         try:
-            _bind(s, r.name, cwd)
+            names.bind(s, r)
         except BaseException:
             s.close()
             raise
     return s
 
 
-def _bind(s: socket.socket, name: bytes, cwd: str | None) -> None:
-    """Bind to the image's name.  A path still holding the dead original's socket file is
-    unlinked first (one a live socket is bound to is refused); a relative name is bound
-    from the directory it was bound in."""
-    with _in_directory(cwd if _is_path(name) and not name.startswith(b"/") else None):
-        if _is_path(name):
+class _Names:
+    """Binds the image's socket names, and takes the deleted ones away again.
+
+    A relative name is bound (and connected to) from the directory it was bound in
+    (`cwd_of`: socket inode -> directory).  A name whose file had been unlinked or
+    replaced before the dump is bound at its path all the same, so that getsockname()
+    gives it back, whatever holds that path now being moved aside for the while; once
+    every connection by name is made, :meth:`unlink_deleted` removes those files and
+    puts back what was there, the last bound first."""
+
+    def __init__(self, cwd_of: Mapping[int, str]):
+        self.cwd_of = cwd_of
+        self.deleted: list[tuple[str, str | None]] = []    # (absolute path, where its occupant waits)
+
+    def _cwd(self, name: bytes, ino: int) -> str | None:
+        return self.cwd_of.get(ino) if _is_path(name) and not name.startswith(b"/") else None
+
+    def connect(self, s: socket.socket, name: bytes, ino: int, why: str = "") -> None:
+        with _in_directory(self._cwd(name, ino)):
+            _call(f"connect to {_show(name)}{' ' + why if why else ''}", s.connect, _addr(name))
+
+    def bind(self, s: socket.socket, r: UnixSocket) -> None:
+        with _in_directory(self._cwd(r.name, r.ino)):
+            if not _is_path(r.name):
+                _call(f"bind to {_show(r.name)}", s.bind, _addr(r.name))
+            elif r.deleted:
+                self._bind_deleted(s, r.name)
+            else:
+                _bind(s, r.name)
+                if r.file_mode:
+                    _call(f"set the mode of {_show(r.name)}", os.chmod, r.name, r.file_mode & 0o7777)
+                    with contextlib.suppress(OSError):
+                        os.chown(r.name, r.file_uid, r.file_gid)
+
+    def _bind_deleted(self, s: socket.socket, name: bytes) -> None:
+        path = os.path.abspath(os.fsdecode(name))
+        aside = None
+        if os.path.lexists(path):
+            aside = os.path.join(os.path.dirname(path), f".ptckpt-aside-{os.getpid()}-{len(self.deleted)}")
+            _call(f"move {path} aside to bind the deleted name {_show(name)}", os.rename, path, aside)
+        try:
+            _call(f"bind to the deleted name {_show(name)}", s.bind, _addr(name))
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, path)
+            raise
+        self.deleted.append((path, aside))
+
+    def unlink_deleted(self) -> None:
+        while self.deleted:
+            path, aside = self.deleted.pop()
             with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(name)
-                if _stat.S_ISSOCK(st.st_mode):
-                    if any(d.vfs_ino == st.st_ino and d.vfs_dev == st.st_dev
-                           for d in sockdiag.unix_sockets().values()):
-                        raise RestoreFailed(f"unix socket: {_show(name)} is bound by a live socket "
-                                            f"(is the original still running?)")
-                    os.unlink(name)           # the dead original's socket file
-        _call(f"bind to {_show(name)}", s.bind, _addr(name))
+                os.unlink(path)
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    os.rename(aside, path)
+
+
+def _bind(s: socket.socket, name: bytes) -> None:
+    """Bind to the image's name.  A path still holding the dead original's socket file is
+    unlinked first (one a live socket is bound to is refused)."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(name)
+        if _stat.S_ISSOCK(st.st_mode):
+            if any(d.vfs_ino == st.st_ino and d.vfs_dev == st.st_dev
+                   for d in sockdiag.unix_sockets().values()):
+                raise RestoreFailed(f"unix socket: {_show(name)} is bound by a live socket "
+                                    f"(is the original still running?)")
+            os.unlink(name)           # the dead original's socket file
+    _call(f"bind to {_show(name)}", s.bind, _addr(name))
 
 
 @contextlib.contextmanager
@@ -258,20 +563,20 @@ def _addr(name: bytes):
     return name if name[:1] == b"\0" else os.fsdecode(name)
 
 
-def _refill(r: UnixSocket, sender: socket.socket | None) -> None:
-    """Put r's receive queue back: sent by its peer, or (a datagram socket) to its name."""
-    if not r.queue:
-        return
+def _refill(r: UnixSocket, sender: socket.socket | None, fd_of, names: "_Names") -> None:
+    """Put r's receive queue back: sent by its peer, or (a datagram socket) to its name;
+    with the fds in flight beside each item (fd_of: desc -> ptckpt's fd)."""
+    fds = [[fd_of(d) for d in item] for item in r.queue_fds]
     if sender is None and r.type == socket.SOCK_DGRAM and r.name:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            for message in r.queue:
-                _call(f"refill the queue of {_show(r.name)}", s.sendto, message, socket.MSG_DONTWAIT,
-                      _addr(r.name))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, \
+                _in_directory(names._cwd(r.name, r.ino)):
+            _call(f"refill the queue of {_show(r.name)}", sockdiag.send_queue, s, list(r.queue),
+                  socket.SOCK_DGRAM, fds, _addr(r.name))
         return
     if sender is None:
         raise RestoreFailed(f"socket:[{r.ino}] has {len(r.queue)} queued messages and no end to "
                             f"send them from")
-    sockdiag.send_queue(sender, list(r.queue), r.type)
+    sockdiag.send_queue(sender, list(r.queue), r.type, fds)
 
 
 def _shutdown(s: socket.socket, how: int) -> None:
