@@ -382,7 +382,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
     for p, flist in fds.items():
-        bad = files.unsupported_fds(flist, stdio)
+        bad = files.unsupported_fds(flist, stdio) + memory.unsupported_vmas(images[p].vmas)
         if bad:
             raise UnsupportedResource(p, bad[0])
     outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})

@@ -59,7 +59,7 @@ def stop(pid: int) -> None:
 # --- the machinery ------------------------------------------------------------------
 
 EXPECTED = {"appctl", "fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads",
-            "tcppair", "udpserver", "tcplisten", "netcount", "manyconn", "timers"}
+            "tcppair", "udpserver", "tcplisten", "netcount", "manyconn", "timers", "notify"}
 
 
 def test_every_fixture_compiles(fixture_bins):

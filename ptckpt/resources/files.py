@@ -291,8 +291,22 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
             proto = f", protocol {d['protocol']}" if d.get("protocol") not in (None, "0") else ""
             out.append(f"fd {f.fd} -> {f.path} ({noun}: {family} {kind}{proto})")
             continue
-        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
+        why = WHY_REFUSED.get(f.kind)
+        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()}{': ' + why.format(fd=f.fd) if why else ''})")
     return out
+
+
+# Why a kind is refused, and the way out ({fd} is the fd number).
+WHY_REFUSED = {
+    FdKind.IO_URING: "an io_uring instance; its rings, registered files and buffers and the "
+                     "requests in flight live in the kernel, which lets no one read them back or "
+                     "make them again; checkpoint when the program has closed its ring (e.g. a "
+                     "build without io_uring), or name it with --external fd:{fd} for a plugin "
+                     "that makes one again",
+    FdKind.FANOTIFY: "a fanotify group; ptckpt does not make its marks and its queued or "
+                     "permission events again; close it before the checkpoint, or name it with "
+                     "--external fd:{fd} for a plugin that marks a new group again",
+}
 
 
 # --- restore half ------------------------------------------------------------

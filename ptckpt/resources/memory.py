@@ -56,6 +56,26 @@ def classify_vma(path: str, shared: bool, inode: int, st: os.stat_result | None)
     return VmaKind.FILE_SHARED if shared else VmaKind.FILE_PRIVATE
 
 
+def unsupported_vmas(vmas: Sequence[Vma]) -> list[str]:
+    """'mapping A-B -> anon_inode:[io_uring] (...)' for each mapping no restore can make again:
+    the kernel objects mapped through an anonymous inode (io_uring rings, perf buffers ...),
+    which stay mapped after their fd is closed."""
+    out = []
+    for v in vmas:
+        if not v.path.startswith("anon_inode:"):
+            continue
+        what = v.path[len("anon_inode:"):]
+        why = (_IO_URING_MAPPED if what == "[io_uring]"
+               else "a kernel object mapped through an anonymous inode, which ptckpt cannot make again")
+        out.append(f"mapping {v.start:#x}-{v.end:#x} -> {v.path} ({why})")
+    return out
+
+
+_IO_URING_MAPPED = ("the rings of an io_uring instance, mapped (its fd may be closed): the kernel "
+                    "lets no one read its state back or make it again; checkpoint when the program "
+                    "has unmapped and closed its ring")
+
+
 def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
     """Every VMA of `pid` from /proc/PID/smaps, with the mapped file's size, mtime and, for an
     ELF file, its build-id (`build_ids` caches them across the processes of a dump)."""

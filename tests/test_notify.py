@@ -1,0 +1,64 @@
+"""Notification fds, epoll, AIO and io_uring through a real dump and restore
+(fixtures/notify.c): what comes back, and what is refused by name with the target
+left running as it was."""
+
+from __future__ import annotations
+
+import os
+
+
+from conftest import wait_pid_free
+
+UNSUPPORTED = 13
+
+
+def _refused(spawn, ptckpt, tmp_path, mode: str, *want: str) -> None:
+    """Dump a `mode` target: refused (exit 13) naming `want`; no image; it runs on and passes."""
+    target = spawn("notify", mode, tmp_path)
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == UNSUPPORTED, res.stderr
+    for text in want:
+        assert text in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not image.exists()
+    assert os.path.exists(f"/proc/{target.pid}")
+    target.signal()
+    target.wait_for_line(rf"^OK {mode}\b", timeout=10)
+    assert target.wait_exit(10) == 0, target.describe()
+
+
+def test_io_uring_fd_is_refused_by_name_and_left_running(spawn, ptckpt, tmp_path):
+    _refused(spawn, ptckpt, tmp_path, "iouring", "anon_inode:[io_uring] (io_uring: an io_uring instance",
+             "--external fd:")
+
+
+def test_io_uring_rings_mapped_without_their_fd_are_refused(spawn, ptckpt, tmp_path):
+    _refused(spawn, ptckpt, tmp_path, "iouring-mapped", "-> anon_inode:[io_uring] (the rings of an io_uring",
+             "unmapped and closed")
+
+
+def test_fanotify_group_is_refused_by_name_and_left_running(spawn, ptckpt, tmp_path):
+    _refused(spawn, ptckpt, tmp_path, "fanotify", "anon_inode:[fanotify] (fanotify: a fanotify group",
+             "close it before the checkpoint")
+
+
+def _dump_restore(spawn, ptckpt, tmp_path, mode: str):
+    """Dump a `mode` target (--kill) and restore it; (target, image reader path)."""
+    target = spawn("notify", mode, tmp_path)
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", image, "--detach")
+    assert res.returncode == 0, res.stderr
+    target.adopt(int(res.stdout.split()[-1]))
+    return target, image
+
+
+def _passes(target, mode: str) -> str:
+    target.signal()
+    line = target.wait_for_line(rf"^OK {mode}\b", timeout=15).string
+    assert target.wait_exit(10) == 0, target.describe()
+    return line
