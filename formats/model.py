@@ -568,6 +568,9 @@ class EpollState:
 
     targets: tuple[EpollTarget, ...]
     desc: int = 0
+    # Per target (since format 8): 0, or the description (Fd.desc) that holds its file now
+    # when the fd number it was registered through has been closed (or holds another file).
+    sources: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -763,6 +763,8 @@ class _TargetAdapter(Adapter):
 EpollRecord = Record(EpollState, Struct(
     "desc" / VarInt,
     "targets" / PrefixedArray(VarInt, _TargetAdapter(CSequence(Int32ul, Int32ul, Int64ul))),
+    # kcmp(2) KCMP_EPOLL_TFD: the description holding a target whose fd number was closed
+    "sources" / Since(8, PrefixedArray(VarInt, VarInt)),
 ))
 
 

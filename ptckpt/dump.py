@@ -425,7 +425,7 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
             if f.kind in anonfds.ANON_FD_KINDS:
                 out.append(dataclasses.replace(anonfds.dump_anon_fd(p, f.fd, f.kind), desc=f.desc))
             elif f.kind is FdKind.EPOLL:
-                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, {x.fd for x in flist}),
+                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, flist),
                                                desc=f.desc))
             else:
                 continue

@@ -671,10 +671,14 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
     member holding it (at that member's fd numbers, as the image recorded them)."""
     todo = {s.desc: s for s in states if isinstance(s, EpollState)}
     out: dict[int, list[tuple[int, EpollState]]] = {}
-    for p, proc in procs.items():
-        for f in proc.fds:
-            if f.desc in todo and not f.skipped:
-                out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
+    # A member that also holds the files of its closed-number targets first (the dump's).
+    for whole in (True, False):
+        for p, proc in procs.items():
+            held = {f.desc for f in proc.fds if not f.skipped}
+            for f in proc.fds:
+                state = todo.get(f.desc)
+                if state is not None and not f.skipped and (not whole or held >= set(state.sources) - {0}):
+                    out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
     return out
 
 
@@ -696,7 +700,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                                             if isinstance(key, tuple) and key[:2] == ("install", vpid)],
                                      keep={chan})
             for epfd, state in epolls:
-                epoll.restore_targets_frozen(remote, epfd, state.targets)
+                epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
             warnings += process.restore_task_frozen(remote, proc.task)
             process.restore_mm_frozen(remote, proc.mm)
             # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.

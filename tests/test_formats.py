@@ -197,7 +197,7 @@ def sample_records() -> list:
             MemfdState(name="board", contents=b"\x07" * 100, size=4096, seals=0xb, mode=0o777, pos=9, desc=8),
             MqueueState(name="/q", maxmsg=10, msgsize=8192, flags=0o4000, messages=((5, b"hi"), (0, b"")),
                         mode=0o600, uid=0, gid=0, unlinked=True, desc=9),
-            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10),
+            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10, sources=(0, 3)),
             Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
                      sid=-1, controlling=True, desc=11),
             InetSocket(ino=88, family=10, type=1, protocol=6, state=8, mode=InetMode.REPAIRED, src="::1",

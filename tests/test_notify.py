@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 
-
 from conftest import wait_pid_free
+from ptckpt.formats.image import ImageReader
+from ptckpt.formats.model import EpollState
 
 UNSUPPORTED = 13
 
@@ -62,3 +63,15 @@ def _passes(target, mode: str) -> str:
     line = target.wait_for_line(rf"^OK {mode}\b", timeout=15).string
     assert target.wait_exit(10) == 0, target.describe()
     return line
+
+
+def test_epoll_items_registered_through_closed_fds_come_back(spawn, ptckpt, tmp_path):
+    """Two items under fd number 100 (closed since, each a different pipe) and one under
+    the pipe's own fd: the same files, events and data words after restore."""
+    target, image = _dump_restore(spawn, ptckpt, tmp_path, "epoll")
+    with ImageReader(image) as reader:
+        state = next(s for s in reader.fd_states if isinstance(s, EpollState))
+        assert sorted((t.tfd, t.data) for t in state.targets)[-2:] == [(100, 0xA), (100, 0xB)]
+        assert sum(1 for d in state.sources if d) == 2
+    assert not os.path.exists(f"/proc/{target.pid}/fd/100")
+    _passes(target, "epoll")
