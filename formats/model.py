@@ -519,6 +519,9 @@ class InotifyState:
     watches: tuple[InotifyWatch, ...]
     flags: int               # IN_NONBLOCK as recorded
     desc: int = 0
+    # (wd, st_dev, st_ino) of each watch on a deleted file (since format 8): its path is
+    # where the file was, and the inode is a GhostFile of the image.
+    deleted: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

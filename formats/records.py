@@ -724,6 +724,8 @@ InotifyRecord = Record(InotifyState, Struct(
     "desc" / VarInt,
     "watches" / PrefixedArray(VarInt, _WatchAdapter(CSequence(Int32sl, Text, Int32ul))),
     "flags" / Int32ul,
+    # watches on deleted files: (wd, st_dev, st_ino) of the inode (a GHOST_FILE)
+    "deleted" / Since(8, PrefixedArray(VarInt, CSequence(Int32sl, Int64ul, Int64ul))),
 ))
 MemfdRecord = Record(MemfdState, Struct(
     "desc" / VarInt,

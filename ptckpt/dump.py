@@ -35,7 +35,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
-from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
+from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
                         process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
@@ -398,12 +398,24 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
             raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
+    states = _fd_states(fds)
+    ghosts = files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()})
+    _check_deleted_watches(fds, states, {("ghost", g.dev, g.ino) for g in ghosts})
     if net is None:
         net = inet.InetDump(inet.Policy(), "")
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
                     + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
-                    + _fd_states(fds) + _terminals(root, fds[root])
-                    + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
+                    + states + _terminals(root, fds[root]) + ghosts)
+
+
+def _check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:
+    """An inotify watch on a deleted file needs the file in the image (a ghost file)."""
+    for state in states:
+        if isinstance(state, InotifyState):
+            bad = anonfds.deleted_watches_unheld(state, ghosts)
+            if bad:
+                p, f = next((p, f) for p, flist in fds.items() for f in flist if f.desc == state.desc)
+                raise UnsupportedResource(p, f"fd {f.fd} ({f.path}): {bad[0]}")
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:

@@ -44,7 +44,7 @@ from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, MsgImage, PageRun,
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, InotifyState, MsgImage, PageRun,
                             ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
                         signals, sockets, sysvipc, terminals, threads, timers)
@@ -560,8 +560,10 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
         ghost_paths = files.create_ghost_files(list(image.ghost_files))
+        mapped = {files.ghost_key(v) for proc in procs.values() for v in proc.vmas}
         for key, path in ghost_paths.items():          # what the deleted mappings map
-            opened[key] = files.open_description(_ghost_fd(key), path)
+            if key in mapped:
+                opened[key] = files.open_description(_ghost_fd(key), path)
         socket_inos = {u.ino for u in image.unix_sockets}
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
@@ -580,7 +582,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             f = plan.get(state.desc)
             if f is not None:
                 opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                                      else anonfds.create_anon_fd(state, f.flags))
+                                      else anonfds.create_anon_fd(state, f.flags, ghost_paths))
                 if f.kind is FdKind.MEMFD:            # the same object for its mappings
                     made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         for d, f in plan.items():
@@ -598,6 +600,9 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
+        for state in image.fd_states:                 # the unlinks just queued events to their watches
+            if isinstance(state, InotifyState) and state.deleted and state.desc in opened:
+                anonfds.drain_inotify(opened[state.desc])
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))
         for pid, number, fd in installs:             # fds plugins give in pre_restore

@@ -193,7 +193,7 @@ def sample_records() -> list:
                          ticks=3, expires_ns=-1, desc=5),
             SignalfdState(mask=(1 << 9) | (1 << 14), flags=0, desc=6),
             InotifyState(watches=(InotifyWatch(1, "/tmp/a", 0x100), InotifyWatch(12, ODD_PATH, 0x2)),
-                         flags=0o4000, desc=7),
+                         flags=0o4000, desc=7, deleted=((12, 0x10302, 99),)),
             MemfdState(name="board", contents=b"\x07" * 100, size=4096, seals=0xb, mode=0o777, pos=9, desc=8),
             MqueueState(name="/q", maxmsg=10, msgsize=8192, flags=0o4000, messages=((5, b"hi"), (0, b"")),
                         mode=0o600, uid=0, gid=0, unlinked=True, desc=9),

@@ -8,7 +8,7 @@ import os
 
 from conftest import wait_pid_free
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import EpollState
+from ptckpt.formats.model import EpollState, InotifyState
 
 UNSUPPORTED = 13
 
@@ -46,7 +46,8 @@ def test_fanotify_group_is_refused_by_name_and_left_running(spawn, ptckpt, tmp_p
 
 def _dump_restore(spawn, ptckpt, tmp_path, mode: str):
     """Dump a `mode` target (--kill) and restore it; (target, image reader path)."""
-    target = spawn("notify", mode, tmp_path)
+    (tmp_path / "dir").mkdir()
+    target = spawn("notify", mode, tmp_path / "dir")
     image = tmp_path / "img"
     res = ptckpt("dump", target.pid, "-D", image, "--kill")
     assert res.returncode == 0, res.stderr
@@ -75,3 +76,25 @@ def test_epoll_items_registered_through_closed_fds_come_back(spawn, ptckpt, tmp_
         assert sum(1 for d in state.sources if d) == 2
     assert not os.path.exists(f"/proc/{target.pid}/fd/100")
     _passes(target, "epoll")
+
+
+def test_inotify_watch_on_a_deleted_open_file_comes_back(spawn, ptckpt, tmp_path):
+    """The watched file was unlinked but is still open for writing: its watch keeps its wd,
+    closing the fd after restore gives IN_CLOSE_WRITE and IN_DELETE_SELF there, and the
+    restore leaves no event of its own in the queue."""
+    target, image = _dump_restore(spawn, ptckpt, tmp_path, "inotify")
+    with ImageReader(image) as reader:
+        state = next(s for s in reader.fd_states if isinstance(s, InotifyState))
+        assert [w.path for w in state.watches] == [str(tmp_path / "dir"), str(tmp_path / "dir" / "watched")]
+        assert [wd for wd, _dev, _ino in state.deleted] == [2]
+    assert os.listdir(tmp_path / "dir") == []
+    assert _passes(target, "inotify").split()[2:] == ["1", "2"]
+
+
+def test_inotify_watch_on_a_deleted_file_held_only_outside_is_refused(spawn, ptckpt, tmp_path):
+    keep = os.open(tmp_path / "outside", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    try:
+        _refused(spawn, ptckpt, tmp_path, "inotify-outside",
+                 f"inotify watch 1 on the deleted file {tmp_path / 'outside'}", "no fd or mapping of the tree")
+    finally:
+        os.close(keep)

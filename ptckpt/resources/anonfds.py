@@ -22,8 +22,11 @@ the target could notice afterwards:
   relative to a mount of the device ``sdev`` (the kernel's dev_t, major << 20
   | minor) found in ptckpt's /proc/self/mountinfo, and reading the link of
   the fd obtained; it is accepted only when that path, looked up again, is
-  the very inode.  Unread events cannot be read without consuming them, so an
-  inotify fd with queued events (FIONREAD) is refused.
+  the very inode.  A watch on a deleted file (the handle opens an inode with
+  no links left) is recorded at the path it had, with its (st_dev, st_ino):
+  the dump keeps it only when the tree holds that file open or mapped, so the
+  file is a ghost file of the image.  Unread events cannot be read without
+  consuming them, so an inotify fd with queued events (FIONREAD) is refused.
 * memfd:    name from the link ("/memfd:NAME (deleted)"), contents by pread
   on the copy (the shared offset is not moved), size, mode, seals
   (F_GET_SEALS) and offset.
@@ -50,7 +53,10 @@ flags (O_NONBLOCK ...) of the recorded description:
   reused, a fresh instance starts at 1), so a gap is skipped by adding and
   removing a placeholder watch (on a memfd of ptckpt's, an inode nobody else
   watches) once per missing number; the IN_IGNORED events this queues are
-  read away before the fd is handed over;
+  read away before the fd is handed over; a watch on a deleted file is put on
+  the ghost file made again (the very inode the restored fds open), and the
+  events its unlink queues are read away once it is deleted again
+  (:func:`drain_inotify`);
 * memfd with its name, contents, size, mode and offset, seals last;
 * mqueue opened by name: created (O_EXCL, with its attributes, mode and
   owner) when it is gone, then filled with the messages.  When a queue of
@@ -72,10 +78,12 @@ Limits (what the kernel does not let us see or set):
   been further on (its removed top wds leave no trace); add-time flags
   (IN_MASK_ADD, IN_ONLYDIR, IN_MASK_CREATE) are not kept (IN_ONESHOT and
   IN_EXCL_UNLINK are); a watch on a file system without file handles
-  (procfs, sysfs ...), on a file no longer linked, on a mount ptckpt does not
+  (procfs, sysfs ...), on a deleted file no fd or mapping of the tree holds
+  (another process does), on a mount ptckpt does not
   see, or whose dentry the kernel can only give disconnected, is refused;
   events that happen to the watched files while the restore numbers the wds
-  are read away with the placeholders' IN_IGNORED; paths are ptckpt's view of
+  (or, with a watch on a deleted file, until its ghost is unlinked) are read
+  away with the restore's own; paths are ptckpt's view of
   the mounts (the target must share ptckpt's mount namespace).
 * memfd: read whole into memory; MFD_HUGETLB memfds are refused; each call
   makes its own object (several descriptions of one memfd, or an fd and a
@@ -158,6 +166,7 @@ F_SEAL_EXEC = 0x20
 HUGETLBFS_MAGIC = 0x958458F6
 MQUEUE_MAGIC = 0x19800202
 _EVENTFD_MAX = 2**64 - 2
+_DELETED = " (deleted)"
 
 
 # --- libc ----------------------------------------------------------------------
@@ -348,14 +357,25 @@ def _dump_inotify(t: _Target, info: procfs.FdInfo) -> InotifyState:
                             f"read without taking them from the process)")
     mounts = _Mounts()
     try:
-        watches = [_dump_watch(t, line, mounts) for line in info.extra.get("inotify", [])]
+        found = [_dump_watch(t, line, mounts) for line in info.extra.get("inotify", [])]
     finally:
         mounts.close()
-    return InotifyState(watches=tuple(sorted(watches)), flags=info.flags & IN_NONBLOCK)
+    return InotifyState(watches=tuple(sorted(w for w, _ in found)), flags=info.flags & IN_NONBLOCK,
+                        deleted=tuple(sorted((w.wd, *inode) for w, inode in found if inode)))
 
 
-def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> InotifyWatch:
-    """One 'inotify wd:.. ino:.. sdev:.. mask:.. ... f_handle:..' line, its path resolved."""
+def deleted_watches_unheld(state: InotifyState, ghosts: set) -> list[str]:
+    """'inotify watch N on deleted file P' for each watch of `state` on a deleted file whose
+    inode the image does not hold as a ghost file (no fd or mapping of the tree has it)."""
+    paths = {w.wd: w.path for w in state.watches}
+    return [f"inotify watch {wd} on the deleted file {paths.get(wd)} (inode {ino}): no fd or mapping of "
+            f"the tree holds the file, so it cannot be made again to watch it"
+            for wd, dev, ino in state.deleted if ("ghost", dev, ino) not in ghosts]
+
+
+def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> tuple[InotifyWatch, tuple[int, int] | None]:
+    """One 'inotify wd:.. ino:.. sdev:.. mask:.. ... f_handle:..' line, its path resolved:
+    (the watch, None), or for a deleted file (the watch at its old path, (st_dev, st_ino))."""
     fields = dict(item.partition(":")[::2] for item in line.split())
     try:
         wd, ino, sdev, mask = (int(fields[k], 16) for k in ("wd", "ino", "sdev", "mask"))
@@ -375,7 +395,9 @@ def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> InotifyWatch:
     path, why = mounts.resolve(dev, ino, handle)
     if path is None:
         raise t.unsupported(f"{where}: its path cannot be resolved ({why})")
-    return InotifyWatch(wd=wd, path=path, mask=mask)
+    if path.endswith(_DELETED):
+        return InotifyWatch(wd=wd, path=path.removesuffix(_DELETED), mask=mask), (dev, ino)
+    return InotifyWatch(wd=wd, path=path, mask=mask), None
 
 
 class _Mounts:
@@ -434,8 +456,10 @@ def _path_of_handle(mount_fd: int, handle: bytes, ino: int) -> str | None:
         path = os.readlink(f"/proc/self/fd/{fd}")
     finally:
         os.close(fd)
-    if st.st_ino != ino or not path.startswith("/") or path.endswith(" (deleted)"):
+    if st.st_ino != ino or not path.startswith("/"):
         return None
+    if path.endswith(_DELETED):
+        return path if st.st_nlink == 0 else None     # deleted, not merely disconnected
     try:
         again = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -582,17 +606,22 @@ _DUMPERS = {
 
 # --- restore half --------------------------------------------------------------
 
-def create_anon_fd(state: AnonFdState, flags: int) -> int:
+def create_anon_fd(state: AnonFdState, flags: int, ghosts: dict | None = None) -> int:
     """Make the object of `state` in ptckpt: its fd (close-on-exec; the caller owns it).
 
     `flags` are the open flags of the recorded description: the access mode
     (memfd, mqueue) and the status flags such as O_NONBLOCK are set from them.
+    `ghosts` gives the path of each deleted file made again ({("ghost", dev, ino): path}),
+    where an inotify watch on a deleted file is put (the caller unlinks it afterwards
+    and reads away the events this queues: :func:`drain_inotify`).
     Raises RestoreFailed naming the object.
     """
     maker = _MAKERS.get(type(state))
     if maker is None:
         raise TypeError(f"not an anonymous-fd state: {state!r}")
     try:
+        if isinstance(state, InotifyState):
+            return _make_inotify(state, flags, ghosts or {})
         return maker(state, flags)
     except OSError as err:
         raise RestoreFailed(f"cannot recreate {describe(state)}: {err.strerror or err}") from None
@@ -668,12 +697,19 @@ def _make_signalfd(state: SignalfdState, flags: int) -> int:
     return fd
 
 
-def _make_inotify(state: InotifyState, flags: int) -> int:
+def _make_inotify(state: InotifyState, flags: int, ghosts: dict | None = None) -> int:
+    watches = state.watches
+    if state.deleted:
+        where = {wd: ghosts.get(("ghost", dev, ino)) if ghosts else None for wd, dev, ino in state.deleted}
+        missing = [wd for wd, path in where.items() if path is None]
+        if missing:
+            raise OSError(_errno.ENOENT, f"watch {missing[0]} is on a deleted file that was not made again")
+        watches = tuple(w._replace(path=where[w.wd]) if w.wd in where else w for w in watches)
     fd = _check(_inotify_init1(IN_CLOEXEC | IN_NONBLOCK), "inotify_init1")
     with _closing_on_error(fd):
         placeholder = os.memfd_create("ptckpt-inotify-placeholder", MFD_CLOEXEC)
         try:
-            skipped = _add_watches(fd, state.watches, f"/proc/self/fd/{placeholder}")
+            skipped = _add_watches(fd, watches, f"/proc/self/fd/{placeholder}")
         finally:
             os.close(placeholder)
         if skipped:
@@ -708,6 +744,17 @@ def _add_watches(fd: int, watches: tuple[InotifyWatch, ...], placeholder: str) -
                                          f"the same file as another watch now?)")
         next_wd = got + 1
     return skipped
+
+
+def drain_inotify(fd: int) -> None:
+    """Read away the events a restore queued on inotify instance `fd` (unlinking the deleted
+    files it watches again), whatever the description's O_NONBLOCK."""
+    current = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, current | O_NONBLOCK)
+    try:
+        _drain_inotify(fd)
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, current)
 
 
 def _drain_inotify(fd: int) -> None:
