@@ -41,6 +41,7 @@ from ptckpt.errors import (
     UnsupportedVersion,
 )
 from ptckpt.formats.model import (
+    AioRing,
     FD_STATE_TYPES,
     PAGE_SIZE,
     Creds,
@@ -248,7 +249,7 @@ class ImageWriter:
             raise ValueError(f"process {pid} already written")
         records = [proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas,
                    *proc.threads, *proc.sigactions, *proc.pending, *proc.fds, *proc.locks,
-                   *proc.timers, *proc.itimers]
+                   *proc.timers, *proc.itimers, *proc.aio_rings]
         self._write_file(core_name(pid), build_file(FileKind.CORE, records))
         self._cores.add(pid)
 
@@ -797,7 +798,7 @@ class ImageReader:
     def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
         single: dict[type, object] = {}
         lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: [],
-                                   HeldLock: [], PosixTimer: [], Itimer: []}
+                                   HeldLock: [], PosixTimer: [], Itimer: [], AioRing: []}
         unknown = []
         for entry in entries:
             if isinstance(entry, RawEntry):
@@ -819,7 +820,7 @@ class ImageReader:
             rlimits=tuple(lists[Rlimit]), vmas=tuple(lists[Vma]), threads=tuple(lists[Thread]),
             sigactions=tuple(lists[Sigaction]), pending=tuple(lists[PendingSignal]),
             fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]), timers=tuple(lists[PosixTimer]),
-            itimers=tuple(lists[Itimer]))
+            itimers=tuple(lists[Itimer]), aio_rings=tuple(lists[AioRing]))
         return proc, tuple(unknown)
 
     @classmethod

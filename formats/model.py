@@ -296,6 +296,20 @@ class Itimer:
 
 
 @dataclass(frozen=True)
+class AioRing:
+    """An AIO context (io_setup(2)): its ring mapping at `start` (the context id), the
+    ring's number of event slots, its head and tail, and the completions not yet
+    reaped (the io_event slots from head to tail, 32 bytes each; since format 8)."""
+
+    start: int
+    end: int
+    nr: int
+    head: int
+    tail: int
+    events: bytes = b""
+
+
+@dataclass(frozen=True)
 class ProcessImage:
     """Everything core-PID.img holds, decoded."""
 
@@ -311,6 +325,7 @@ class ProcessImage:
     locks: tuple[HeldLock, ...] = ()
     timers: tuple["PosixTimer", ...] = ()        # since format 7
     itimers: tuple["Itimer", ...] = ()
+    aio_rings: tuple["AioRing", ...] = ()        # since format 8
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------

@@ -25,7 +25,7 @@ Grammar (every integer little-endian)::
                       EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
-                      POSIX_TIMER* ITIMER*
+                      POSIX_TIMER* ITIMER* AIO_RING*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
 
@@ -84,6 +84,7 @@ from construct import (
 
 from ptckpt.formats.model import (
     GP_REG_NAMES,
+    AioRing,
     EpollState,
     EpollTarget,
     EventfdState,
@@ -188,6 +189,7 @@ class EntryKind(enum.IntEnum):
     PAGE_RUN = 20
     POSIX_TIMER = 21
     ITIMER = 22
+    AIO_RING = 28
 
 
 class EntryDecodeError(ValueError):
@@ -598,6 +600,20 @@ ItimerRecord = Record(Itimer, Struct(
 ))
 
 
+# --- AIO_RING -------------------------------------------------------------------
+# io_setup(2): the "[aio]" mapping of /proc/PID/maps is the context's ring, struct
+# aio_ring (fs/aio.c: id, nr, head, tail, magic, features, header_length) followed by
+# nr struct io_event (include/uapi/linux/aio_abi.h, 32 bytes each).
+AioRingRecord = Record(AioRing, Struct(
+    "start" / Int64ul,
+    "end" / Int64ul,
+    "nr" / Int32ul,
+    "head" / Int32ul,
+    "tail" / Int32ul,
+    "events" / Blob,                  # the io_event slots from head to tail
+))
+
+
 # --- PAGE_RUN ----------------------------------------------------------------
 # A run of consecutive present pages (man 5 proc /proc/PID/pagemap bits 63/62,
 # or mincore-style detection) stored contiguously in pages-PID.img at `offset`
@@ -883,6 +899,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.PAGE_RUN: PageRunRecord,
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
+    EntryKind.AIO_RING: AioRingRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -899,7 +916,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
         EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
-        EntryKind.ITIMER,
+        EntryKind.ITIMER, EntryKind.AIO_RING,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
     FileKind.PAGES: frozenset(),
@@ -930,7 +947,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, AioRing, RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -36,7 +36,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
+from .resources import (aio, anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
                         process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
@@ -525,6 +525,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)
+        aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)
         for task in tasks:   # signals we held back while freezing are still pending
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
@@ -541,6 +542,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             locks=tuple(locks.to_records(locks.dump_process_locks(pid, [f.fd for f in fds]))),
             timers=tuple(posix_timers),
             itimers=tuple(itimers),
+            aio_rings=tuple(aio_rings),
         )
         pages = writer.pages_writer(vpid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages)

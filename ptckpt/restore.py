@@ -46,7 +46,7 @@ from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, InotifyState, MsgImage, PageRun,
                             ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
+from .resources import (aio, anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
                         signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
@@ -116,7 +116,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
         if (v.file_deleted and memory.shared_object_key(v) is None and not memory.is_sysv(v)
-                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts):
+                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts
+                and not (aio.is_aio_ring(v) and any(r.start == v.start for r in proc.aio_rings))):
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
         if memory.is_sysv(v) and v.inode not in {o.shmid for o in image.sysv if isinstance(o, ShmImage)}:
             bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x} (its segment is not in the image)")
@@ -698,6 +699,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             log.info("fix up %d: address space", proc.task.pid)
             memory.prepare_address_space_frozen(remote, mem, proc.vmas)
             memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
+            aio.restore_aio_rings_frozen(remote, proc.aio_rings)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
             files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,

@@ -26,6 +26,7 @@ from ptckpt.errors import (
 )
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_name, pages_name
 from ptckpt.formats.model import (
+    AioRing,
     GP_REG_NAMES,
     EpollState,
     InetMode,
@@ -164,13 +165,14 @@ def make_process(pid=100) -> ProcessImage:
                 PosixTimer(id=42, clockid=-6, signo=10, notify=4, tid=pid + 1, value=2**64 - 1, interval_ns=0,
                            left_ns=0)),
         itimers=(Itimer(which=0, interval_us=30_000, left_us=12_345),),
+        aio_rings=(AioRing(start=0x7f0000200000, end=0x7f0000201000, nr=127, head=3, tail=5, events=bytes(range(64))),),
     )
 
 
 def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
-            *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
+            *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers, *proc.aio_rings,
             PageRun(0x7f0000000000, 4, 8192),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),

@@ -98,3 +98,16 @@ def test_inotify_watch_on_a_deleted_file_held_only_outside_is_refused(spawn, ptc
                  f"inotify watch 1 on the deleted file {tmp_path / 'outside'}", "no fd or mapping of the tree")
     finally:
         os.close(keep)
+
+
+def test_aio_context_comes_back_at_its_address_with_unreaped_completions(spawn, ptckpt, tmp_path):
+    """io_setup's ring at the same address (the context id), head 3 and tail 5 as dumped,
+    the two unreaped completions there; a new request completes after restore."""
+    target, image = _dump_restore(spawn, ptckpt, tmp_path, "aio")
+    ctx = int(target.wait_for_line(r"^AIO ").string.split()[1], 16)
+    with ImageReader(image) as reader:
+        (ring,) = reader.process(reader.inventory.root_pid).aio_rings
+        assert (ring.start, ring.head, ring.tail, len(ring.events)) == (ctx, 3, 5, 64)
+    with open(f"/proc/{target.pid}/maps") as f:
+        assert any(line.startswith(f"{ctx:x}-") and "[aio]" in line for line in f)
+    _passes(target, "aio")

@@ -212,7 +212,8 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
             return ("ghost", what.dev, what.ino)
         return None
     if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
-            and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))):
+            and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))
+            and what.path != "/[aio]"):                   # an AIO ring: resources/aio.py
         return ("ghost", os.makedev(what.dev_major, what.dev_minor), what.inode)
     return None
 

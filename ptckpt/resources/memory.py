@@ -19,6 +19,7 @@ from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
 from . import sysvipc
+from .aio import is_aio_ring
 from .files import ghost_key
 from .filepolicy import build_id
 
@@ -516,8 +517,8 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
     for vma in vmas:
-        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL:
-            continue
+        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL or is_aio_ring(vma):
+            continue                              # an AIO ring: made by resources/aio.py
         length = vma.end - vma.start
         prot = vma.prot | (PROT_WRITE if id(vma) in with_pages else 0)
         step = f"map {vma.start:#x}-{vma.end:#x} {vma.path or '[anon]'}"
