@@ -606,8 +606,36 @@ class Terminal:
     desc: int = 0
 
 
+class FanotifyMark(NamedTuple):
+    """One mark of a fanotify group: on an inode, a mount or a file system (`kind`, one
+    of FANOTIFY_MARK_KINDS), named by a path; the user flags the kernel shows for it
+    (FAN_MARK_IGNORED_SURV_MODIFY, FAN_MARK_EVICTABLE, FAN_MARK_IGNORE), its mask and
+    its ignored mask."""
+
+    kind: int
+    path: str
+    mflags: int
+    mask: int
+    ignored_mask: int
+
+
+FANOTIFY_MARK_KINDS = {0: "inode", 1: "mount", 2: "filesystem"}
+
+
+@dataclass(frozen=True)
+class FanotifyState:
+    """A fanotify group (since format 8): its fanotify_init flags and event_f_flags, its
+    marks, O_NONBLOCK of the description."""
+
+    init_flags: int
+    event_flags: int
+    marks: tuple[FanotifyMark, ...]
+    flags: int
+    desc: int = 0
+
+
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
-                  EpollState)
+                  EpollState, FanotifyState)
 
 
 # --- System V IPC objects the tree uses (inventory.img, since format 2) --------

@@ -22,7 +22,7 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET*
+                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* FANOTIFY*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* AIO_RING*
@@ -85,6 +85,8 @@ from construct import (
 from ptckpt.formats.model import (
     GP_REG_NAMES,
     AioRing,
+    FanotifyMark,
+    FanotifyState,
     EpollState,
     EpollTarget,
     EventfdState,
@@ -176,6 +178,7 @@ class EntryKind(enum.IntEnum):
     TERMINAL = 38
     INET_SOCKET = 39
     NETLINK_SOCKET = 40
+    FANOTIFY = 45
     TASK = 10
     CREDS = 11
     MM = 12
@@ -767,6 +770,27 @@ MqueueRecord = Record(MqueueState, Struct(
 
 
 
+class _MarkAdapter(Adapter):
+    """(kind, path, mflags, mask, ignored_mask) <-> FanotifyMark."""
+
+    def _decode(self, obj, context, path):
+        return FanotifyMark(*obj)
+
+    def _encode(self, obj, context, path):
+        return list(obj)
+
+
+# fanotify(7): fdinfo "fanotify flags:X event-flags:Y" and one line per mark (inode:
+# ino/sdev/f_handle, mount: mnt_id, file system: sdev), fs/notify/fdinfo.c; marks by path.
+FanotifyRecord = Record(FanotifyState, Struct(
+    "desc" / VarInt,
+    "init_flags" / Int32ul,
+    "event_flags" / Int32ul,
+    "marks" / PrefixedArray(VarInt, _MarkAdapter(CSequence(Int8ul, Text, Int32ul, Int64ul, Int64ul))),
+    "flags" / Int32ul,
+))
+
+
 class _TargetAdapter(Adapter):
     """(tfd, events, data) <-> EpollTarget."""
 
@@ -900,6 +924,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
     EntryKind.AIO_RING: AioRingRecord,
+    EntryKind.FANOTIFY: FanotifyRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -911,7 +936,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
                                    EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
-                                   EntryKind.NETLINK_SOCKET}),
+                                   EntryKind.NETLINK_SOCKET, EntryKind.FANOTIFY}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -947,7 +972,8 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
-                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, AioRing, RawEntry]
+                  Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, AioRing, FanotifyState,
+                  RawEntry]
 
 
 def _kind_name(kind: int) -> str:

@@ -44,7 +44,7 @@ from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, InotifyState, MsgImage, PageRun,
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode, InotifyState, MsgImage, PageRun,
                             ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (aio, anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
                         signals, sockets, sysvipc, terminals, threads, timers)
@@ -265,6 +265,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
+                for state in image.fd_states:        # marked last: the restore's own opens are past
+                    if isinstance(state, FanotifyState) and state.desc in handed:
+                        anonfds.mark_fanotify(handed[state.desc], state)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}

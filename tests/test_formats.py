@@ -27,6 +27,8 @@ from ptckpt.errors import (
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_name, pages_name
 from ptckpt.formats.model import (
     AioRing,
+    FanotifyMark,
+    FanotifyState,
     GP_REG_NAMES,
     EpollState,
     InetMode,
@@ -213,6 +215,9 @@ def sample_records() -> list:
             InetSocket(ino=(1 << 62) | 1, family=2, type=1, protocol=6, state=1, mode=InetMode.PENDING,
                        src="127.0.0.1", sport=80, dst="127.0.0.1", dport=40000, listener=91, peer=92),
             NetlinkSocket(ino=93, type=3, protocol=0, portid=4242, groups=0x11, dst_portid=0, dst_group=0),
+            FanotifyState(init_flags=0x200, event_flags=0o100000, flags=0o4000, desc=12,
+                          marks=(FanotifyMark(0, ODD_PATH, 0x40, 0, 0x8), FanotifyMark(1, "/", 0, 2**40, 0),
+                                 FanotifyMark(2, "/tmp", 0x200, 0x20, 0))),
             PluginData(name="vendor", version="1.2", pid=-1, key="", data=b""),
             PluginData(name="vendor", version="1.2", pid=100, key="emulator-state", data=b"\x00state")]
 

@@ -8,14 +8,16 @@ import os
 
 from conftest import wait_pid_free
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import EpollState, InotifyState
+from ptckpt.formats.model import EpollState, FanotifyState, InotifyState
 
 UNSUPPORTED = 13
+FAN_CLOSE_WRITE, FAN_EVENT_ON_CHILD = 0x8, 0x08000000
 
 
 def _refused(spawn, ptckpt, tmp_path, mode: str, *want: str) -> None:
     """Dump a `mode` target: refused (exit 13) naming `want`; no image; it runs on and passes."""
-    target = spawn("notify", mode, tmp_path)
+    (tmp_path / "dir").mkdir(exist_ok=True)
+    target = spawn("notify", mode, tmp_path / "dir")
     image = tmp_path / "img"
     res = ptckpt("dump", target.pid, "-D", image, "--kill")
     assert res.returncode == UNSUPPORTED, res.stderr
@@ -39,9 +41,21 @@ def test_io_uring_rings_mapped_without_their_fd_are_refused(spawn, ptckpt, tmp_p
              "unmapped and closed")
 
 
-def test_fanotify_group_is_refused_by_name_and_left_running(spawn, ptckpt, tmp_path):
-    _refused(spawn, ptckpt, tmp_path, "fanotify", "anon_inode:[fanotify] (fanotify: a fanotify group",
-             "close it before the checkpoint")
+def test_fanotify_group_of_the_content_class_is_refused_and_left_running(spawn, ptckpt, tmp_path):
+    _refused(spawn, ptckpt, tmp_path, "fanotify-content", "anon_inode:[fanotify]): a fanotify group of the "
+             "content or pre-content class", "close it before the checkpoint")
+
+
+def test_fanotify_group_comes_back_with_its_marks(spawn, ptckpt, tmp_path):
+    """A mark on a directory (close-write of its children) and an ignored mark on a file in
+    it: the same after restore, with no event of the restore's own in the queue."""
+    target, image = _dump_restore(spawn, ptckpt, tmp_path, "fanotify")
+    with ImageReader(image) as reader:
+        state = next(s for s in reader.fd_states if isinstance(s, FanotifyState))
+        assert sorted((m.kind, m.path, m.mask, m.ignored_mask) for m in state.marks) == [
+            (0, str(tmp_path / "dir"), FAN_CLOSE_WRITE | FAN_EVENT_ON_CHILD, 0),
+            (0, str(tmp_path / "dir" / "quiet"), 0, FAN_CLOSE_WRITE)]
+    _passes(target, "fanotify")
 
 
 def _dump_restore(spawn, ptckpt, tmp_path, mode: str):
@@ -92,10 +106,11 @@ def test_inotify_watch_on_a_deleted_open_file_comes_back(spawn, ptckpt, tmp_path
 
 
 def test_inotify_watch_on_a_deleted_file_held_only_outside_is_refused(spawn, ptckpt, tmp_path):
-    keep = os.open(tmp_path / "outside", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    (tmp_path / "dir").mkdir()
+    keep = os.open(tmp_path / "dir" / "outside", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644)
     try:
         _refused(spawn, ptckpt, tmp_path, "inotify-outside",
-                 f"inotify watch 1 on the deleted file {tmp_path / 'outside'}", "no fd or mapping of the tree")
+                 f"inotify watch 1 on the deleted file {tmp_path / 'dir' / 'outside'}", "no fd or mapping of the tree")
     finally:
         os.close(keep)
 

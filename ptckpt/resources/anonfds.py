@@ -1,4 +1,4 @@
-"""eventfd, timerfd, signalfd, inotify, memfd and mqueue fds: their state, and the object again.
+"""eventfd, timerfd, signalfd, inotify, fanotify, memfd and mqueue fds: their state, and the object again.
 
 Dump half: :func:`dump_anon_fd` reads the state of one such fd of a frozen
 target into a frozen dataclass (one per kind, :data:`AnonFdState`).  The
@@ -27,6 +27,14 @@ the target could notice afterwards:
   the dump keeps it only when the tree holds that file open or mapped, so the
   file is a ghost file of the image.  Unread events cannot be read without
   consuming them, so an inotify fd with queued events (FIONREAD) is refused.
+* fanotify: ``fanotify flags:.. event-flags:..`` (fanotify_init's flags and
+  event_f_flags), then one line per mark: on an inode (``ino``, ``sdev`` and a
+  file handle, resolved to a path as for inotify), a mount (``mnt_id``, its
+  mount point in ptckpt's mountinfo) or a file system (``sdev``, a mount of
+  it), with ``mflags`` (the FAN_MARK_* flags it was added with that the kernel
+  keeps), ``mask`` and ``ignored_mask``.  A group of the content or
+  pre-content class (permission events: those read and not yet answered
+  cannot be seen) and a group with unread events are refused.
 * memfd:    name from the link ("/memfd:NAME (deleted)"), contents by pread
   on the copy (the shared offset is not moved), size, mode, seals
   (F_GET_SEALS) and offset.
@@ -57,6 +65,9 @@ flags (O_NONBLOCK ...) of the recorded description:
   the ghost file made again (the very inode the restored fds open), and the
   events its unlink queues are read away once it is deleted again
   (:func:`drain_inotify`);
+* fanotify with its init flags and event flags; its marks are added by
+  :func:`mark_fanotify` once the restore has opened every file of the tree
+  (else its own opens would be queued as events);
 * memfd with its name, contents, size, mode and offset, seals last;
 * mqueue opened by name: created (O_EXCL, with its attributes, mode and
   owner) when it is gone, then filled with the messages.  When a queue of
@@ -85,6 +96,10 @@ Limits (what the kernel does not let us see or set):
   (or, with a watch on a deleted file, until its ghost is unlinked) are read
   away with the restore's own; paths are ptckpt's view of
   the mounts (the target must share ptckpt's mount namespace).
+* fanotify: marks by path (ptckpt's view of the mounts), so a mark on a deleted
+  file or a mount ptckpt does not see is refused; a mark of a kind this version
+  does not know (mount namespace marks) is refused; events that happen between
+  the marks and the resume are the restored program's to read.
 * memfd: read whole into memory; MFD_HUGETLB memfds are refused; each call
   makes its own object (several descriptions of one memfd, or an fd and a
   mapping of it, must be given one object by the caller); the seals are in
@@ -115,8 +130,9 @@ from typing import NamedTuple, Union
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import (EventfdState, FdKind, InotifyState, InotifyWatch, MemfdState, MqueueState,
-                             SignalfdState, TimerfdState)
+from ..formats.model import (FANOTIFY_MARK_KINDS, EventfdState, FanotifyMark, FanotifyState, FdKind,
+                             InotifyState, InotifyWatch, MemfdState, MqueueState, SignalfdState,
+                             TimerfdState)
 from ..tracee import pidfd_getfd
 
 # --- constants (include/uapi/linux/{eventfd,timerfd,signalfd,inotify,memfd,fcntl}.h) ---
@@ -149,6 +165,19 @@ IN_DONT_FOLLOW = 0x02000000
 IN_EXCL_UNLINK = 0x04000000
 IN_ONESHOT = 0x80000000
 _INOTIFY_EVENT = struct.Struct("iIII")     # wd, mask, cookie, len (then the name)
+
+FAN_CLOEXEC = 0x1
+FAN_NONBLOCK = 0x2
+FAN_CLASS_MASK = 0xC                 # FAN_CLASS_CONTENT 0x4, FAN_CLASS_PRE_CONTENT 0x8
+FAN_MARK_ADD = 0x1
+FAN_MARK_DONT_FOLLOW = 0x4
+FAN_MARK_MOUNT = 0x10
+FAN_MARK_IGNORED_MASK = 0x20
+FAN_MARK_IGNORED_SURV_MODIFY = 0x40
+FAN_MARK_FILESYSTEM = 0x100
+FAN_MARK_EVICTABLE = 0x200
+FAN_MARK_IGNORE = 0x400
+_FAN_KIND_FLAG = {0: FAN_MARK_DONT_FOLLOW, 1: FAN_MARK_MOUNT, 2: FAN_MARK_FILESYSTEM}
 
 MFD_CLOEXEC = 0x1
 MFD_ALLOW_SEALING = 0x2
@@ -208,6 +237,8 @@ _signalfd = _proto("signalfd", _c_int, _c_int, _c_char_p, _c_int)
 _inotify_init1 = _proto("inotify_init1", _c_int, _c_int)
 _inotify_add_watch = _proto("inotify_add_watch", _c_int, _c_int, _c_char_p, ctypes.c_uint32)
 _inotify_rm_watch = _proto("inotify_rm_watch", _c_int, _c_int, _c_int)
+_fanotify_init = _proto("fanotify_init", _c_int, _c_uint, _c_uint)
+_fanotify_mark = _proto("fanotify_mark", _c_int, _c_int, _c_uint, ctypes.c_uint64, _c_int, _c_char_p)
 _open_by_handle_at = _proto("open_by_handle_at", _c_int, _c_int, _c_char_p, _c_int)
 _fstatfs = _proto("fstatfs", _c_int, _c_int, ctypes.POINTER(_Statfs))
 # mq_open is variadic (mode, attr); on x86_64 integer and pointer arguments are
@@ -233,10 +264,10 @@ def _check(res: int, what: str) -> int:
 # EventfdState ... MqueueState are image records: formats/model.py.
 
 AnonFdState = Union[EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState,
-                    MqueueState]
+                    MqueueState, FanotifyState]
 
 ANON_FD_KINDS = frozenset({FdKind.EVENTFD, FdKind.TIMERFD, FdKind.SIGNALFD, FdKind.INOTIFY,
-                           FdKind.MEMFD, FdKind.MQUEUE})
+                           FdKind.MEMFD, FdKind.MQUEUE, FdKind.FANOTIFY})
 
 
 # --- dump half -----------------------------------------------------------------
@@ -381,8 +412,23 @@ def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> tuple[InotifyWatch, t
         wd, ino, sdev, mask = (int(fields[k], 16) for k in ("wd", "ino", "sdev", "mask"))
     except (KeyError, ValueError):
         raise t.unsupported(f"an inotify fdinfo line not understood: {line!r}") from None
-    dev = os.makedev(sdev >> 20, sdev & 0xFFFFF)
+    dev = _kernel_dev(sdev)
     where = f"inotify watch {wd} (inode {ino} on device {os.major(dev)}:{os.minor(dev)})"
+    path = _path_of_mark(t, fields, dev, ino, mounts, where, line)
+    if path.endswith(_DELETED):
+        return InotifyWatch(wd=wd, path=path.removesuffix(_DELETED), mask=mask), (dev, ino)
+    return InotifyWatch(wd=wd, path=path, mask=mask), None
+
+
+def _kernel_dev(sdev: int) -> int:
+    """A dev_t from the kernel's internal form (major << 20 | minor), as fdinfo shows it."""
+    return os.makedev(sdev >> 20, sdev & 0xFFFFF)
+
+
+def _path_of_mark(t: _Target, fields: dict, dev: int, ino: int, mounts: _Mounts, where: str,
+                  line: str) -> str:
+    """The path of the inode an fdinfo mark line names by file handle (" (deleted)" at the end
+    for a deleted file)."""
     if "f_handle" not in fields:
         raise t.unsupported(f"{where}: its file system gives no file handle, so its path "
                             f"cannot be found")
@@ -395,9 +441,64 @@ def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> tuple[InotifyWatch, t
     path, why = mounts.resolve(dev, ino, handle)
     if path is None:
         raise t.unsupported(f"{where}: its path cannot be resolved ({why})")
-    if path.endswith(_DELETED):
-        return InotifyWatch(wd=wd, path=path.removesuffix(_DELETED), mask=mask), (dev, ino)
-    return InotifyWatch(wd=wd, path=path, mask=mask), None
+    return path
+
+
+def _dump_fanotify(t: _Target, info: procfs.FdInfo) -> FanotifyState:
+    lines = info.extra.get("fanotify", [])
+    head = dict(item.partition(":")[::2] for item in (lines[0].split() if lines else []))
+    try:
+        init_flags, event_flags = int(head["flags"], 16), int(head["event-flags"], 16)
+    except (KeyError, ValueError):
+        raise t.unsupported("its fdinfo has no 'fanotify flags:' line (kernel too old?)") from None
+    if init_flags & FAN_CLASS_MASK:
+        raise t.unsupported("a fanotify group of the content or pre-content class: the permission "
+                            "events it has read and not yet answered cannot be seen; close it before "
+                            "the checkpoint")
+    with _copy(t) as copy:
+        queued = struct.unpack("i", fcntl.ioctl(copy, termios.FIONREAD, b"\0" * 4))[0]
+    if queued:
+        raise t.unsupported(f"{queued} bytes of unread fanotify events (they cannot be read "
+                            f"without taking them from the process)")
+    mounts = _Mounts()
+    try:
+        marks = tuple(_dump_mark(t, line, mounts) for line in lines[1:])
+    finally:
+        mounts.close()
+    return FanotifyState(init_flags=init_flags & ~(FAN_CLOEXEC | FAN_NONBLOCK), event_flags=event_flags,
+                         marks=marks, flags=info.flags & O_NONBLOCK)
+
+
+def _dump_mark(t: _Target, line: str, mounts: _Mounts) -> FanotifyMark:
+    """One fanotify mark line of fdinfo: its object by path."""
+    fields = dict(item.partition(":")[::2] for item in line.split())
+    try:
+        mflags, mask, ignored = (int(fields[k], 16) for k in ("mflags", "mask", "ignored_mask"))
+        if "ino" in fields:
+            kind, dev, ino = 0, _kernel_dev(int(fields["sdev"], 16)), int(fields["ino"], 16)
+        elif "mnt_id" in fields:
+            kind, mnt_id = 1, int(fields["mnt_id"], 16)
+        elif "sdev" in fields:
+            kind, dev = 2, _kernel_dev(int(fields["sdev"], 16))
+        else:
+            raise KeyError("kind")
+    except (KeyError, ValueError):
+        raise t.unsupported(f"a fanotify mark this version does not know: {line!r}") from None
+    if kind == 0:
+        where = f"fanotify mark on inode {ino} (device {os.major(dev)}:{os.minor(dev)})"
+        path = _path_of_mark(t, fields, dev, ino, mounts, where, line)
+        if path.endswith(_DELETED):
+            raise t.unsupported(f"{where}: the file is deleted ({path})")
+    elif kind == 1:
+        path = mounts.point_of(mnt_id)
+        if path is None:
+            raise t.unsupported(f"fanotify mark on mount {mnt_id}: a mount ptckpt does not see")
+    else:
+        path = mounts.root_of(dev)
+        if path is None:
+            raise t.unsupported(f"fanotify mark on the file system of device {os.major(dev)}:"
+                                f"{os.minor(dev)}: no mount of it is visible to ptckpt")
+    return FanotifyMark(kind=kind, path=path, mflags=mflags, mask=mask, ignored_mask=ignored)
 
 
 class _Mounts:
@@ -405,15 +506,26 @@ class _Mounts:
 
     def __init__(self) -> None:
         found: dict[int, list[tuple[bool, str]]] = {}
+        self._by_id: dict[int, str] = {}
         for line in _read_mountinfo():
             left = line.partition(b" - ")[0].split(b" ")
             major, minor = (int(x) for x in left[2].split(b":"))
             root, point = _unescape(left[3]), _unescape(left[4])
             found.setdefault(os.makedev(major, minor), []).append((root != "/", point))
+            self._by_id[int(left[0])] = point
         # Mounts of the whole file system first: every inode is below their root.
         self._by_dev = {dev: [point for _, point in sorted(points, key=lambda p: p[0])]
                         for dev, points in found.items()}
         self._open: dict[str, int] = {}
+
+    def point_of(self, mnt_id: int) -> str | None:
+        """The mount point of mount `mnt_id`, None if ptckpt does not see it."""
+        return self._by_id.get(mnt_id)
+
+    def root_of(self, dev: int) -> str | None:
+        """A mount point of the whole file system of `dev` (or of a part of it)."""
+        points = self._by_dev.get(dev)
+        return points[0] if points else None
 
     def close(self) -> None:
         for fd in self._open.values():
@@ -601,6 +713,7 @@ _DUMPERS = {
     FdKind.INOTIFY: _dump_inotify,
     FdKind.MEMFD: _dump_memfd,
     FdKind.MQUEUE: _dump_mqueue,
+    FdKind.FANOTIFY: _dump_fanotify,
 }
 
 
@@ -639,6 +752,8 @@ def describe(state: AnonFdState) -> str:
         return f"inotify ({len(state.watches)} watches)"
     if isinstance(state, MemfdState):
         return f"memfd:{state.name}"
+    if isinstance(state, FanotifyState):
+        return f"fanotify group ({len(state.marks)} marks)"
     return f"mqueue {state.name}"
 
 
@@ -764,6 +879,34 @@ def _drain_inotify(fd: int) -> None:
             pass
 
 
+def _make_fanotify(state: FanotifyState, flags: int) -> int:
+    """The group, without its marks yet (:func:`mark_fanotify`: added once the restore has
+    opened every file, so that its own opens queue no events)."""
+    fd = _check(_fanotify_init(state.init_flags | FAN_CLOEXEC | FAN_NONBLOCK, state.event_flags),
+                "fanotify_init")
+    with _closing_on_error(fd):
+        _set_status_flags(fd, flags)
+    return fd
+
+
+def mark_fanotify(fd: int, state: FanotifyState) -> None:
+    """Add the marks of `state` to the group `fd` made by :func:`create_anon_fd`."""
+    for m in state.marks:
+        kind = _FAN_KIND_FLAG[m.kind]
+        what = f"fanotify_mark ({FANOTIFY_MARK_KINDS.get(m.kind)} {m.path})"
+        try:
+            if m.mask:
+                _check(_fanotify_mark(fd, FAN_MARK_ADD | kind | m.mflags & FAN_MARK_EVICTABLE, m.mask,
+                                      -100, os.fsencode(m.path)), what)
+            if m.ignored_mask:
+                ignore = FAN_MARK_IGNORE if m.mflags & FAN_MARK_IGNORE else FAN_MARK_IGNORED_MASK
+                _check(_fanotify_mark(fd, FAN_MARK_ADD | kind | ignore
+                                      | m.mflags & (FAN_MARK_EVICTABLE | FAN_MARK_IGNORED_SURV_MODIFY),
+                                      m.ignored_mask, -100, os.fsencode(m.path)), what)
+        except OSError as err:
+            raise RestoreFailed(f"cannot mark the fanotify group again: {err.strerror or err}") from None
+
+
 def _make_memfd(state: MemfdState, flags: int) -> int:
     noexec = bool(state.seals & F_SEAL_EXEC) and not state.mode & 0o111
     fd = _memfd_create(state.name, MFD_CLOEXEC | MFD_ALLOW_SEALING
@@ -854,4 +997,5 @@ _MAKERS = {
     InotifyState: _make_inotify,
     MemfdState: _make_memfd,
     MqueueState: _make_mqueue,
+    FanotifyState: _make_fanotify,
 }

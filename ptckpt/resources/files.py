@@ -304,9 +304,6 @@ WHY_REFUSED = {
                      "make them again; checkpoint when the program has closed its ring (e.g. a "
                      "build without io_uring), or name it with --external fd:{fd} for a plugin "
                      "that makes one again",
-    FdKind.FANOTIFY: "a fanotify group; ptckpt does not make its marks and its queued or "
-                     "permission events again; close it before the checkpoint, or name it with "
-                     "--external fd:{fd} for a plugin that marks a new group again",
 }
 
 
