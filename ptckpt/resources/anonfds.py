@@ -380,12 +380,17 @@ def _dump_signalfd(t: _Target, info: procfs.FdInfo) -> SignalfdState:
                          flags=info.flags & SFD_NONBLOCK)
 
 
-def _dump_inotify(t: _Target, info: procfs.FdInfo) -> InotifyState:
+def _refuse_unread_events(t: _Target, what: str) -> None:
+    """Queued events (FIONREAD) cannot be read without taking them from the process."""
     with _copy(t) as copy:
         queued = struct.unpack("i", fcntl.ioctl(copy, termios.FIONREAD, b"\0" * 4))[0]
     if queued:
-        raise t.unsupported(f"{queued} bytes of unread inotify events (they cannot be "
+        raise t.unsupported(f"{queued} bytes of unread {what} events (they cannot be "
                             f"read without taking them from the process)")
+
+
+def _dump_inotify(t: _Target, info: procfs.FdInfo) -> InotifyState:
+    _refuse_unread_events(t, "inotify")
     mounts = _Mounts()
     try:
         found = [_dump_watch(t, line, mounts) for line in info.extra.get("inotify", [])]
@@ -455,11 +460,7 @@ def _dump_fanotify(t: _Target, info: procfs.FdInfo) -> FanotifyState:
         raise t.unsupported("a fanotify group of the content or pre-content class: the permission "
                             "events it has read and not yet answered cannot be seen; close it before "
                             "the checkpoint")
-    with _copy(t) as copy:
-        queued = struct.unpack("i", fcntl.ioctl(copy, termios.FIONREAD, b"\0" * 4))[0]
-    if queued:
-        raise t.unsupported(f"{queued} bytes of unread fanotify events (they cannot be read "
-                            f"without taking them from the process)")
+    _refuse_unread_events(t, "fanotify")
     mounts = _Mounts()
     try:
         marks = tuple(_dump_mark(t, line, mounts) for line in lines[1:])
