@@ -126,3 +126,8 @@ def test_aio_context_comes_back_at_its_address_with_unreaped_completions(spawn, 
     with open(f"/proc/{target.pid}/maps") as f:
         assert any(line.startswith(f"{ctx:x}-") and "[aio]" in line for line in f)
     _passes(target, "aio")
+
+
+def test_epoll_item_whose_file_only_another_process_holds_is_refused(spawn, ptckpt, tmp_path):
+    _refused(spawn, ptckpt, tmp_path, "epoll-child", "(epoll) watches a file", "registered as fd 100",
+             "no fd of the process holds that file now")
