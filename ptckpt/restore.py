@@ -44,8 +44,8 @@ from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode, InotifyState, MsgImage, PageRun,
-                            ProcessImage, SemImage, ShmImage, VmaKind)
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
+                            InotifyState, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (aio, anonfds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
                         signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
