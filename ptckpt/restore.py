@@ -265,9 +265,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
-                for state in image.fd_states:        # marked last: the restore's own opens are past
-                    if isinstance(state, FanotifyState) and state.desc in handed:
-                        anonfds.mark_fanotify(handed[state.desc], state)
+                _settle_notifications(image.fd_states, handed)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
@@ -324,6 +322,19 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 os.close(channel)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _settle_notifications(states, handed: dict) -> None:
+    """Once the tree is rebuilt: inotify queues emptied of the events the restore caused (its
+    opens of the tree's files, the unlinks of ghost files; a queue was empty at dump), and
+    fanotify groups marked (their marks would have queued the same)."""
+    for state in states:
+        if state.desc not in handed:
+            continue
+        if isinstance(state, InotifyState):
+            anonfds.drain_inotify(handed[state.desc])
+        elif isinstance(state, FanotifyState):
+            anonfds.mark_fanotify(handed[state.desc], state)
 
 
 def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
@@ -604,9 +615,6 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
-        for state in image.fd_states:                 # the unlinks just queued events to their watches
-            if isinstance(state, InotifyState) and state.deleted and state.desc in opened:
-                anonfds.drain_inotify(opened[state.desc])
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))
         for pid, number, fd in installs:             # fds plugins give in pre_restore

@@ -62,9 +62,9 @@ flags (O_NONBLOCK ...) of the recorded description:
   removing a placeholder watch (on a memfd of ptckpt's, an inode nobody else
   watches) once per missing number; the IN_IGNORED events this queues are
   read away before the fd is handed over; a watch on a deleted file is put on
-  the ghost file made again (the very inode the restored fds open), and the
-  events its unlink queues are read away once it is deleted again
-  (:func:`drain_inotify`);
+  the ghost file made again (the very inode the restored fds open); the events
+  the rest of the restore queues (its opens of the tree's files, the ghosts'
+  unlinks) are read away once the tree is rebuilt (:func:`drain_inotify`);
 * fanotify with its init flags and event flags; its marks are added by
   :func:`mark_fanotify` once the restore has opened every file of the tree
   (else its own opens would be queued as events);
@@ -726,8 +726,9 @@ def create_anon_fd(state: AnonFdState, flags: int, ghosts: dict | None = None) -
     `flags` are the open flags of the recorded description: the access mode
     (memfd, mqueue) and the status flags such as O_NONBLOCK are set from them.
     `ghosts` gives the path of each deleted file made again ({("ghost", dev, ino): path}),
-    where an inotify watch on a deleted file is put (the caller unlinks it afterwards
-    and reads away the events this queues: :func:`drain_inotify`).
+    where an inotify watch on a deleted file is put (the caller unlinks it afterwards,
+    and once the tree is rebuilt reads away the events the restore queued:
+    :func:`drain_inotify`).
     Raises RestoreFailed naming the object.
     """
     maker = _MAKERS.get(type(state))
@@ -863,8 +864,8 @@ def _add_watches(fd: int, watches: tuple[InotifyWatch, ...], placeholder: str) -
 
 
 def drain_inotify(fd: int) -> None:
-    """Read away the events a restore queued on inotify instance `fd` (unlinking the deleted
-    files it watches again), whatever the description's O_NONBLOCK."""
+    """Read away the events a restore queued on inotify instance `fd` (reopening the files it
+    watches, unlinking the deleted ones again), whatever the description's O_NONBLOCK."""
     current = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, current | O_NONBLOCK)
     try:
