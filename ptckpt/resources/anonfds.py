@@ -92,9 +92,8 @@ Limits (what the kernel does not let us see or set):
   (procfs, sysfs ...), on a deleted file no fd or mapping of the tree holds
   (another process does), on a mount ptckpt does not
   see, or whose dentry the kernel can only give disconnected, is refused;
-  events that happen to the watched files while the restore numbers the wds
-  (or, with a watch on a deleted file, until its ghost is unlinked) are read
-  away with the restore's own; paths are ptckpt's view of
+  events that happen to the watched files during the restore, until the tree
+  is rebuilt, are read away with the restore's own; paths are ptckpt's view of
   the mounts (the target must share ptckpt's mount namespace).
 * fanotify: marks by path (ptckpt's view of the mounts), so a mark on a deleted
   file or a mount ptckpt does not see is refused; a mark of a kind this version
