@@ -4,6 +4,7 @@ left running as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from conftest import wait_pid_free
@@ -126,6 +127,8 @@ def test_aio_context_comes_back_at_its_address_with_unreaped_completions(spawn, 
         assert (ring.start, ring.head, ring.tail, len(ring.events)) == (ctx, 3, 5, 64)
     with open(f"/proc/{target.pid}/maps") as f:
         assert any(line.startswith(f"{ctx:x}-") and "[aio]" in line for line in f)
+    shown = json.loads(ptckpt("show", image).stdout)
+    assert [(r["head"], r["tail"]) for p in shown["processes"] for r in p["aio_rings"]] == [(3, 5)]
     _passes(target, "aio")
 
 
