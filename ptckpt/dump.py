@@ -205,6 +205,8 @@ def dump(pid: int, directory: str | None = None, *,
             real_pids=view.pairs(),
             netlock=net.lock.id if net.lock is not None and mode is DumpMode.KILL else "",
         ), shared)
+        for member in pids:                      # a completion while frozen: requests in flight
+            aio.check_rings_quiet(member, images[member].aio_rings)
         writer.commit()
     except BaseException:
         writer.abort()

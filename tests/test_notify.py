@@ -135,3 +135,20 @@ def test_aio_context_comes_back_at_its_address_with_unreaped_completions(spawn, 
 def test_epoll_item_whose_file_only_another_process_holds_is_refused(spawn, ptckpt, tmp_path):
     _refused(spawn, ptckpt, tmp_path, "epoll-child", "(epoll) watches a file", "registered as fd 100",
              "no fd of the process holds that file now")
+
+
+def test_aio_request_completing_while_frozen_is_refused_and_left_running(spawn, ptckpt, tmp_path):
+    """A poll request in flight whose completion arrives during the dump (a plugin fills the
+    FIFO while the tree is frozen): requests were in flight, the dump is refused, and the
+    program still gets its completion."""
+    (tmp_path / "dir").mkdir()
+    target = spawn("notify", "aio-poll", tmp_path / "dir")
+    plugin = os.path.join(os.path.dirname(__file__), "plugins", "fifo_poke.py")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--plugin", plugin,
+                 env={**os.environ, "PTCKPT_TEST_FIFO": str(tmp_path / "dir" / "fifo")})
+    assert res.returncode == UNSUPPORTED, res.stderr
+    assert "1 request(s) completed while the process was frozen" in res.stderr, res.stderr
+    assert not (tmp_path / "img").exists()
+    target.signal()
+    target.wait_for_line(r"^OK aio-poll\b", timeout=10)
+    assert target.wait_exit(10) == 0, target.describe()

@@ -19,9 +19,12 @@ address, which becomes the context id again (the kernel follows the move).
 
 Limits: requests still in flight at the dump (submitted, not completed) are
 not in the ring, and no kernel interface shows them from outside (the
-context's request counters are private): their completions are lost, so a
-program that waits for one waits forever.  A program should checkpoint with
-its AIO requests reaped.  A ring of another size (a machine with more CPUs)
+context's request counters are private).  The one trace a dump sees is a
+completion arriving while the tree is frozen: :func:`check_rings_quiet` reads
+each tail again just before the image is committed and refuses the dump if
+one moved.  A request that stays in flight longer (a poll of a quiet pipe)
+is not seen: its completion is lost, so a program that waits for it waits
+forever.  A program should checkpoint with its AIO requests reaped.  A ring of another size (a machine with more CPUs)
 fails the restore, by name.
 """
 
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import AioRing, Vma
+from ..tracee import AddressSpace
 
 AIO_RING_MAGIC = 0xA10A10A1
 _HEADER = struct.Struct("<IIIIIIII")   # id nr head tail magic compat incompat header_length
@@ -70,6 +74,22 @@ def dump_aio_rings_frozen(pid: int, mem, vmas: Sequence[Vma]) -> list[AioRing]:
         events = b"".join(mem.read(v.start + hlen + s * EVENT_SIZE, EVENT_SIZE) for s in slots)
         out.append(AioRing(start=v.start, end=v.end, nr=nr, head=head, tail=tail, events=events))
     return out
+
+
+def check_rings_quiet(pid: int, rings: Sequence[AioRing]) -> None:
+    """Refuse the dump when a ring's tail moved since it was read: a request completed while
+    the process was frozen, so requests were in flight (the only trace of them a dump can see)."""
+    if not rings:
+        return
+    with AddressSpace(pid) as mem:
+        for ring in rings:
+            tail = _HEADER.unpack(mem.read(ring.start, _HEADER.size))[3]
+            if tail != ring.tail:
+                done = (tail - ring.tail) % ring.nr
+                raise UnsupportedResource(pid, f"AIO context {ring.start:#x}: {done} request(s) completed "
+                                               f"while the process was frozen, so requests were in flight "
+                                               f"(their completions would be lost); checkpoint when the "
+                                               f"program has reaped its requests")
 
 
 # --- restore half --------------------------------------------------------------
