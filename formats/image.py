@@ -41,6 +41,7 @@ from ptckpt.errors import (
     UnsupportedVersion,
 )
 from ptckpt.formats.model import (
+    AioRing,
     FD_STATE_TYPES,
     PAGE_SIZE,
     Creds,
@@ -250,7 +251,7 @@ class ImageWriter:
             raise ValueError(f"process {pid} already written")
         records = [proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas,
                    *proc.threads, *proc.sigactions, *proc.pending, *proc.fds, *proc.locks,
-                   *proc.timers, *proc.itimers, *proc.owners]
+                   *proc.timers, *proc.itimers, *proc.owners, *proc.aio_rings]
         self._write_file(core_name(pid), build_file(FileKind.CORE, records))
         self._cores.add(pid)
 
@@ -801,7 +802,7 @@ class ImageReader:
     def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
         single: dict[type, object] = {}
         lists: dict[type, list] = {Rlimit: [], Vma: [], Thread: [], Sigaction: [], PendingSignal: [], Fd: [],
-                                   HeldLock: [], PosixTimer: [], Itimer: [], FdOwner: []}
+                                   HeldLock: [], PosixTimer: [], Itimer: [], FdOwner: [], AioRing: []}
         unknown = []
         for entry in entries:
             if isinstance(entry, RawEntry):
@@ -823,7 +824,8 @@ class ImageReader:
             rlimits=tuple(lists[Rlimit]), vmas=tuple(lists[Vma]), threads=tuple(lists[Thread]),
             sigactions=tuple(lists[Sigaction]), pending=tuple(lists[PendingSignal]),
             fds=tuple(lists[Fd]), locks=tuple(lists[HeldLock]), timers=tuple(lists[PosixTimer]),
-            itimers=tuple(lists[Itimer]), owners=tuple(lists[FdOwner]))
+            itimers=tuple(lists[Itimer]), owners=tuple(lists[FdOwner]),
+            aio_rings=tuple(lists[AioRing]))
         return proc, tuple(unknown)
 
     @classmethod

@@ -327,6 +327,20 @@ class Itimer:
 
 
 @dataclass(frozen=True)
+class AioRing:
+    """An AIO context (io_setup(2)): its ring mapping at `start` (the context id), the
+    ring's number of event slots, its head and tail, and the completions not yet
+    reaped (the io_event slots from head to tail, 32 bytes each; since format 8)."""
+
+    start: int
+    end: int
+    nr: int
+    head: int
+    tail: int
+    events: bytes = b""
+
+
+@dataclass(frozen=True)
 class ProcessImage:
     """Everything core-PID.img holds, decoded."""
 
@@ -343,6 +357,7 @@ class ProcessImage:
     timers: tuple["PosixTimer", ...] = ()        # since format 7
     itimers: tuple["Itimer", ...] = ()
     owners: tuple["FdOwner", ...] = ()           # since format 8
+    aio_rings: tuple["AioRing", ...] = ()        # since format 8
 
 
 # --- image-wide records (inventory.img, since format 2) ------------------------
@@ -575,6 +590,9 @@ class InotifyState:
     watches: tuple[InotifyWatch, ...]
     flags: int               # IN_NONBLOCK as recorded
     desc: int = 0
+    # (wd, st_dev, st_ino) of each watch on a deleted file (since format 8): its path is
+    # where the file was, and the inode is a GhostFile of the image.
+    deleted: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -624,6 +642,9 @@ class EpollState:
 
     targets: tuple[EpollTarget, ...]
     desc: int = 0
+    # Per target (since format 8): 0, or the description (Fd.desc) that holds its file now
+    # when the fd number it was registered through has been closed (or holds another file).
+    sources: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -641,8 +662,36 @@ class Terminal:
     desc: int = 0
 
 
+class FanotifyMark(NamedTuple):
+    """One mark of a fanotify group: on an inode, a mount or a file system (`kind`, one
+    of FANOTIFY_MARK_KINDS), named by a path; the user flags the kernel shows for it
+    (FAN_MARK_IGNORED_SURV_MODIFY, FAN_MARK_EVICTABLE, FAN_MARK_IGNORE), its mask and
+    its ignored mask."""
+
+    kind: int
+    path: str
+    mflags: int
+    mask: int
+    ignored_mask: int
+
+
+FANOTIFY_MARK_KINDS = {0: "inode", 1: "mount", 2: "filesystem"}
+
+
+@dataclass(frozen=True)
+class FanotifyState:
+    """A fanotify group (since format 8): its fanotify_init flags and event_f_flags, its
+    marks, O_NONBLOCK of the description."""
+
+    init_flags: int
+    event_flags: int
+    marks: tuple[FanotifyMark, ...]
+    flags: int
+    desc: int = 0
+
+
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
-                  EpollState)
+                  EpollState, FanotifyState)
 
 
 # --- System V IPC objects the tree uses (inventory.img, since format 2) --------

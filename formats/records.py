@@ -22,10 +22,10 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD*
+                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD* FANOTIFY*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
-                      POSIX_TIMER* ITIMER* FD_OWNER*
+                      POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
     PAGEMAP file   := PAGE_RUN*
     PAGES file     := (no entries: the payload is the page data)
 
@@ -84,6 +84,9 @@ from construct import (
 
 from ptckpt.formats.model import (
     GP_REG_NAMES,
+    AioRing,
+    FanotifyMark,
+    FanotifyState,
     EpollState,
     EpollTarget,
     EventfdState,
@@ -177,6 +180,7 @@ class EntryKind(enum.IntEnum):
     TERMINAL = 38
     INET_SOCKET = 39
     NETLINK_SOCKET = 40
+    FANOTIFY = 45
     IN_FLIGHT_FD = 49
     TASK = 10
     CREDS = 11
@@ -192,6 +196,7 @@ class EntryKind(enum.IntEnum):
     POSIX_TIMER = 21
     ITIMER = 22
     FD_OWNER = 26
+    AIO_RING = 28
 
 
 class EntryDecodeError(ValueError):
@@ -636,6 +641,20 @@ FdOwnerRecord = Record(FdOwner, Struct(
 ))
 
 
+# --- AIO_RING -------------------------------------------------------------------
+# io_setup(2): the "[aio]" mapping of /proc/PID/maps is the context's ring, struct
+# aio_ring (fs/aio.c: id, nr, head, tail, magic, features, header_length) followed by
+# nr struct io_event (include/uapi/linux/aio_abi.h, 32 bytes each).
+AioRingRecord = Record(AioRing, Struct(
+    "start" / Int64ul,
+    "end" / Int64ul,
+    "nr" / Int32ul,
+    "head" / Int32ul,
+    "tail" / Int32ul,
+    "events" / Blob,                  # the io_event slots from head to tail
+))
+
+
 # --- PAGE_RUN ----------------------------------------------------------------
 # A run of consecutive present pages (man 5 proc /proc/PID/pagemap bits 63/62,
 # or mincore-style detection) stored contiguously in pages-PID.img at `offset`
@@ -772,6 +791,8 @@ InotifyRecord = Record(InotifyState, Struct(
     "desc" / VarInt,
     "watches" / PrefixedArray(VarInt, _WatchAdapter(CSequence(Int32sl, Text, Int32ul))),
     "flags" / Int32ul,
+    # watches on deleted files: (wd, st_dev, st_ino) of the inode (a GHOST_FILE)
+    "deleted" / Since(8, PrefixedArray(VarInt, CSequence(Int32sl, Int64ul, Int64ul))),
 ))
 MemfdRecord = Record(MemfdState, Struct(
     "desc" / VarInt,
@@ -797,6 +818,27 @@ MqueueRecord = Record(MqueueState, Struct(
 
 
 
+class _MarkAdapter(Adapter):
+    """(kind, path, mflags, mask, ignored_mask) <-> FanotifyMark."""
+
+    def _decode(self, obj, context, path):
+        return FanotifyMark(*obj)
+
+    def _encode(self, obj, context, path):
+        return list(obj)
+
+
+# fanotify(7): fdinfo "fanotify flags:X event-flags:Y" and one line per mark (inode:
+# ino/sdev/f_handle, mount: mnt_id, file system: sdev), fs/notify/fdinfo.c; marks by path.
+FanotifyRecord = Record(FanotifyState, Struct(
+    "desc" / VarInt,
+    "init_flags" / Int32ul,
+    "event_flags" / Int32ul,
+    "marks" / PrefixedArray(VarInt, _MarkAdapter(CSequence(Int8ul, Text, Int32ul, Int64ul, Int64ul))),
+    "flags" / Int32ul,
+))
+
+
 class _TargetAdapter(Adapter):
     """(tfd, events, data) <-> EpollTarget."""
 
@@ -811,6 +853,8 @@ class _TargetAdapter(Adapter):
 EpollRecord = Record(EpollState, Struct(
     "desc" / VarInt,
     "targets" / PrefixedArray(VarInt, _TargetAdapter(CSequence(Int32ul, Int32ul, Int64ul))),
+    # kcmp(2) KCMP_EPOLL_TFD: the description holding a target whose fd number was closed
+    "sources" / Since(8, PrefixedArray(VarInt, VarInt)),
 ))
 
 
@@ -937,6 +981,8 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
     EntryKind.FD_OWNER: FdOwnerRecord,
+    EntryKind.AIO_RING: AioRingRecord,
+    EntryKind.FANOTIFY: FanotifyRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -948,12 +994,13 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.EVENTFD, EntryKind.TIMERFD, EntryKind.SIGNALFD,
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
                                    EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
-                                   EntryKind.NETLINK_SOCKET, EntryKind.IN_FLIGHT_FD}),
+                                   EntryKind.NETLINK_SOCKET, EntryKind.IN_FLIGHT_FD,
+                                   EntryKind.FANOTIFY}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
         EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
-        EntryKind.ITIMER, EntryKind.FD_OWNER,
+        EntryKind.ITIMER, EntryKind.FD_OWNER, EntryKind.AIO_RING,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
     FileKind.PAGES: frozenset(),
@@ -985,6 +1032,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
                   Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,
+                  AioRing, FanotifyState,
                   RawEntry]
 
 

@@ -35,9 +35,9 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
-from .formats.model import Fd, FdKind, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns, pipes,
-                        process, signals, sockets, sysvipc, terminals, threads, timers)
+from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
+from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
+                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -217,6 +217,8 @@ def dump(pid: int, directory: str | None = None, *,
             real_pids=view.pairs(),
             netlock=net.lock.id if net.lock is not None and mode is DumpMode.KILL else "",
         ), shared)
+        for member in pids:                      # a completion while frozen: requests in flight
+            aio.check_rings_quiet(member, images[member].aio_rings)
         writer.commit()
     except BaseException:
         flight.close()
@@ -409,7 +411,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
         shell = {f.fd for f in flist if f.desc in stdio}
         images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
-        bad = files.unsupported_fds(flist, stdio) + files.owners_outside(
+        bad = files.unsupported_fds(flist, stdio) + memory.unsupported_vmas(images[p].vmas) + files.owners_outside(
             p, list(images[p].owners), tree, {im.task.pgid for im in images.values()})
         if bad:
             raise UnsupportedResource(p, bad[0])
@@ -426,16 +428,28 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
             raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
+    states = _fd_states(fds)
+    ghosts = files.dump_ghost_files(held, {p: list(im.vmas) for p, im in images.items()},
+                                    {p: im.task for p, im in images.items()})
+    _check_deleted_watches(fds, states, {("ghost", g.dev, g.ino) for g in ghosts})
     if net is None:
         net = inet.InetDump(inet.Policy(), "")
     out = (pipes.dump_pipes(held, internal_pipes) + net.capture_frozen(fds, stdio)
-           + netlink.dump_netlink_sockets(fds) + _fd_states(fds) + _terminals(root, fds[root])
-           + files.dump_ghost_files(held, {p: list(im.vmas) for p, im in images.items()},
-                                    {p: im.task for p, im in images.items()})
+           + netlink.dump_netlink_sockets(fds) + states + _terminals(root, fds[root]) + ghosts
            + flight.records())
     # Last: reading a pending connection's data accepts it, which only a kill makes good.
     return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
                                                    flight=flight)
+
+
+def _check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:
+    """An inotify watch on a deleted file needs the file in the image (a ghost file)."""
+    for state in states:
+        if isinstance(state, InotifyState):
+            bad = anonfds.deleted_watches_unheld(state, ghosts)
+            if bad:
+                p, f = next((p, f) for p, flist in fds.items() for f in flist if f.desc == state.desc)
+                raise UnsupportedResource(p, f"fd {f.fd} ({f.path}): {bad[0]}")
 
 
 def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
@@ -457,7 +471,7 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
             if f.kind in anonfds.ANON_FD_KINDS:
                 out.append(dataclasses.replace(anonfds.dump_anon_fd(p, f.fd, f.kind), desc=f.desc))
             elif f.kind is FdKind.EPOLL:
-                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, {x.fd for x in flist}),
+                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, flist),
                                                desc=f.desc))
             else:
                 continue
@@ -563,6 +577,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                         task_record = dataclasses.replace(task_record, state="T")
         fds = files.dump_fds(pid)
         _check_fdinfo(pid, fds)
+        aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)
         for task in tasks:   # signals we held back while freezing are still pending
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
@@ -580,6 +595,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             timers=tuple(posix_timers),
             itimers=tuple(itimers),
             owners=tuple(files.dump_owners(pid, fds)),
+            aio_rings=tuple(aio_rings),
         )
         pages = writer.pages_writer(vpid)
         runs, stats = memory.dump_pages_frozen(mem, vmas, pages, _merged(lent))

@@ -46,10 +46,10 @@ from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, InetMode, MsgImage, PageRun,
-                            ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes, process,
-                        signals, sockets, sysvipc, terminals, threads, timers)
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
+                            InotifyState, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind)
+from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes,
+                        process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -118,7 +118,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     bad = files.restore_plan_problems(list(proc.fds), handed or {})
     for v in proc.vmas:
         if (v.file_deleted and memory.shared_object_key(v) is None and not memory.is_sysv(v)
-                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts):
+                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts
+                and not (aio.is_aio_ring(v) and any(r.start == v.start for r in proc.aio_rings))):
             bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
         if memory.is_sysv(v) and v.inode not in {o.shmid for o in image.sysv if isinstance(o, ShmImage)}:
             bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x} (its segment is not in the image)")
@@ -275,6 +276,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
+                _settle_notifications(image.fd_states, handed)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
@@ -331,6 +333,19 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 os.close(channel)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _settle_notifications(states, handed: dict) -> None:
+    """Once the tree is rebuilt: inotify queues emptied of the events the restore caused (its
+    opens of the tree's files, the unlinks of ghost files; a queue was empty at dump), and
+    fanotify groups marked (their marks would have queued the same)."""
+    for state in states:
+        if state.desc not in handed:
+            continue
+        if isinstance(state, InotifyState):
+            anonfds.drain_inotify(handed[state.desc])
+        elif isinstance(state, FanotifyState):
+            anonfds.mark_fanotify(handed[state.desc], state)
 
 
 def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
@@ -579,12 +594,13 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
         ghost_paths = files.create_ghost_files(list(image.ghost_files))
+        mapped = {files.ghost_key(v) for proc in procs.values() for v in proc.vmas}
         for g in image.ghost_files:
             key = ("ghost", g.dev, g.ino)
             if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
                 opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
                     ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            else:                                     # what the deleted mappings map
+            elif key in mapped:                       # what the deleted mappings map
                 opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
         socket_inos = {u.ino for u in image.unix_sockets}
         inet_inos = {r.ino for r in image.inet_sockets}
@@ -600,7 +616,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             f = plan.get(state.desc)
             if f is not None:
                 opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                                      else anonfds.create_anon_fd(state, f.flags))
+                                      else anonfds.create_anon_fd(state, f.flags, ghost_paths))
                 if f.kind is FdKind.MEMFD:            # the same object for its mappings
                     made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
         for d, f in plan.items():
@@ -752,12 +768,17 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
     recorded them; one sharing its parent's table leaves it to the parent)."""
     todo = {s.desc: s for s in states if isinstance(s, EpollState)}
     out: dict[int, list[tuple[int, EpollState]]] = {}
-    for p, proc in procs.items():
-        if proc.task.shares_files:
-            continue
-        for f in proc.fds:
-            if f.desc in todo and not f.skipped:
-                out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
+    # A member that also holds the files of its closed-number targets first (the dump's);
+    # never one that shares its parent's fd table (the parent registers for both).
+    for whole in (True, False):
+        for p, proc in procs.items():
+            if proc.task.shares_files:
+                continue
+            held = {f.desc for f in proc.fds if not f.skipped}
+            for f in proc.fds:
+                state = todo.get(f.desc)
+                if state is not None and not f.skipped and (not whole or held >= set(state.sources) - {0}):
+                    out.setdefault(p, []).append((f.fd, todo.pop(f.desc)))
     return out
 
 
@@ -772,6 +793,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
         with _injection(leader, mem) as remote:
             if not memory_done:
                 _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
+            aio.restore_aio_rings_frozen(remote, proc.aio_rings)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
             dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
@@ -782,7 +804,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
                                                 if isinstance(key, tuple) and key[:2] == ("install", vpid)],
                                          keep={chan, *dirs.values()})
                 for epfd, state in epolls:
-                    epoll.restore_targets_frozen(remote, epfd, state.targets)
+                    epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
             warnings += process.restore_task_frozen(remote, proc.task, dirs)
             process.restore_mm_frozen(remote, proc.mm)
             process.restore_root_frozen(remote, proc.task, dirs)

@@ -129,6 +129,7 @@ def _process_json(reader: ImageReader, pid: int) -> dict[str, Any]:
         "pending_signals": [record_to_json(p) for p in proc.pending],
         "fds": [record_to_json(f) for f in proc.fds],
         "fd_owners": [record_to_json(o) for o in proc.owners],
+        "aio_rings": [record_to_json(r) for r in proc.aio_rings],
         "unknown_entries": [{"kind": e.kind, "size": len(e.payload)} for e in reader.unknown_entries(pid)],
         "pages": _pages_json(reader, pid),
     }

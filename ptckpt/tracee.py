@@ -858,3 +858,24 @@ def same_open_file(pid1: int, fd1: int, pid2: int, fd2: int) -> bool:
     if res < 0:
         raise _translate_errno(-res, pid1, f"kcmp of fd {fd1} and pid {pid2} fd {fd2}")
     return res == 0
+
+
+KCMP_EPOLL_TFD = 7
+
+
+class _KcmpEpollSlot(ctypes.Structure):
+    # struct kcmp_epoll_slot (include/uapi/linux/kcmp.h)
+    _fields_ = [("efd", ctypes.c_uint32), ("tfd", ctypes.c_uint32), ("toff", ctypes.c_uint32)]
+
+
+def epoll_holds(pid: int, fd: int, ep_pid: int, epfd: int, tfd: int, toff: int) -> bool:
+    """kcmp(KCMP_EPOLL_TFD): is the file of fd `fd` of `pid` the one registered in epoll
+    `epfd` of `ep_pid` as the `toff`-th item (from 0) under fd number `tfd`?"""
+    slot = _KcmpEpollSlot(epfd, tfd, toff)
+    res = _host_syscall(SYSCALL_NUMBERS["kcmp"], pid, ep_pid, KCMP_EPOLL_TFD, fd,
+                        ctypes.addressof(slot))
+    if res in (-errno.EBADF, -errno.ENOENT):
+        return False
+    if res < 0:
+        raise _translate_errno(-res, pid, f"kcmp of fd {fd} and epoll {epfd} of pid {ep_pid}")
+    return res == 0

@@ -28,6 +28,7 @@ import pytest
 from ptckpt import procfs
 from ptckpt.errors import UnsupportedResource
 from ptckpt.formats.model import FdKind
+from ptckpt.resources import anonfds
 from ptckpt.resources.anonfds import (
     EFD_SEMAPHORE, F_GET_SEALS, F_SEAL_GROW, F_SEAL_WRITE, IN_EXCL_UNLINK, IN_ONESHOT,
     TFD_TIMER_ABSTIME, EventfdState, InotifyState, InotifyWatch, MemfdState, MqueueState,
@@ -100,7 +101,7 @@ elif kind == "inotify-deleted":
     keep = os.open(f"{base}/gone", os.O_RDWR | os.O_CREAT)
     check(libc.inotify_add_watch(fd, f"{base}/gone".encode(), 0x2), "add_watch")  # IN_MODIFY
     os.unlink(f"{base}/gone")
-    out["fd"] = fd
+    out["fd"], out["keep"] = fd, keep
 elif kind == "inotify-pending":
     base = args[0]
     fd = check(libc.inotify_init1(os.O_NONBLOCK), "inotify_init1")
@@ -365,12 +366,17 @@ def test_inotify_same_wds(child, fds, tmp_path):
     assert (13, IN_CREATE, "also") in got
 
 
-def test_inotify_watch_on_deleted_file_is_refused(child, tmp_path):
+def test_inotify_watch_on_deleted_file_is_recorded_with_its_inode(child, tmp_path):
     c = child("inotify-deleted", str(tmp_path))
     c.stop()
     fd = c.info["fd"]
-    with pytest.raises(UnsupportedResource, match=rf"fd {fd} .*inotify watch 1 .*cannot be resolved"):
-        dump_anon_fd(c.pid, fd, FdKind.INOTIFY)
+    st = os.stat(f"/proc/{c.pid}/fd/{c.info['keep']}")          # the fd that keeps the file
+    state = dump_anon_fd(c.pid, fd, FdKind.INOTIFY)
+    assert state.watches == (InotifyWatch(1, str(tmp_path / "gone"), 0x2),)
+    assert state.deleted == ((1, st.st_dev, st.st_ino),)
+    # a dump refuses it unless the tree holds the file (then it is a ghost file of the image)
+    assert anonfds.deleted_watches_unheld(state, {("ghost", st.st_dev, st.st_ino)}) == []
+    assert "inotify watch 1 on the deleted file" in anonfds.deleted_watches_unheld(state, set())[0]
 
 
 def test_inotify_with_queued_events_is_refused(child, tmp_path):

@@ -26,6 +26,9 @@ from ptckpt.errors import (
 )
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name, pagemap_name, pages_name
 from ptckpt.formats.model import (
+    AioRing,
+    FanotifyMark,
+    FanotifyState,
     GP_REG_NAMES,
     EpollState,
     InetMode,
@@ -167,6 +170,7 @@ def make_process(pid=100) -> ProcessImage:
                            left_ns=0)),
         itimers=(Itimer(which=0, interval_us=30_000, left_us=12_345),),
         owners=(FdOwner(fd=7, owner_type=1, pid=pid, signo=0), FdOwner(fd=9, owner_type=2, pid=pid - 1, signo=29)),
+        aio_rings=(AioRing(start=0x7f0000200000, end=0x7f0000201000, nr=127, head=3, tail=5, events=bytes(range(64))),),
     )
 
 
@@ -174,7 +178,7 @@ def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
             *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
-            *proc.owners, PageRun(0x7f0000000000, 4, 8192),
+            *proc.owners, *proc.aio_rings, PageRun(0x7f0000000000, 4, 8192),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -206,11 +210,11 @@ def sample_records() -> list:
                          ticks=3, expires_ns=-1, desc=5),
             SignalfdState(mask=(1 << 9) | (1 << 14), flags=0, desc=6),
             InotifyState(watches=(InotifyWatch(1, "/tmp/a", 0x100), InotifyWatch(12, ODD_PATH, 0x2)),
-                         flags=0o4000, desc=7),
+                         flags=0o4000, desc=7, deleted=((12, 0x10302, 99),)),
             MemfdState(name="board", contents=b"\x07" * 100, size=4096, seals=0xb, mode=0o777, pos=9, desc=8),
             MqueueState(name="/q", maxmsg=10, msgsize=8192, flags=0o4000, messages=((5, b"hi"), (0, b"")),
                         mode=0o600, uid=0, gid=0, unlinked=True, desc=9),
-            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10),
+            EpollState(targets=(EpollTarget(4, 0x80000019, 2**64 - 1), EpollTarget(9, 1, 0)), desc=10, sources=(0, 3)),
             Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
                      sid=-1, controlling=True, desc=11),
             InetSocket(ino=88, family=10, type=1, protocol=6, state=8, mode=InetMode.REPAIRED, src="::1",
@@ -224,6 +228,9 @@ def sample_records() -> list:
             InetSocket(ino=(1 << 62) | 1, family=2, type=1, protocol=6, state=1, mode=InetMode.PENDING,
                        src="127.0.0.1", sport=80, dst="127.0.0.1", dport=40000, listener=91, peer=92),
             NetlinkSocket(ino=93, type=3, protocol=0, portid=4242, groups=0x11, dst_portid=0, dst_group=0),
+            FanotifyState(init_flags=0x200, event_flags=0o100000, flags=0o4000, desc=12,
+                          marks=(FanotifyMark(0, ODD_PATH, 0x40, 0, 0x8), FanotifyMark(1, "/", 0, 2**40, 0),
+                                 FanotifyMark(2, "/tmp", 0x200, 0x20, 0))),
             PluginData(name="vendor", version="1.2", pid=-1, key="", data=b""),
             PluginData(name="vendor", version="1.2", pid=100, key="emulator-state", data=b"\x00state")]
 

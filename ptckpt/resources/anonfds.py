@@ -1,4 +1,4 @@
-"""eventfd, timerfd, signalfd, inotify, memfd and mqueue fds: their state, and the object again.
+"""eventfd, timerfd, signalfd, inotify, fanotify, memfd and mqueue fds: their state, and the object again.
 
 Dump half: :func:`dump_anon_fd` reads the state of one such fd of a frozen
 target into a frozen dataclass (one per kind, :data:`AnonFdState`).  The
@@ -22,8 +22,19 @@ the target could notice afterwards:
   relative to a mount of the device ``sdev`` (the kernel's dev_t, major << 20
   | minor) found in ptckpt's /proc/self/mountinfo, and reading the link of
   the fd obtained; it is accepted only when that path, looked up again, is
-  the very inode.  Unread events cannot be read without consuming them, so an
-  inotify fd with queued events (FIONREAD) is refused.
+  the very inode.  A watch on a deleted file (the handle opens an inode with
+  no links left) is recorded at the path it had, with its (st_dev, st_ino):
+  the dump keeps it only when the tree holds that file open or mapped, so the
+  file is a ghost file of the image.  Unread events cannot be read without
+  consuming them, so an inotify fd with queued events (FIONREAD) is refused.
+* fanotify: ``fanotify flags:.. event-flags:..`` (fanotify_init's flags and
+  event_f_flags), then one line per mark: on an inode (``ino``, ``sdev`` and a
+  file handle, resolved to a path as for inotify), a mount (``mnt_id``, its
+  mount point in ptckpt's mountinfo) or a file system (``sdev``, a mount of
+  it), with ``mflags`` (the FAN_MARK_* flags it was added with that the kernel
+  keeps), ``mask`` and ``ignored_mask``.  A group of the content or
+  pre-content class (permission events: those read and not yet answered
+  cannot be seen) and a group with unread events are refused.
 * memfd:    name from the link ("/memfd:NAME (deleted)"), contents by pread
   on the copy (the shared offset is not moved), size, mode, seals
   (F_GET_SEALS) and offset.
@@ -50,7 +61,13 @@ flags (O_NONBLOCK ...) of the recorded description:
   reused, a fresh instance starts at 1), so a gap is skipped by adding and
   removing a placeholder watch (on a memfd of ptckpt's, an inode nobody else
   watches) once per missing number; the IN_IGNORED events this queues are
-  read away before the fd is handed over;
+  read away before the fd is handed over; a watch on a deleted file is put on
+  the ghost file made again (the very inode the restored fds open); the events
+  the rest of the restore queues (its opens of the tree's files, the ghosts'
+  unlinks) are read away once the tree is rebuilt (:func:`drain_inotify`);
+* fanotify with its init flags and event flags; its marks are added by
+  :func:`mark_fanotify` once the restore has opened every file of the tree
+  (else its own opens would be queued as events);
 * memfd with its name, contents, size, mode and offset, seals last;
 * mqueue opened by name: created (O_EXCL, with its attributes, mode and
   owner) when it is gone, then filled with the messages.  When a queue of
@@ -72,11 +89,16 @@ Limits (what the kernel does not let us see or set):
   been further on (its removed top wds leave no trace); add-time flags
   (IN_MASK_ADD, IN_ONLYDIR, IN_MASK_CREATE) are not kept (IN_ONESHOT and
   IN_EXCL_UNLINK are); a watch on a file system without file handles
-  (procfs, sysfs ...), on a file no longer linked, on a mount ptckpt does not
+  (procfs, sysfs ...), on a deleted file no fd or mapping of the tree holds
+  (another process does), on a mount ptckpt does not
   see, or whose dentry the kernel can only give disconnected, is refused;
-  events that happen to the watched files while the restore numbers the wds
-  are read away with the placeholders' IN_IGNORED; paths are ptckpt's view of
+  events that happen to the watched files during the restore, until the tree
+  is rebuilt, are read away with the restore's own; paths are ptckpt's view of
   the mounts (the target must share ptckpt's mount namespace).
+* fanotify: marks by path (ptckpt's view of the mounts), so a mark on a deleted
+  file or a mount ptckpt does not see is refused; a mark of a kind this version
+  does not know (mount namespace marks) is refused; events that happen between
+  the marks and the resume are the restored program's to read.
 * memfd: read whole into memory; MFD_HUGETLB memfds are refused; each call
   makes its own object (several descriptions of one memfd, or an fd and a
   mapping of it, must be given one object by the caller); the seals are in
@@ -107,8 +129,9 @@ from typing import NamedTuple, Union
 
 from .. import procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import (EventfdState, FdKind, InotifyState, InotifyWatch, MemfdState, MqueueState,
-                             SignalfdState, TimerfdState)
+from ..formats.model import (FANOTIFY_MARK_KINDS, EventfdState, FanotifyMark, FanotifyState, FdKind,
+                             InotifyState, InotifyWatch, MemfdState, MqueueState, SignalfdState,
+                             TimerfdState)
 from ..tracee import pidfd_getfd
 
 # --- constants (include/uapi/linux/{eventfd,timerfd,signalfd,inotify,memfd,fcntl}.h) ---
@@ -142,6 +165,19 @@ IN_EXCL_UNLINK = 0x04000000
 IN_ONESHOT = 0x80000000
 _INOTIFY_EVENT = struct.Struct("iIII")     # wd, mask, cookie, len (then the name)
 
+FAN_CLOEXEC = 0x1
+FAN_NONBLOCK = 0x2
+FAN_CLASS_MASK = 0xC                 # FAN_CLASS_CONTENT 0x4, FAN_CLASS_PRE_CONTENT 0x8
+FAN_MARK_ADD = 0x1
+FAN_MARK_DONT_FOLLOW = 0x4
+FAN_MARK_MOUNT = 0x10
+FAN_MARK_IGNORED_MASK = 0x20
+FAN_MARK_IGNORED_SURV_MODIFY = 0x40
+FAN_MARK_FILESYSTEM = 0x100
+FAN_MARK_EVICTABLE = 0x200
+FAN_MARK_IGNORE = 0x400
+_FAN_KIND_FLAG = {0: FAN_MARK_DONT_FOLLOW, 1: FAN_MARK_MOUNT, 2: FAN_MARK_FILESYSTEM}
+
 MFD_CLOEXEC = 0x1
 MFD_ALLOW_SEALING = 0x2
 MFD_NOEXEC_SEAL = 0x8
@@ -158,6 +194,7 @@ F_SEAL_EXEC = 0x20
 HUGETLBFS_MAGIC = 0x958458F6
 MQUEUE_MAGIC = 0x19800202
 _EVENTFD_MAX = 2**64 - 2
+_DELETED = " (deleted)"
 
 
 # --- libc ----------------------------------------------------------------------
@@ -199,6 +236,8 @@ _signalfd = _proto("signalfd", _c_int, _c_int, _c_char_p, _c_int)
 _inotify_init1 = _proto("inotify_init1", _c_int, _c_int)
 _inotify_add_watch = _proto("inotify_add_watch", _c_int, _c_int, _c_char_p, ctypes.c_uint32)
 _inotify_rm_watch = _proto("inotify_rm_watch", _c_int, _c_int, _c_int)
+_fanotify_init = _proto("fanotify_init", _c_int, _c_uint, _c_uint)
+_fanotify_mark = _proto("fanotify_mark", _c_int, _c_int, _c_uint, ctypes.c_uint64, _c_int, _c_char_p)
 _open_by_handle_at = _proto("open_by_handle_at", _c_int, _c_int, _c_char_p, _c_int)
 _name_to_handle_at = _proto("name_to_handle_at", _c_int, _c_int, _c_char_p, _c_char_p,
                             ctypes.POINTER(_c_int), _c_int)
@@ -228,10 +267,10 @@ def _check(res: int, what: str) -> int:
 # EventfdState ... MqueueState are image records: formats/model.py.
 
 AnonFdState = Union[EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState,
-                    MqueueState]
+                    MqueueState, FanotifyState]
 
 ANON_FD_KINDS = frozenset({FdKind.EVENTFD, FdKind.TIMERFD, FdKind.SIGNALFD, FdKind.INOTIFY,
-                           FdKind.MEMFD, FdKind.MQUEUE})
+                           FdKind.MEMFD, FdKind.MQUEUE, FdKind.FANOTIFY})
 
 
 # --- dump half -----------------------------------------------------------------
@@ -344,29 +383,60 @@ def _dump_signalfd(t: _Target, info: procfs.FdInfo) -> SignalfdState:
                          flags=info.flags & SFD_NONBLOCK)
 
 
-def _dump_inotify(t: _Target, info: procfs.FdInfo) -> InotifyState:
+def _refuse_unread_events(t: _Target, what: str) -> None:
+    """Queued events (FIONREAD) cannot be read without taking them from the process."""
     with _copy(t) as copy:
         queued = struct.unpack("i", fcntl.ioctl(copy, termios.FIONREAD, b"\0" * 4))[0]
     if queued:
-        raise t.unsupported(f"{queued} bytes of unread inotify events (they cannot be "
+        raise t.unsupported(f"{queued} bytes of unread {what} events (they cannot be "
                             f"read without taking them from the process)")
+
+
+def _dump_inotify(t: _Target, info: procfs.FdInfo) -> InotifyState:
+    _refuse_unread_events(t, "inotify")
     mounts = _Mounts()
     try:
-        watches = [_dump_watch(t, line, mounts) for line in info.extra.get("inotify", [])]
+        found = [_dump_watch(t, line, mounts) for line in info.extra.get("inotify", [])]
     finally:
         mounts.close()
-    return InotifyState(watches=tuple(sorted(watches)), flags=info.flags & IN_NONBLOCK)
+    return InotifyState(watches=tuple(sorted(w for w, _ in found)), flags=info.flags & IN_NONBLOCK,
+                        deleted=tuple(sorted((w.wd, *inode) for w, inode in found if inode)))
 
 
-def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> InotifyWatch:
-    """One 'inotify wd:.. ino:.. sdev:.. mask:.. ... f_handle:..' line, its path resolved."""
+def deleted_watches_unheld(state: InotifyState, ghosts: set) -> list[str]:
+    """'inotify watch N on deleted file P' for each watch of `state` on a deleted file whose
+    inode the image does not hold as a ghost file (no fd or mapping of the tree has it)."""
+    paths = {w.wd: w.path for w in state.watches}
+    return [f"inotify watch {wd} on the deleted file {paths.get(wd)} (inode {ino}): no fd or mapping of "
+            f"the tree holds the file, so it cannot be made again to watch it"
+            for wd, dev, ino in state.deleted if ("ghost", dev, ino) not in ghosts]
+
+
+def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> tuple[InotifyWatch, tuple[int, int] | None]:
+    """One 'inotify wd:.. ino:.. sdev:.. mask:.. ... f_handle:..' line, its path resolved:
+    (the watch, None), or for a deleted file (the watch at its old path, (st_dev, st_ino))."""
     fields = dict(item.partition(":")[::2] for item in line.split())
     try:
         wd, ino, sdev, mask = (int(fields[k], 16) for k in ("wd", "ino", "sdev", "mask"))
     except (KeyError, ValueError):
         raise t.unsupported(f"an inotify fdinfo line not understood: {line!r}") from None
-    dev = os.makedev(sdev >> 20, sdev & 0xFFFFF)
+    dev = _kernel_dev(sdev)
     where = f"inotify watch {wd} (inode {ino} on device {os.major(dev)}:{os.minor(dev)})"
+    path = _path_of_mark(t, fields, dev, ino, mounts, where, line)
+    if path.endswith(_DELETED):
+        return InotifyWatch(wd=wd, path=path.removesuffix(_DELETED), mask=mask), (dev, ino)
+    return InotifyWatch(wd=wd, path=path, mask=mask), None
+
+
+def _kernel_dev(sdev: int) -> int:
+    """A dev_t from the kernel's internal form (major << 20 | minor), as fdinfo shows it."""
+    return os.makedev(sdev >> 20, sdev & 0xFFFFF)
+
+
+def _path_of_mark(t: _Target, fields: dict, dev: int, ino: int, mounts: _Mounts, where: str,
+                  line: str) -> str:
+    """The path of the inode an fdinfo mark line names by file handle (" (deleted)" at the end
+    for a deleted file)."""
     if "f_handle" not in fields:
         raise t.unsupported(f"{where}: its file system gives no file handle, so its path "
                             f"cannot be found")
@@ -379,7 +449,60 @@ def _dump_watch(t: _Target, line: str, mounts: _Mounts) -> InotifyWatch:
     path, why = mounts.resolve(dev, ino, handle)
     if path is None:
         raise t.unsupported(f"{where}: its path cannot be resolved ({why})")
-    return InotifyWatch(wd=wd, path=path, mask=mask)
+    return path
+
+
+def _dump_fanotify(t: _Target, info: procfs.FdInfo) -> FanotifyState:
+    lines = info.extra.get("fanotify", [])
+    head = dict(item.partition(":")[::2] for item in (lines[0].split() if lines else []))
+    try:
+        init_flags, event_flags = int(head["flags"], 16), int(head["event-flags"], 16)
+    except (KeyError, ValueError):
+        raise t.unsupported("its fdinfo has no 'fanotify flags:' line (kernel too old?)") from None
+    if init_flags & FAN_CLASS_MASK:
+        raise t.unsupported("a fanotify group of the content or pre-content class: the permission "
+                            "events it has read and not yet answered cannot be seen; close it before "
+                            "the checkpoint")
+    _refuse_unread_events(t, "fanotify")
+    mounts = _Mounts()
+    try:
+        marks = tuple(_dump_mark(t, line, mounts) for line in lines[1:])
+    finally:
+        mounts.close()
+    return FanotifyState(init_flags=init_flags & ~(FAN_CLOEXEC | FAN_NONBLOCK), event_flags=event_flags,
+                         marks=marks, flags=info.flags & O_NONBLOCK)
+
+
+def _dump_mark(t: _Target, line: str, mounts: _Mounts) -> FanotifyMark:
+    """One fanotify mark line of fdinfo: its object by path."""
+    fields = dict(item.partition(":")[::2] for item in line.split())
+    try:
+        mflags, mask, ignored = (int(fields[k], 16) for k in ("mflags", "mask", "ignored_mask"))
+        if "ino" in fields:
+            kind, dev, ino = 0, _kernel_dev(int(fields["sdev"], 16)), int(fields["ino"], 16)
+        elif "mnt_id" in fields:
+            kind, mnt_id = 1, int(fields["mnt_id"], 16)
+        elif "sdev" in fields:
+            kind, dev = 2, _kernel_dev(int(fields["sdev"], 16))
+        else:
+            raise KeyError("kind")
+    except (KeyError, ValueError):
+        raise t.unsupported(f"a fanotify mark this version does not know: {line!r}") from None
+    if kind == 0:
+        where = f"fanotify mark on inode {ino} (device {os.major(dev)}:{os.minor(dev)})"
+        path = _path_of_mark(t, fields, dev, ino, mounts, where, line)
+        if path.endswith(_DELETED):
+            raise t.unsupported(f"{where}: the file is deleted ({path})")
+    elif kind == 1:
+        path = mounts.point_of(mnt_id)
+        if path is None:
+            raise t.unsupported(f"fanotify mark on mount {mnt_id}: a mount ptckpt does not see")
+    else:
+        path = mounts.root_of(dev)
+        if path is None:
+            raise t.unsupported(f"fanotify mark on the file system of device {os.major(dev)}:"
+                                f"{os.minor(dev)}: no mount of it is visible to ptckpt")
+    return FanotifyMark(kind=kind, path=path, mflags=mflags, mask=mask, ignored_mask=ignored)
 
 
 class _Mounts:
@@ -387,15 +510,26 @@ class _Mounts:
 
     def __init__(self) -> None:
         found: dict[int, list[tuple[bool, str]]] = {}
+        self._by_id: dict[int, str] = {}
         for line in _read_mountinfo():
             left = line.partition(b" - ")[0].split(b" ")
             major, minor = (int(x) for x in left[2].split(b":"))
             root, point = _unescape(left[3]), _unescape(left[4])
             found.setdefault(os.makedev(major, minor), []).append((root != "/", point))
+            self._by_id[int(left[0])] = point
         # Mounts of the whole file system first: every inode is below their root.
         self._by_dev = {dev: [point for _, point in sorted(points, key=lambda p: p[0])]
                         for dev, points in found.items()}
         self._open: dict[str, int] = {}
+
+    def point_of(self, mnt_id: int) -> str | None:
+        """The mount point of mount `mnt_id`, None if ptckpt does not see it."""
+        return self._by_id.get(mnt_id)
+
+    def root_of(self, dev: int) -> str | None:
+        """A mount point of the whole file system of `dev` (or of a part of it)."""
+        points = self._by_dev.get(dev)
+        return points[0] if points else None
 
     def close(self) -> None:
         for fd in self._open.values():
@@ -472,8 +606,10 @@ def _path_of_handle(mount_fd: int, handle: bytes, ino: int) -> str | None:
         path = os.readlink(f"/proc/self/fd/{fd}")
     finally:
         os.close(fd)
-    if st.st_ino != ino or not path.startswith("/") or path.endswith(" (deleted)"):
+    if st.st_ino != ino or not path.startswith("/"):
         return None
+    if path.endswith(_DELETED):
+        return path if st.st_nlink == 0 else None     # deleted, not merely disconnected
     try:
         again = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -615,22 +751,29 @@ _DUMPERS = {
     FdKind.INOTIFY: _dump_inotify,
     FdKind.MEMFD: _dump_memfd,
     FdKind.MQUEUE: _dump_mqueue,
+    FdKind.FANOTIFY: _dump_fanotify,
 }
 
 
 # --- restore half --------------------------------------------------------------
 
-def create_anon_fd(state: AnonFdState, flags: int) -> int:
+def create_anon_fd(state: AnonFdState, flags: int, ghosts: dict | None = None) -> int:
     """Make the object of `state` in ptckpt: its fd (close-on-exec; the caller owns it).
 
     `flags` are the open flags of the recorded description: the access mode
     (memfd, mqueue) and the status flags such as O_NONBLOCK are set from them.
+    `ghosts` gives the path of each deleted file made again ({("ghost", dev, ino): path}),
+    where an inotify watch on a deleted file is put (the caller unlinks it afterwards,
+    and once the tree is rebuilt reads away the events the restore queued:
+    :func:`drain_inotify`).
     Raises RestoreFailed naming the object.
     """
     maker = _MAKERS.get(type(state))
     if maker is None:
         raise TypeError(f"not an anonymous-fd state: {state!r}")
     try:
+        if isinstance(state, InotifyState):
+            return _make_inotify(state, flags, ghosts or {})
         return maker(state, flags)
     except OSError as err:
         raise RestoreFailed(f"cannot recreate {describe(state)}: {err.strerror or err}") from None
@@ -648,6 +791,8 @@ def describe(state: AnonFdState) -> str:
         return f"inotify ({len(state.watches)} watches)"
     if isinstance(state, MemfdState):
         return f"memfd:{state.name}"
+    if isinstance(state, FanotifyState):
+        return f"fanotify group ({len(state.marks)} marks)"
     return f"mqueue {state.name}"
 
 
@@ -706,12 +851,19 @@ def _make_signalfd(state: SignalfdState, flags: int) -> int:
     return fd
 
 
-def _make_inotify(state: InotifyState, flags: int) -> int:
+def _make_inotify(state: InotifyState, flags: int, ghosts: dict | None = None) -> int:
+    watches = state.watches
+    if state.deleted:
+        where = {wd: ghosts.get(("ghost", dev, ino)) if ghosts else None for wd, dev, ino in state.deleted}
+        missing = [wd for wd, path in where.items() if path is None]
+        if missing:
+            raise OSError(_errno.ENOENT, f"watch {missing[0]} is on a deleted file that was not made again")
+        watches = tuple(w._replace(path=where[w.wd]) if w.wd in where else w for w in watches)
     fd = _check(_inotify_init1(IN_CLOEXEC | IN_NONBLOCK), "inotify_init1")
     with _closing_on_error(fd):
         placeholder = os.memfd_create("ptckpt-inotify-placeholder", MFD_CLOEXEC)
         try:
-            skipped = _add_watches(fd, state.watches, f"/proc/self/fd/{placeholder}")
+            skipped = _add_watches(fd, watches, f"/proc/self/fd/{placeholder}")
         finally:
             os.close(placeholder)
         if skipped:
@@ -748,11 +900,50 @@ def _add_watches(fd: int, watches: tuple[InotifyWatch, ...], placeholder: str) -
     return skipped
 
 
+def drain_inotify(fd: int) -> None:
+    """Read away the events a restore queued on inotify instance `fd` (reopening the files it
+    watches, unlinking the deleted ones again), whatever the description's O_NONBLOCK."""
+    current = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, current | O_NONBLOCK)
+    try:
+        _drain_inotify(fd)
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, current)
+
+
 def _drain_inotify(fd: int) -> None:
     """Read away every queued event of the non-blocking instance `fd`."""
     with contextlib.suppress(BlockingIOError):
         while os.read(fd, 65536):
             pass
+
+
+def _make_fanotify(state: FanotifyState, flags: int) -> int:
+    """The group, without its marks yet (:func:`mark_fanotify`: added once the restore has
+    opened every file, so that its own opens queue no events)."""
+    fd = _check(_fanotify_init(state.init_flags | FAN_CLOEXEC | FAN_NONBLOCK, state.event_flags),
+                "fanotify_init")
+    with _closing_on_error(fd):
+        _set_status_flags(fd, flags)
+    return fd
+
+
+def mark_fanotify(fd: int, state: FanotifyState) -> None:
+    """Add the marks of `state` to the group `fd` made by :func:`create_anon_fd`."""
+    for m in state.marks:
+        kind = _FAN_KIND_FLAG[m.kind]
+        what = f"fanotify_mark ({FANOTIFY_MARK_KINDS.get(m.kind)} {m.path})"
+        try:
+            if m.mask:
+                _check(_fanotify_mark(fd, FAN_MARK_ADD | kind | m.mflags & FAN_MARK_EVICTABLE, m.mask,
+                                      -100, os.fsencode(m.path)), what)
+            if m.ignored_mask:
+                ignore = FAN_MARK_IGNORE if m.mflags & FAN_MARK_IGNORE else FAN_MARK_IGNORED_MASK
+                _check(_fanotify_mark(fd, FAN_MARK_ADD | kind | ignore
+                                      | m.mflags & (FAN_MARK_EVICTABLE | FAN_MARK_IGNORED_SURV_MODIFY),
+                                      m.ignored_mask, -100, os.fsencode(m.path)), what)
+        except OSError as err:
+            raise RestoreFailed(f"cannot mark the fanotify group again: {err.strerror or err}") from None
 
 
 def _make_memfd(state: MemfdState, flags: int) -> int:
@@ -845,4 +1036,5 @@ _MAKERS = {
     InotifyState: _make_inotify,
     MemfdState: _make_memfd,
     MqueueState: _make_mqueue,
+    FanotifyState: _make_fanotify,
 }

@@ -220,7 +220,8 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
             return ("ghost", what.dev, what.ino)
         return None
     if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
-            and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))):
+            and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))
+            and what.path != "/[aio]"):                   # an AIO ring: resources/aio.py
         return ("ghost", os.makedev(what.dev_major, what.dev_minor), what.inode)
     return None
 
@@ -379,7 +380,8 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
             proto = f", protocol {d['protocol']}" if d.get("protocol") not in (None, "0") else ""
             out.append(f"fd {f.fd} -> {f.path} ({noun}: {family} {kind}{proto})")
             continue
-        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
+        why = WHY_REFUSED.get(f.kind)
+        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()}{': ' + why.format(fd=f.fd) if why else ''})")
     return out
 
 
@@ -448,6 +450,16 @@ def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
             step = f"O_ASYNC on fd {f.fd}"
             remote.checked("fcntl", f.fd, F_SETFL, remote.checked("fcntl", f.fd, F_GETFL, step=step) | O_ASYNC,
                            step=step)
+
+
+# Why a kind is refused, and the way out ({fd} is the fd number).
+WHY_REFUSED = {
+    FdKind.IO_URING: "an io_uring instance; its rings, registered files and buffers and the "
+                     "requests in flight live in the kernel, which lets no one read them back or "
+                     "make them again; checkpoint when the program has closed its ring (e.g. a "
+                     "build without io_uring), or name it with --external fd:{fd} for a plugin "
+                     "that makes one again",
+}
 
 
 # --- restore half ------------------------------------------------------------

@@ -21,6 +21,7 @@ from .. import procfs
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
 from . import sysvipc
+from .aio import is_aio_ring
 from .files import ghost_key
 from .filepolicy import build_id
 
@@ -56,6 +57,26 @@ def classify_vma(path: str, shared: bool, inode: int, st: os.stat_result | None)
     if st is not None and _stat.S_ISCHR(st.st_mode):
         return VmaKind.DEVICE
     return VmaKind.FILE_SHARED if shared else VmaKind.FILE_PRIVATE
+
+
+def unsupported_vmas(vmas: Sequence[Vma]) -> list[str]:
+    """'mapping A-B -> anon_inode:[io_uring] (...)' for each mapping no restore can make again:
+    the kernel objects mapped through an anonymous inode (io_uring rings, perf buffers ...),
+    which stay mapped after their fd is closed."""
+    out = []
+    for v in vmas:
+        if not v.path.startswith("anon_inode:"):
+            continue
+        what = v.path[len("anon_inode:"):]
+        why = (_IO_URING_MAPPED if what == "[io_uring]"
+               else "a kernel object mapped through an anonymous inode, which ptckpt cannot make again")
+        out.append(f"mapping {v.start:#x}-{v.end:#x} -> {v.path} ({why})")
+    return out
+
+
+_IO_URING_MAPPED = ("the rings of an io_uring instance, mapped (its fd may be closed): the kernel "
+                    "lets no one read its state back or make it again; checkpoint when the program "
+                    "has unmapped and closed its ring")
 
 
 def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
@@ -200,6 +221,8 @@ def check_vmas(pid: int, vmas: Sequence[Vma]) -> None:
     """Refuse, by name, a mapping the restore cannot make as it was (see the tables above)."""
     from ..errors import UnsupportedResource
     for v in vmas:
+        if unsupported_vmas([v]):
+            continue                    # refused with its fds, by name (capture_sharing_frozen)
         where = f"mapping {v.start:#x}-{v.end:#x} {v.path or '[anon]'}"
         if v.kind is VmaKind.OTHER:
             raise UnsupportedResource(pid, f"{where} (a kind of mapping ptckpt cannot make again)")
@@ -727,8 +750,8 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
     for vma in vmas:
-        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL:
-            continue
+        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL or is_aio_ring(vma):
+            continue                              # an AIO ring: made by resources/aio.py
         if vma.cow:                               # inherited from the parent: in place already
             if id(vma) in with_pages and not vma.prot & PROT_WRITE:
                 remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot | PROT_WRITE,

@@ -1,0 +1,152 @@
+"""AIO contexts (io_setup(2)): the ring, its head and tail, and the completions not yet reaped.
+
+A context shows only as its ring, the "/[aio] (deleted)" mapping of
+/proc/PID/maps, whose address is the context id the program holds.  The ring
+is struct aio_ring (fs/aio.c) followed by `nr` struct io_event slots.
+
+Dump half: :func:`dump_aio_rings_frozen` reads each ring's header and the
+io_event slots from head to tail (completions the program has not reaped yet).
+
+Restore half: :func:`restore_aio_rings_frozen`, inside the restored process
+after its mappings are in place: io_setup with a request count that makes a
+ring of the same size (the kernel doubles the count, rounds it up to at least
+4 per possible CPU and fills whole pages, so (nr - 2) / 2 gives `nr` back on a
+machine with as many CPUs or fewer), then the new context is brought to the
+same head and tail: `head` writes to /dev/null submitted and reaped, then
+`tail - head` more submitted and left unreaped, whose io_event slots get the
+recorded completions.  Last, the ring is moved with mremap to the dumped
+address, which becomes the context id again (the kernel follows the move).
+
+Limits: requests still in flight at the dump (submitted, not completed) are
+not in the ring, and no kernel interface shows them from outside (the
+context's request counters are private).  The one trace a dump sees is a
+completion arriving while the tree is frozen: :func:`check_rings_quiet` reads
+each tail again just before the image is committed and refuses the dump if
+one moved.  A request that stays in flight longer (a poll of a quiet pipe)
+is not seen: its completion is lost, so a program that waits for it waits
+forever.  A program should checkpoint with its AIO requests reaped.  A ring of another size (a machine with more CPUs)
+fails the restore, by name.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from ..errors import PtckptError, RestoreFailed, UnsupportedResource
+from ..formats.model import AioRing, Vma
+from ..tracee import AddressSpace
+
+AIO_RING_MAGIC = 0xA10A10A1
+_HEADER = struct.Struct("<IIIIIIII")   # id nr head tail magic compat incompat header_length
+EVENT_SIZE = 32                        # struct io_event: data obj res res2
+_IOCB = struct.Struct("<QIIHhIQQqQII")   # struct iocb (aio_abi.h, little-endian): 64 bytes
+IOCB_CMD_PWRITE = 1
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+O_WRONLY, O_CLOEXEC = 0o1, 0o2000000
+AT_FDCWD = -100 & (2**64 - 1)
+_BATCH = 32
+
+
+def is_aio_ring(vma: Vma) -> bool:
+    """The ring of an AIO context: "/[aio] (deleted)" in /proc/PID/maps."""
+    return vma.path == "/[aio]" and vma.file_deleted
+
+
+# --- dump half -----------------------------------------------------------------
+
+def dump_aio_rings_frozen(pid: int, mem, vmas: Sequence[Vma]) -> list[AioRing]:
+    """Each AIO ring of the frozen process `pid` (`mem`: its AddressSpace)."""
+    out = []
+    for v in vmas:
+        if not is_aio_ring(v):
+            continue
+        where = f"AIO context {v.start:#x} (mapping {v.start:#x}-{v.end:#x})"
+        try:
+            _id, nr, head, tail, magic, _compat, _incompat, hlen = _HEADER.unpack(mem.read(v.start, _HEADER.size))
+        except PtckptError as err:
+            raise UnsupportedResource(pid, f"{where}: its ring cannot be read ({err})") from None
+        if magic != AIO_RING_MAGIC or hlen != _HEADER.size or not nr or head >= nr or tail >= nr \
+                or hlen + nr * EVENT_SIZE > v.end - v.start:
+            raise UnsupportedResource(pid, f"{where}: a ring this version does not understand "
+                                           f"(magic {magic:#x}, nr {nr}, head {head}, tail {tail})")
+        slots = [(head + i) % nr for i in range((tail - head) % nr)]
+        events = b"".join(mem.read(v.start + hlen + s * EVENT_SIZE, EVENT_SIZE) for s in slots)
+        out.append(AioRing(start=v.start, end=v.end, nr=nr, head=head, tail=tail, events=events))
+    return out
+
+
+def check_rings_quiet(pid: int, rings: Sequence[AioRing]) -> None:
+    """Refuse the dump when a ring's tail moved since it was read: a request completed while
+    the process was frozen, so requests were in flight (the only trace of them a dump can see)."""
+    if not rings:
+        return
+    with AddressSpace(pid) as mem:
+        for ring in rings:
+            tail = _HEADER.unpack(mem.read(ring.start, _HEADER.size))[3]
+            if tail != ring.tail:
+                done = (tail - ring.tail) % ring.nr
+                raise UnsupportedResource(pid, f"AIO context {ring.start:#x}: {done} request(s) completed "
+                                               f"while the process was frozen, so requests were in flight "
+                                               f"(their completions would be lost); checkpoint when the "
+                                               f"program has reaped its requests")
+
+
+# --- restore half --------------------------------------------------------------
+
+def restore_aio_rings_frozen(remote, rings: Sequence[AioRing]) -> None:
+    """Make each context again at its address, with its head, tail and unreaped completions."""
+    if not rings:
+        return
+    with remote.scratch(b"/dev/null\0") as path:
+        null = remote.checked("openat", AT_FDCWD, int(path), O_WRONLY | O_CLOEXEC, 0, step="open /dev/null for AIO")
+    try:
+        for ring in rings:
+            _restore_ring(remote, ring, null)
+    finally:
+        remote.checked("close", null, step="close /dev/null for AIO")
+
+
+def _restore_ring(remote, ring: AioRing, null: int) -> None:
+    step = f"AIO context {ring.start:#x}"
+    size = ring.end - ring.start
+    with remote.scratch(8) as ctxp:
+        remote.checked("io_setup", (ring.nr - 2) // 2, int(ctxp), step=step)
+        ctx = struct.unpack("<Q", remote.mem.read(int(ctxp), 8))[0]
+    _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+    if nr != ring.nr or (head, tail) != (0, 0):
+        remote.syscall("io_destroy", ctx)
+        raise RestoreFailed(f"{step}: io_setup made a ring of {nr} events here, the image's has {ring.nr} "
+                            f"(a machine with more CPUs?)")
+    _complete(remote, ctx, null, ring.head, reap=True, step=step)
+    _complete(remote, ctx, null, (ring.tail - ring.head) % ring.nr, reap=False, step=step)
+    _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+    if (head, tail) != (ring.head, ring.tail):
+        raise RestoreFailed(f"{step}: its ring reached head {head} tail {tail}, not {ring.head} {ring.tail}")
+    for i in range(len(ring.events) // EVENT_SIZE):
+        slot = (ring.head + i) % ring.nr
+        remote.mem.write(ctx + _HEADER.size + slot * EVENT_SIZE, ring.events[i * EVENT_SIZE:(i + 1) * EVENT_SIZE])
+    if ctx != ring.start:
+        remote.checked("mremap", ctx, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, ring.start,
+                       step=f"{step}: move the ring from {ctx:#x}")
+
+
+def _complete(remote, ctx: int, null: int, count: int, *, reap: bool, step: str) -> None:
+    """Submit `count` writes of nothing to /dev/null (they complete at once), reaping them
+    (the ring's head moves on with its tail) or not (they stay as completions)."""
+    while count:
+        n = min(count, _BATCH)
+        with remote.scratch(n * _IOCB.size + n * 8 + n * EVENT_SIZE) as buf:
+            base = int(buf)
+            iocbs = b"".join(_IOCB.pack(0, 0, 0, IOCB_CMD_PWRITE, 0, null, base, 0, 0, 0, 0, 0) for _ in range(n))
+            pointers = b"".join(struct.pack("<Q", base + i * _IOCB.size) for i in range(n))
+            remote.mem.write(base, iocbs + pointers)
+            done = remote.checked("io_submit", ctx, n, base + len(iocbs), step=f"{step}: advance its ring")
+            if done != n:
+                raise RestoreFailed(f"{step}: {done} of {n} requests submitted while advancing its ring")
+            if reap:
+                events = base + len(iocbs) + len(pointers)
+                got = remote.checked("io_getevents", ctx, n, n, events, 0, step=f"{step}: advance its ring")
+                if got != n:
+                    raise RestoreFailed(f"{step}: {got} of {n} completions reaped while advancing its ring")
+        count -= n
