@@ -103,10 +103,7 @@ def _fixture_args(name, tmp_path):
 
 
 SELF_CHECK = [
-    "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd",
-    pytest.param("fdkinds", marks=pytest.mark.xfail(strict=True, reason=(
-        "fd flags of a POSIX message queue: the restore reopens it through /proc/self/fd, which adds "
-        "O_LARGEFILE (anonfds._make_mqueue)"))),
+    "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd", "fdkinds",
     pytest.param("timers", marks=pytest.mark.xfail(strict=True, reason=(
         "the program's timers go on firing while it is stopped (pending signals, overrun counts); and a "
         "thread-directed timer signal pending at restore is delivered before the process stops again, so "
