@@ -99,11 +99,20 @@ def _fixture_args(name, tmp_path):
         return (where,)
     if name == "filemap":
         return (tmp_path / "private.dat", tmp_path / "shared.dat", 16)
-    return {"sleeper": (60,), "bigheap": (8,)}.get(name, ())
+    return {"sleeper": (60,), "bigheap": (8,), "privs": ("plain",)}.get(name, ())
+
+
+_SPAWN = {"blocked_read": {"stdin": "pipe"}}
+_DUMP_FLAGS = {"tcppair": ("--tcp-established",)}
 
 
 SELF_CHECK = [
     "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd", "fdkinds",
+    "privs", "blocked_read", "avx", "counter.py", "udpserver",
+    pytest.param("tcppair", marks=pytest.mark.xfail(strict=True, reason=(
+        "inet socket options of a repaired connection read back otherwise until it sends: TCP_MAXSEG "
+        "(65483 -> 524: mss_cache not synced yet) and TCP_WINDOW_CLAMP (halved); the FIN_WAIT2 end's "
+        "window snd_wl1 becomes rcv_wup (tcp.py)"))),
     pytest.param("timers", marks=pytest.mark.xfail(strict=True, reason=(
         "the program's timers go on firing while it is stopped (pending signals, overrun counts); and a "
         "thread-directed timer signal pending at restore is delivered before the process stops again, so "
@@ -130,17 +139,18 @@ def _tree(image):
 
 @pytest.mark.parametrize("name", SELF_CHECK)
 def test_self_check_dump_restore_dump_agree(name, spawn, ptckpt, tmp_path):
-    target = spawn(name, *_fixture_args(name, tmp_path))
+    target = spawn(name, *_fixture_args(name, tmp_path), **_SPAWN.get(name, {}))
     _stop_tree(target.pid)
+    flags = _DUMP_FLAGS.get(name, ())
     a, b = tmp_path / "a", tmp_path / "b"
-    _dump(ptckpt, target.pid, a, "--kill")
+    _dump(ptckpt, target.pid, a, "--kill", *flags)
     target.wait_exit(10)
     for pid in _tree(a):
         wait_pid_free(pid)
     res = ptckpt("restore", "-D", a, "--detach")
     assert res.returncode == 0, res.stderr
     wait_until(lambda: _stopped(_tree(a)), 10, message="the restored processes are stopped again")
-    _dump(ptckpt, target.pid, b, "--kill")
+    _dump(ptckpt, target.pid, b, "--kill", *flags)
     for pid in _tree(b):
         wait_pid_free(pid)
 
