@@ -123,7 +123,10 @@ EXPECTED: tuple[Expected, ...] = (
              lambda a, b, s: a.path.endswith(" (deleted)") and a.path == b.path),
     Expected(Vma, _fs("inode", "file_mtime_ns"), "a deleted file (ghost) is made again: a new inode",
              lambda a, b, s: a.file_deleted and b.file_deleted),
-    Expected(GhostFile, _fs("ino", "dev"), "a deleted file (ghost) is made again: a new inode"),
+    Expected(GhostFile, _fs("ino", "dev", "handle"), "a deleted file (ghost) is made again: a new inode"),
+    Expected(GhostFile, _fs("atime_ns"), "the access time of a deleted file moves as it is read"),
+    Expected(UnixSocket, _fs("ino"), "a connection not accepted yet has a number of ptckpt's",
+             lambda a, b, s: a.pending),
 )
 
 
@@ -270,6 +273,23 @@ class _Names:
                     self.by_ino.setdefault(f.ino, label)
                 if f.desc:
                     self.by_desc.setdefault(f.desc, label)
+        self._in_flight(reader)
+
+    def _in_flight(self, reader: ImageReader) -> None:
+        """Descriptions in flight in unix sockets, named by the socket, message and place
+        carrying them (a socket in flight may carry more: named in later rounds)."""
+        for _round in range(8):
+            before = len(self.by_desc)
+            for u in reader.unix_sockets:
+                carrier = self.by_ino.get(u.ino)
+                for i, descs in enumerate(u.queue_fds if carrier else ()):
+                    for j, d in enumerate(descs):
+                        self.by_desc.setdefault(d, f"{carrier} message {i} fd {j}")
+            for f in reader.in_flight:
+                if f.desc in self.by_desc and f.kind in (FdKind.SOCKET, FdKind.PIPE, FdKind.FIFO):
+                    self.by_ino.setdefault(f.ino, self.by_desc[f.desc])
+            if len(self.by_desc) == before:
+                break
 
     def ino(self, value: int) -> str | int:
         return self.by_ino.get(value, value) if value else 0
@@ -277,10 +297,14 @@ class _Names:
     def desc(self, value: int) -> str | int:
         return self.by_desc.get(value, value) if value else 0
 
+    def descs(self, value: tuple[tuple[int, ...], ...]) -> tuple:
+        return tuple(tuple(self.desc(d) for d in item) for item in value)
+
 
 # Fields holding the number of a re-created object: compared as its holder.
 _REFERENCES: dict[tuple[type, str], str] = {
     (UnixSocket, "ino"): "ino", (UnixSocket, "peer"): "ino", (UnixSocket, "listener"): "ino",
+    (UnixSocket, "queue_fds"): "descs",
     (InetSocket, "listener"): "ino", (InetSocket, "peer"): "ino",
     (NetlinkSocket, "ino"): "ino", (PipeBuffer, "ino"): "ino",
     (Fd, "desc"): "desc", (Terminal, "desc"): "desc",
@@ -422,6 +446,8 @@ def _compare_process(c: _Comparer, pid: int, pa: ProcessImage, pb: ProcessImage,
     c.records(lambda r: f"{here} posix timer {r.id}", pa.timers, pb.timers, lambda r: r.id, lambda r: site)
     c.records(lambda r: f"{here} itimer {_ITIMERS.get(r.which, r.which)}", pa.itimers, pb.itimers,
               lambda r: r.which, lambda r: site)
+    c.records(lambda r: f"{here} fd {r.fd} owner", pa.owners, pb.owners,
+              lambda r: r.fd, lambda r: site)
     ua = sorted((e.kind, len(e.payload)) for e in c.a.unknown_entries(pid))
     ub = sorted((e.kind, len(e.payload)) for e in c.b.unknown_entries(pid))
     if ua != ub:
@@ -443,7 +469,10 @@ def _compare_shared(c: _Comparer) -> None:
 
     c.records(lambda r: f"zombie {r.pid}", a.zombies, b.zombies, lambda r: r.pid)
     _pair_by_side(c, a.pipes, b.pipes, lambda names, r: _held(names, "fifo" if r.path else "pipe", r.ino))
-    _pair_by_side(c, a.unix_sockets, b.unix_sockets, lambda names, r: _held(names, "unix socket", r.ino))
+    _pair_by_side(c, a.unix_sockets, b.unix_sockets,
+                  lambda names, r: _held(names, "pending connection on", r.listener) if r.pending
+                  else _held(names, "unix socket", r.ino))
+    _pair_by_side(c, a.in_flight, b.in_flight, lambda names, r: f"fd in flight in {names.desc(r.desc)}")
     _pair_by_side(c, a.inet_sockets, b.inet_sockets, lambda names, r: by_holder(names, "inet socket")(r))
     _pair_by_side(c, a.netlink_sockets, b.netlink_sockets,
                   lambda names, r: _held(names, "netlink socket", r.ino))
