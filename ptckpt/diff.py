@@ -37,8 +37,9 @@ from typing import Any
 
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import (FD_STATE_TYPES, GP_REG_NAMES, PAGE_SIZE, EpollState, Fd, FdKind, GhostFile,
-                                  InetSocket, Inventory, Itimer, MsgImage, NetlinkSocket, PipeBuffer, PosixTimer,
-                                  ProcessImage, SemImage, ShmImage, Task, Terminal, Thread, TimerfdState, UnixSocket, Vma, VmaKind)
+                                  InetMode, InetSocket, Inventory, Itimer, MsgImage, NetlinkSocket, PipeBuffer,
+                                  PosixTimer, ProcessImage, SemImage, ShmImage, Task, Terminal, Thread,
+                                  TimerfdState, UnixSocket, Vma, VmaKind)
 
 from .resources.memory import ZERO_DROPPABLE
 from .resources.threads import resume_regs
@@ -87,6 +88,9 @@ def _fs(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
+# Two more are not a field's: a thread frozen in a syscall is compared as it resumes
+# (_RESUMED, _Comparer.thread_regs), and memory without the kernel's fields of each rseq
+# area (_RSEQ_REASON, _rseq_masks).
 EXPECTED: tuple[Expected, ...] = (
     Expected(Inventory, _fs("realtime_ns", "monotonic_ns", "boottime_ns"), "clocks at the freeze"),
     Expected(Inventory, _fs("real_pids"), "real pids of a tree in a pid namespace of its own: "
@@ -118,7 +122,7 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(SemImage, _fs("otime", "ctime", "pids"), "times and last pids of a semaphore set"),
     Expected(MsgImage, _fs("stime", "rtime", "ctime", "lspid", "lrpid"), "times and last pids of a queue"),
     Expected(InetSocket, _fs("timestamp"), "the TCP timestamp clock runs"),
-    Expected(InetSocket, _fs("ino"), _NUMBERED, lambda a, b, s: a.mode != 3),   # PENDING: ptckpt's own number
+    Expected(InetSocket, _fs("ino"), _NUMBERED, lambda a, b, s: a.mode != InetMode.PENDING),
     Expected(Fd, _fs("ino", "mtime_ns"), "a deleted file (ghost) is made again: a new inode",
              lambda a, b, s: a.path.endswith(" (deleted)") and a.path == b.path),
     Expected(Vma, _fs("inode", "file_mtime_ns"), "a deleted file (ghost) is made again: a new inode",
@@ -464,7 +468,7 @@ def _compare_shared(c: _Comparer) -> None:
     a, b = c.a, c.b
 
     def by_holder(names: _Names, what: str) -> Callable[[Any], Any]:
-        return lambda r: _held(names, what, r.ino) if r.mode != 3 else (  # PENDING: by listener, peer address
+        return lambda r: _held(names, what, r.ino) if r.mode != InetMode.PENDING else (  # by listener, peer
             _held(names, "pending connection on", r.listener) + f" from {r.dst}:{r.dport}")
 
     c.records(lambda r: f"zombie {r.pid}", a.zombies, b.zombies, lambda r: r.pid)

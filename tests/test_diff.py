@@ -90,6 +90,16 @@ def test_a_bad_image_gets_the_image_error_codes(spawn, ptckpt, tmp_path):
     assert res.returncode == ExitCode.CORRUPT_IMAGE, res.stderr
 
 
+def test_every_expected_rule_names_real_fields():
+    import dataclasses
+    from ptckpt.diff import EXPECTED
+    for rule in EXPECTED:
+        names = {f.name for f in dataclasses.fields(rule.record)}
+        for name in rule.fields:
+            assert name in names or name.startswith("details."), (rule.record.__name__, name)
+        assert rule.reason
+
+
 # --- the self-check: dump, restore, dump again ---------------------------------------
 
 def _fixture_args(name, tmp_path):
