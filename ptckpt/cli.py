@@ -326,6 +326,33 @@ def show(
 
 
 @app.command()
+def diff(
+    image_a: Annotated[str, typer.Argument(help="First image directory.")],
+    image_b: Annotated[str, typer.Argument(help="Second image directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (schema in the README).")] = False,
+    hide_expected: Annotated[bool, typer.Option("--hide-expected", help="Leave out the fields expected to differ (clocks, timers, numbers of re-created objects ...).")] = False,
+    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Compare the memory contents too, page by page (default).")] = True,
+) -> None:
+    """Compare two images record by record and their memory page by page; print what differs.
+
+    Exits 0 when they agree (apart from the fields expected to differ, listed apart), 22 when they differ.
+
+    Example: ptckpt diff /tmp/ckpt-1 /tmp/ckpt-2 --hide-expected
+    """
+    from .diff import diff_images
+    try:
+        result = diff_images(image_a, image_b, memory=memory)
+    except PtckptError as err:
+        raise _fail(err) from None
+    if as_json:
+        typer.echo(json.dumps(result.to_json(expected=not hide_expected), indent=2))
+    else:
+        typer.echo(result.table(expected=not hide_expected), nl=False)
+    if not result.agree:
+        raise typer.Exit(code=ExitCode.DIFFERENT)
+
+
+@app.command()
 def check(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:

@@ -37,6 +37,7 @@ class ExitCode:
     CRITICAL_SECTION = 19  # the target stayed in a critical section (ptckpt.app) too long
     CONTROL = 20          # `ptckpt control`: no such run, or it does not answer
     CONNECTION = 21       # a TCP connection needs --tcp-established, --tcp-close or --external
+    DIFFERENT = 22        # `ptckpt diff`: the images differ (beyond the fields expected to)
 
 
 class PtckptError(Exception):

@@ -989,12 +989,23 @@ def _make_mqueue(state: MqueueState, flags: int) -> int:
             _refill(qd, state.messages)
         except BlockingIOError:
             raise OSError(_errno.EAGAIN, f"its {len(state.messages)} messages do not fit") from None
-        fd = os.open(f"/proc/self/fd/{qd}", flags & O_ACCMODE | O_CLOEXEC)
+        fd = _reopen_queue(state, qd, flags & O_ACCMODE)
     finally:
         os.close(qd)
     with _closing_on_error(fd):
         _set_status_flags(fd, flags)
     return fd
+
+
+def _reopen_queue(state: MqueueState, qd: int, access: int) -> int:
+    """A description of the queue with the recorded access mode, made as mq_open(3) makes
+    one: an open() through /proc/self/fd would add O_LARGEFILE, which F_GETFL then shows."""
+    if access == os.O_RDWR:
+        return fcntl.fcntl(qd, fcntl.F_DUPFD_CLOEXEC, 0)
+    if not state.unlinked:
+        return _check(_mq_open(os.fsencode(state.name), access | O_CLOEXEC | O_NONBLOCK, 0, None),
+                      f"mq_open {state.name}")
+    return os.open(f"/proc/self/fd/{qd}", access | O_CLOEXEC)     # no name left to open it by
 
 
 def _open_queue(state: MqueueState) -> int:

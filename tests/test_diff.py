@@ -1,0 +1,174 @@
+"""`ptckpt diff`: two images compared record by record and page by page, and the self-check
+it makes possible: dump, restore, dump again, and the two images agree but for the fields
+documented as expected to differ (ptckpt.diff.EXPECTED).
+
+The self-check stops each fixture (SIGSTOP) before the first dump, so that the program
+itself changes nothing between the two dumps: a restore keeps a stopped process stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import shutil
+
+import pytest
+
+from ptckpt.diff import diff_images
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+from ptckpt.formats.model import PAGE_SIZE
+
+from conftest import descendants, proc_stat, wait_pid_free, wait_until
+
+
+def _dump(ptckpt, pid, image, *flags):
+    res = ptckpt("dump", pid, "-D", image, *flags)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+# --- two checkpoints of a running counter ------------------------------------------
+
+def test_two_checkpoints_of_a_counter_differ_in_its_page_and_registers(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    _dump(ptckpt, target.pid, tmp_path / "a", "--leave-running")
+    first = target.read_counter()
+    wait_until(lambda: target.read_counter() > first + 20, message="the counter went on")
+    _dump(ptckpt, target.pid, tmp_path / "b", "--leave-running")
+    target.assert_ok()
+
+    result = diff_images(tmp_path / "a", tmp_path / "b")
+    assert not result.agree
+    page = target.symbols["counter"] & ~(PAGE_SIZE - 1)
+    changed = [m for m in result.memory if any(s <= page < e for s, e in m.ranges)]
+    assert changed and changed[0].pid == target.pid, result.table()
+    # nothing else but the thread's registers and the state file's mtime (it is rewritten)
+    for d in result.unexpected:
+        assert (d.what == f"process {target.pid} thread {target.pid}"
+                or d.what.startswith(f"process {target.pid} fd ") and d.field == "mtime_ns"), result.table()
+    assert any(d.field.startswith("regs.") for d in result.unexpected)
+    assert {d.field for d in result.expected} >= {"realtime_ns", "monotonic_ns"}
+
+    res = ptckpt("diff", tmp_path / "a", tmp_path / "b")
+    assert res.returncode == ExitCode.DIFFERENT, res.stderr
+    assert f"process {target.pid} memory" in res.stdout and "expected" in res.stdout
+    hidden = ptckpt("diff", tmp_path / "a", tmp_path / "b", "--hide-expected")
+    assert "realtime_ns" not in hidden.stdout and "realtime_ns" in res.stdout
+
+    res = ptckpt("diff", tmp_path / "a", tmp_path / "b", "--json")
+    assert res.returncode == ExitCode.DIFFERENT
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == 1 and doc["agree"] is False
+    assert {"what", "field", "a", "b", "expected"} == set(doc["differences"][0])
+    assert any(m["pid"] == target.pid and any(s <= page < e for s, e in m["ranges"]) for m in doc["memory"])
+    assert doc["counts"]["pages"] == sum(m["pages"] for m in doc["memory"]) > 0
+
+
+def test_an_image_agrees_with_itself_and_with_its_copy(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    _dump(ptckpt, target.pid, tmp_path / "a", "--leave-running")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    res = ptckpt("diff", tmp_path / "a", tmp_path / "copy", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["agree"] and doc["differences"] == [] and doc["memory"] == [] and doc["pages_compared"] > 0
+
+
+def test_a_bad_image_gets_the_image_error_codes(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    _dump(ptckpt, target.pid, tmp_path / "a", "--leave-running")
+    res = ptckpt("diff", tmp_path / "a", tmp_path / "nothing")
+    assert res.returncode == ExitCode.NOT_AN_IMAGE and res.stdout == ""
+    shutil.copytree(tmp_path / "a", tmp_path / "bad")
+    core = tmp_path / "bad" / f"core-{target.pid}.img"
+    data = bytearray(core.read_bytes())
+    data[-1] ^= 0xFF
+    core.write_bytes(bytes(data))
+    res = ptckpt("diff", tmp_path / "a", tmp_path / "bad")
+    assert res.returncode == ExitCode.CORRUPT_IMAGE, res.stderr
+
+
+def test_every_expected_rule_names_real_fields():
+    import dataclasses
+    from ptckpt.diff import EXPECTED
+    for rule in EXPECTED:
+        names = {f.name for f in dataclasses.fields(rule.record)}
+        for name in rule.fields:
+            assert name in names or name.startswith("details."), (rule.record.__name__, name)
+        assert rule.reason
+
+
+# --- the self-check: dump, restore, dump again ---------------------------------------
+
+def _fixture_args(name, tmp_path):
+    if ":" in name:                            # "unixkinds.py:pending:stream": the program's arguments
+        return tuple(name.split(":")[1:])
+    if name in ("files", "fdkinds", "deleted"):
+        where = tmp_path / f"{name}-dir"
+        where.mkdir()
+        return (where,)
+    if name == "filemap":
+        return (tmp_path / "private.dat", tmp_path / "shared.dat", 16)
+    return {"sleeper": (60,), "bigheap": (8,), "privs": ("plain",)}.get(name, ())
+
+
+_SPAWN = {"blocked_read": {"stdin": "pipe"}}
+_DUMP_FLAGS = {"tcppair": ("--tcp-established",)}
+
+
+SELF_CHECK = [
+    "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd", "fdkinds",
+    "privs", "blocked_read", "avx", "counter.py", "udpserver", "deleted",
+    "unixkinds.py:pending:stream", "unixkinds.py:deleted:stream", "unixkinds.py:scm:stream",
+    pytest.param("tcppair", marks=pytest.mark.xfail(strict=True, reason=(
+        "inet socket options of a repaired connection read back otherwise until it sends: TCP_MAXSEG "
+        "(65483 -> 524: mss_cache not synced yet) and TCP_WINDOW_CLAMP (halved); the FIN_WAIT2 end's "
+        "window snd_wl1 becomes rcv_wup (tcp.py)"))),
+    pytest.param("timers", marks=pytest.mark.xfail(strict=True, reason=(
+        "the program's timers go on firing while it is stopped (pending signals, overrun counts); and a "
+        "thread-directed timer signal pending at restore is delivered before the process stops again, so "
+        "the thread frozen in pause() is found in its handler (regs, sigmask, xstate, stack pages)"))),
+]
+
+
+def _stopped(pids):
+    return all(st is not None and st.state == "T" for st in map(proc_stat, pids))
+
+
+def _stop_tree(pid):
+    """SIGSTOP the fixture and every process it forked (forkserver's workers run on otherwise)."""
+    tree = [pid, *descendants(pid)]
+    for p in tree:
+        os.kill(p, signal.SIGSTOP)
+    wait_until(lambda: _stopped(tree), 10, message=f"{tree} stopped")
+
+
+def _tree(image):
+    with ImageReader(image, verify_pages=False) as reader:
+        return list(reader.pids)
+
+
+@pytest.mark.parametrize("name", SELF_CHECK)
+def test_self_check_dump_restore_dump_agree(name, spawn, ptckpt, tmp_path):
+    target = spawn(name.split(":")[0], *_fixture_args(name, tmp_path), **_SPAWN.get(name, {}))
+    _stop_tree(target.pid)
+    flags = _DUMP_FLAGS.get(name, ())
+    a, b = tmp_path / "a", tmp_path / "b"
+    _dump(ptckpt, target.pid, a, "--kill", *flags)
+    target.wait_exit(10)
+    for pid in _tree(a):
+        wait_pid_free(pid)
+    res = ptckpt("restore", "-D", a, "--detach")
+    assert res.returncode == 0, res.stderr
+    wait_until(lambda: _stopped(_tree(a)), 10, message="the restored processes are stopped again")
+    _dump(ptckpt, target.pid, b, "--kill", *flags)
+    for pid in _tree(b):
+        wait_pid_free(pid)
+
+    result = diff_images(a, b)
+    assert result.agree, result.table(expected=False)
+    assert result.pages_compared > 0
+    res = ptckpt("diff", a, b)
+    assert res.returncode == 0, res.stdout + res.stderr
