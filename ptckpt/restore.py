@@ -64,6 +64,8 @@ class RestoreResult:
     pty_master: int = -1          # new_pty: the master of the new pty (the caller's to close)
     terminal: int = -1            # shell job: ptckpt's terminal fd the tree was put in front of ...
     foreground_was: int = 0       # ... and the process group that was its foreground before
+    terminal_was: terminals.Saved | None = None   # ptckpt's terminal before the restore touched it
+    foreground: int = 0           # shell job: the restored group put in front of it
     pids: dict[int, int] = field(default_factory=dict)    # image (virtual) pid -> pid seen here
     exit_status: int | None = None  # its wait status when it ended already (and was reaped) at return
 
@@ -250,9 +252,14 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             ipc_made: list = []
             try:
                 ipc_made = restore_sysv(image.sysv)
+                joins = not new_pty and _leader_on_callers_terminal(image, procs)
+                if joins:
+                    result.warnings.append(
+                        f"session leader {root} was restored into ptckpt restore's session, in front of "
+                        f"its terminal (--new-pty gives it a session and a terminal of its own)")
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [])
+                             events.bind_mounts() if events else [], own_session=not joins)
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 to_detach = []
@@ -291,6 +298,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                         result.exit_status = status
             except BaseException as err:
                 net.abort()
+                if result.terminal_was is not None:     # the user's terminal as it was
+                    terminals.put_back(result.terminal_was)
+                    result.terminal_was = None
                 if master >= 0:
                     os.close(master)
                 for kind, ipc_id in ipc_made:
@@ -299,6 +309,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for task in created.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(task.tgid, signal.SIGKILL)
+                for task in created.values():
+                    _reap_traced_threads(task.tgid)
                 stub.kill()
                 if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
                     raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
@@ -320,6 +332,18 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 os.close(channel)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _reap_traced_threads(tgid: int) -> None:
+    """The threads ptckpt traces in a killed process are its to reap (__WALL), or the
+    process never stops being a zombie and the wait for it never ends."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task") if int(t) != tgid]
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(tid, WALL)
 
 
 def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
@@ -404,6 +428,21 @@ def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
     return None
 
 
+def _leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+    """The root led its session, its controlling terminal was its stdio, and ptckpt restore
+    runs on a terminal of its own (in its session): then the root cannot have a session
+    of its own with that terminal (TIOCSCTTY: EPERM, it is the caller's session's), and
+    joins the caller's session instead."""
+    root = procs[image.inventory.root_pid].task
+    if root.sid != root.pid:
+        return False
+    for rec in image.terminals:
+        f = next((f for f in procs[root.pid].fds if f.desc == rec.desc), None)
+        if f is not None and rec.controlling and os.isatty(f.fd):
+            return terminals.session_of(f.fd) == os.getsid(0)
+    return False
+
+
 def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
                        result: RestoreResult) -> None:
     """A shell job: the image's termios on ptckpt's terminal, and the job's own process group
@@ -419,26 +458,33 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
             was = os.tcgetpgrp(f.fd)
         except OSError:
             was, front = 0, None                 # not our controlling terminal: settings only
+        result.terminal_was = terminals.save(f.fd)
         terminals.apply_terminal_state(f.fd, terminals.from_record(rec), foreground_pgrp=front,
                                        winsize=False)
         if front is not None:
-            result.terminal, result.foreground_was = f.fd, was
+            result.terminal, result.foreground_was, result.foreground = f.fd, was, front
         return
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
-                 binds: Sequence[tuple[str, str]] = ()) -> None:
+                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
     `tty` (the new pty's slave fd in the stubs, its Terminal record): it becomes the
     root session's controlling terminal, before any other member exists (the
     children inherit it), and its foreground group is set once the groups exist.
+
+    own_session=False: a root that led its session stays in ptckpt restore's
+    (it leads its own process group there), with the members of its session: the
+    terminal it is restored onto is the controlling terminal of that session.
     """
     members = list(procs)
     records = {p: procs[p].task for p in members}
     records.update({z.pid: z for z in zombies})
     root = members[0]
+    if not own_session and records[root].sid == root:
+        records[root] = dataclasses.replace(records[root], sid=0)      # no setsid: setpgid only
     _restore_session(created[root], records[root])
     if binds:
         _private_mounts(created[root], binds)
@@ -513,7 +559,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     """
     root = procs[image.inventory.root_pid]
     uses: dict[int, int] = {}
-    rep: dict[int, Fd] = {f.desc: f for f in root.fds if f.desc}
+    # A stdio description is represented by its lowest fd: build_handoff dups ptckpt
+    # restore's fd of that number, which must be one of its own fds 0-2 (top's fd 3,
+    # a dup of its fd 0, once made fds 0, 1 and 3 a copy of ptckpt's fd 3: its pages file).
+    rep: dict[int, Fd] = {}
+    for f in sorted(root.fds, key=lambda f: f.fd):
+        if f.desc:
+            rep.setdefault(f.desc, f)
     for proc in procs.values():
         for f in proc.fds:
             if f.desc:

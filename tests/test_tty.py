@@ -4,8 +4,10 @@ capture-pane, restored onto the invoking terminal (a shell job) or onto a new pt
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -185,3 +187,227 @@ def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
         reap_orphans()
     res = ptckpt("restore", "-D", tmp_path / "img", "--new-pty", "--detach")
     assert res.returncode == 2 and "--new-pty-program" in res.stderr
+
+
+# --- real full-screen programs restored into a plain terminal (no --new-pty) -----------
+
+def _tty_of_pane(tmux, session: str) -> str:
+    return tmux("list-panes", "-t", session, "-F", "#{pane_tty}").strip()
+
+
+def _job_in_pane(tmux, session: str, command: str, ready) -> int:
+    """`command` typed into a shell in tmux session `session`; its pid once `ready(screen)`."""
+    tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30", "bash --norc --noprofile")
+    wait_until(lambda: _screen(tmux, session).rstrip().endswith(("$", "#")), 10)
+    tmux("send-keys", "-t", session, command, "Enter")
+    wait_until(lambda: ready(_screen(tmux, session)), 15, message=lambda: _screen(tmux, session))
+    return _children(_pane_pid(tmux, session))[0]
+
+
+def _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, session: str, pid: int,
+                              exe: str, *restore_args: str) -> None:
+    """Dump `pid` (killing it), then `ptckpt restore` typed into the shell of `session`; waits
+    until the restored process runs `exe` again (the start of its name: vim may be vim.basic)."""
+    res = ptckpt("dump", pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 5)
+    tmux("send-keys", "-t", session, "clear", "Enter")
+    cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), *restore_args])
+    tmux("send-keys", "-t", session, f"{cmd}; echo RC=$?", "Enter")
+
+    def back() -> bool:
+        try:
+            return (os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith(exe)
+                    and _stat(pid)[0] != "t")
+        except OSError:
+            return False
+    wait_until(back, 15, message=lambda: _screen(tmux, session))
+
+
+def _links(pid: int) -> dict[int, str]:
+    return {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+
+
+def _ends_with_status(tmux, session: str, pid: int, status: int = 0) -> None:
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") and f"RC={status}" in _screen(tmux, session),
+               10, message=lambda: _screen(tmux, session))
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_top_restored_into_a_plain_terminal_has_its_terminal_at_every_fd(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """top's fd 3 is a dup of its fd 0: the handoff of the terminal once gave fds 0, 1 and 3
+    ptckpt's own fd 3 (the image's page file)."""
+    top = _job_in_pane(tmux, "top", "top -d 0.5", lambda s: "load average" in s)
+    tty = _tty_of_pane(tmux, "top")
+    before = _links(top)
+    assert [before[n] for n in (0, 1, 3)] == [tty] * 3, before
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "top", top, "top")
+        after = _links(top)
+        assert [after[n] for n in (0, 1, 3)] == [tty] * 3, after
+        assert after[2] == before[2]
+        fields = _stat(top)
+        assert int(fields[2]) == top and int(fields[5]) == top, "its own group, in front of the terminal"
+        # it redraws (the screen was cleared before the restore) and takes keystrokes
+        wait_until(lambda: "load average" in _screen(tmux, "top"), 10, message=lambda: _screen(tmux, "top"))
+        tmux("send-keys", "-t", "top", "q")
+        _ends_with_status(tmux, "top", top)
+    finally:
+        kill_pids([top])
+
+
+def test_bash_restored_into_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """bash keeps its terminal at fd 255 too (it refused: 'has no fd 255 of its own')."""
+    inner = _job_in_pane(tmux, "sh", "bash --norc --noprofile", lambda s: s.rstrip().count("#") +
+                         s.rstrip().count("$") >= 2)
+    tmux("send-keys", "-t", "sh", "X=41; PS1='inner> '", "Enter")
+    wait_until(lambda: "inner>" in _screen(tmux, "sh"), 10)
+    tty = _tty_of_pane(tmux, "sh")
+    assert _links(inner)[255] == tty
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "sh", inner, "bash")
+        links = _links(inner)
+        assert [links[n] for n in (0, 1, 2, 255)] == [tty] * 4, links
+        tmux("send-keys", "-t", "sh", "echo $((X + 1))", "Enter")
+        wait_until(lambda: "42" in _screen(tmux, "sh").split("echo $((X + 1))")[-1], 10,
+                   message=lambda: _screen(tmux, "sh"))
+        tmux("send-keys", "-t", "sh", "exit", "Enter")
+        _ends_with_status(tmux, "sh", inner)
+    finally:
+        kill_pids([inner])
+
+
+@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+def test_less_with_its_own_open_of_the_terminal_restored(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """less opens the terminal a second time (/dev/tty, a description of its own): it was
+    accepted at dump and refused at restore; now it is opened again as /dev/tty."""
+    text = tmp_path / "lines.txt"
+    text.write_text("".join(f"line number {n}\n" for n in range(1, 501)))
+    less = _job_in_pane(tmux, "less", f"less {text}", lambda s: "line number 1" in s)
+    tty = _tty_of_pane(tmux, "less")
+    before = _links(less)
+    own = [n for n in before if n > 2 and before[n] in (tty, "/dev/tty")]
+    assert own, before
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "less", less, "less")
+        after = _links(less)
+        assert [after[n] for n in (0, 1, 2)] == [before[n] for n in (0, 1, 2)]
+        assert all(after[n] == "/dev/tty" for n in own), after
+        # its controlling terminal is the pane's: reading /dev/tty reads the pane's keys
+        wait_until(lambda: "line number" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+        tmux("send-keys", "-t", "less", "G")
+        wait_until(lambda: "line number 500" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+        tmux("send-keys", "-t", "less", "q")
+        _ends_with_status(tmux, "less", less)
+    finally:
+        kill_pids([less])
+
+
+def _vim_n(tmux, session: str) -> int:
+    """g:n of the vim in `session`, through the screen."""
+    marker = f"n={{}}{os.urandom(3).hex()}"
+    tmux("send-keys", "-t", session, "Escape")
+    tmux("send-keys", "-t", session, f":echo '{marker.format('')}' . g:n", "Enter")
+    head = marker.format("")
+    found = wait_until(lambda: [ln for ln in _screen(tmux, session).splitlines() if ln.startswith(head)], 10,
+                       message=lambda: _screen(tmux, session))
+    return int(found[-1][len(head):].split()[0])
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+def test_vim_with_a_repeating_timer_keeps_firing_after_restore(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    vim = _job_in_pane(tmux, "vim", "vim -u NONE -N -i NONE", lambda s: s.count("~") > 5)
+    tmux("send-keys", "-t", "vim", ":let g:n = 0", "Enter")
+    tmux("send-keys", "-t", "vim",
+         ":call timer_start(200, {-> execute('let g:n += 1')}, {'repeat': -1})", "Enter")
+    wait_until(lambda: _vim_n(tmux, "vim") >= 3, 10)
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "vim", vim, "vim")
+        first = _vim_n(tmux, "vim")
+        wait_until(lambda: _vim_n(tmux, "vim") >= first + 5, 10)
+        links = _links(vim)
+        tty = _tty_of_pane(tmux, "vim")
+        assert [links[n] for n in (0, 1, 2)] == [tty] * 3, links
+        tmux("send-keys", "-t", "vim", ":qa!", "Enter")
+        _ends_with_status(tmux, "vim", vim)
+    finally:
+        kill_pids([vim])
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_session_leader_restored_in_front_of_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """top ran as a pane's own program (a session leader, the terminal its controlling one):
+    restored into another pane's shell it joins that session and comes to the front, where
+    making it a session of its own failed (EPERM: the terminal is the shell's session's)."""
+    tmux("new-session", "-d", "-s", "lead", "-x", "100", "-y", "30", "top -d 0.5")
+    wait_until(lambda: "load average" in _screen(tmux, "lead"), 10)
+    top = _pane_pid(tmux, "lead")
+    assert int(_stat(top)[3]) == top
+    tmux("new-session", "-d", "-s", "sh", "-x", "100", "-y", "30", "bash --norc --noprofile")
+    wait_until(lambda: _screen(tmux, "sh").rstrip().endswith(("$", "#")), 10)
+    shell = _pane_pid(tmux, "sh")
+    try:
+        # Left running, then killed: tmux (its parent) was seen not to reap a pane process
+        # that a dump --kill killed.
+        res = ptckpt("dump", top, "-D", tmp_path / "img")
+        assert res.returncode == 0, res.stderr
+        os.kill(top, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{top}"), 10)
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img")])
+        tmux("send-keys", "-t", "sh", f"{cmd} 2>{tmp_path / 'err'}; echo RC=$?", "Enter")
+        wait_until(lambda: os.path.exists(f"/proc/{top}") and os.readlink(f"/proc/{top}/exe").endswith("/top")
+                   and _stat(top)[0] != "t", 15, message=lambda: _screen(tmux, "sh"))
+        fields = _stat(top)
+        assert int(fields[3]) == int(_stat(shell)[3]), "in the shell's session"
+        assert int(fields[2]) == top and int(fields[5]) == top, "its own group, in front of the terminal"
+        wait_until(lambda: "load average" in _screen(tmux, "sh"), 10, message=lambda: _screen(tmux, "sh"))
+        tmux("send-keys", "-t", "sh", "q")
+        _ends_with_status(tmux, "sh", top)
+        assert "session leader" in (tmp_path / "err").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+    finally:
+        kill_pids([top])
+
+
+FAILING_PLUGIN = '''
+from ptckpt.plugins import Plugin
+class Failing(Plugin):
+    name = "failing"
+    def restored(self, proc, ctx):
+        raise RuntimeError("this restore fails on purpose")
+'''
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+def test_a_failed_restore_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """The restore puts the image's termios (vim's raw mode) and the job's group on the
+    terminal before the processes are rebuilt; when it fails after that, both go back."""
+    vim = _job_in_pane(tmux, "vim", "vim -u NONE -N -i NONE", lambda s: s.count("~") > 5)
+    (tmp_path / "failing.py").write_text(FAILING_PLUGIN)
+    shell = _pane_pid(tmux, "vim")
+    try:
+        res = ptckpt("dump", vim, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{vim}"), 5)
+        tmux("send-keys", "-t", "vim", "clear", "Enter")
+        tmux("send-keys", "-t", "vim", f"stty -g > {tmp_path / 'before'}", "Enter")
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"),
+                                       "--plugin", str(tmp_path / "failing.py")])
+        tmux("send-keys", "-t", "vim", f"{cmd}; echo RC=$?; stty -g > {tmp_path / 'after'}", "Enter")
+        wait_until(lambda: (tmp_path / "after").exists() and (tmp_path / "after").read_text(), 20,
+                   message=lambda: _screen(tmux, "vim"))
+        assert re.search(r"RC=1\d", _screen(tmux, "vim")), _screen(tmux, "vim")
+        assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+    finally:
+        kill_pids([vim])
+
+
+def test_a_tmux_server_is_refused_at_dump_naming_its_pty_master(tmux, ptckpt, tmp_path):
+    tmux("new-session", "-d", "-s", "srv", "sleep 600")
+    server = int(tmux("display-message", "-p", "#{pid}"))
+    res = ptckpt("dump", server, "-D", tmp_path / "img")
+    assert res.returncode == 13, res.stderr
+    line, = res.stderr.strip().splitlines()
+    assert "/dev/ptmx" in line and "pty master" in line and "--new-pty" in line, line
+    assert _stat(server)[0] in "SR" and not (tmp_path / "img").exists(), "left running, nothing written"

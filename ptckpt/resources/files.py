@@ -142,6 +142,7 @@ def _mount_fstypes(pid: int) -> dict[int, str]:
 def dump_fds(pid: int) -> list[Fd]:
     """Every open fd of `pid` (works on a running or a frozen process)."""
     fstypes = _mount_fstypes(pid)
+    ctty = _controlling_tty(pid)
     out: list[Fd] = []
     for fd in procfs.list_fds(pid):
         try:
@@ -159,6 +160,8 @@ def dump_fds(pid: int) -> list[Fd]:
         details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
         if kind is FdKind.SOCKET:
             details.extend(_socket_details(pid, fd))
+        if kind in TTY_KINDS and st is not None and st.st_rdev == ctty:
+            details.append(CONTROLLING_TTY)
         out.append(Fd(
             fd=fd,
             kind=kind,
@@ -176,6 +179,31 @@ def dump_fds(pid: int) -> list[Fd]:
             details=tuple(details),
         ))
     return out
+
+
+# An fd on the process's controlling terminal is marked so (a detail), and a restore
+# opens /dev/tty for it in the restored process: its controlling terminal there.
+TTY_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE})
+CONTROLLING_TTY = ("tty", "controlling")
+CTTY_PATH = "/dev/tty"
+
+
+def _controlling_tty(pid: int) -> int:
+    """st_rdev of the controlling terminal of `pid` (/proc/PID/stat tty_nr), 0 for none."""
+    try:
+        tty_nr = procfs.read_stat(pid).tty_nr
+    except PtckptError:
+        return 0
+    if not tty_nr:
+        return 0
+    major = (tty_nr >> 8) & 0xFFF
+    minor = (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00)
+    return os.makedev(major, minor)
+
+
+def is_controlling_tty(f: Fd) -> bool:
+    """fd `f` was on its process's controlling terminal (restored by opening /dev/tty)."""
+    return f.kind in TTY_KINDS and CONTROLLING_TTY in f.details
 
 
 def number_descriptions(fds: dict[int, list[Fd]]) -> dict[int, list[Fd]]:
@@ -279,7 +307,18 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     (descriptions in `exempt` are the shell job's stdio)."""
     out = []
     for f in fds:
-        if f.desc in exempt or f.kind in RESTORABLE_KINDS:
+        if f.desc in exempt:
+            continue
+        if f.kind is FdKind.PTY_SLAVE and not is_controlling_tty(f):
+            out.append(f"fd {f.fd} -> {f.path} (a pty slave that is not the process's controlling "
+                       f"terminal, nor the stdio of the tree's root: it cannot be restored)")
+            continue
+        if f.kind is FdKind.PTY_MASTER:
+            out.append(f"fd {f.fd} -> {f.path} (a pty master: a terminal multiplexer or emulator such as "
+                       f"a tmux server, script or expect; pty masters are not restored yet: dump the "
+                       f"program running on its pty instead, and restore that one with --new-pty)")
+            continue
+        if f.kind in RESTORABLE_KINDS:
             continue
         if f.kind is FdKind.SOCKET:
             if restorable_socket(f):
@@ -322,7 +361,8 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
         if f.kind in BY_PATH_KINDS and f.path.endswith(" (deleted)"):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file; ghost files are not restored yet)")
             continue
-        if f.kind in BY_PATH_KINDS or (f.kind is FdKind.TTY and f.path.startswith("/dev/")):
+        if (f.kind in BY_PATH_KINDS or is_controlling_tty(f)
+                or (f.kind is FdKind.TTY and f.path.startswith("/dev/"))):
             continue
         out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
     return out
@@ -442,11 +482,12 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
             remote.checked("fcntl", f.fd, 2, 1, step=f"set FD_CLOEXEC on fd {f.fd}")   # F_SETFD
             continue
         flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC) | O_NOCTTY
-        step = f"reopen fd {f.fd} ({f.path})"
+        path = CTTY_PATH if is_controlling_tty(f) else f.path
+        step = f"reopen fd {f.fd} ({path})"
         # A FIFO is opened non-blocking (a blocking open would wait for the other end
         # inside the injected syscall), then gets its own flags back.
         open_flags = flags | O_NONBLOCK if f.kind is FdKind.FIFO else flags
-        with remote.scratch(os.fsencode(f.path) + b"\0") as p:
+        with remote.scratch(os.fsencode(path) + b"\0") as p:
             got = remote.checked("openat", AT_FDCWD, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0),
                                  0, step=step)
         if open_flags != flags:

@@ -341,6 +341,58 @@ def apply_terminal_state(fd: int, state: TerminalState, *, foreground_pgrp: int 
                                     f"foreground group of terminal fd {fd}: {err.strerror}") from None
 
 
+def session_of(fd: int) -> int | None:
+    """The session terminal `fd` is the controlling terminal of (None: none, or not ours to ask)."""
+    try:
+        return _ioctl_pid(fd, TIOCGSID)
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A terminal of ptckpt's as it was before a restore changed it."""
+
+    fd: int
+    termios: Termios
+    fg_pgrp: int | None
+
+
+def save(fd: int) -> Saved | None:
+    """What put_back needs to leave terminal `fd` as it is now (None if it is no terminal)."""
+    try:
+        tio = _get_termios(fd)
+    except OSError:
+        return None
+    return Saved(fd, tio, _ioctl_pid(fd, TIOCGPGRP) if _is_controlling(fd) else None)
+
+
+def _is_controlling(fd: int) -> bool:
+    with contextlib.suppress(OSError):
+        return os.tcgetpgrp(fd) > 0
+    return False
+
+
+def put_back(saved: Saved | None) -> None:
+    """The terminal's termios and foreground group as save() found them (a restore failed or
+    was interrupted after it put the image's settings there); errors are ignored."""
+    if saved is None:
+        return
+    with _sigttou_blocked():
+        with contextlib.suppress(OSError):
+            _set_termios(saved.fd, saved.termios)
+        if saved.fg_pgrp is not None:
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(saved.fd, TIOCSPGRP, PID_T.pack(saved.fg_pgrp))
+
+
+def redraw(pgrp: int) -> None:
+    """SIGWINCH to a job restored onto ptckpt's terminal: the screen is not the one it drew
+    on, and a full-screen program redraws on a window change (learning this terminal's size)."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgrp, signal.SIGWINCH)
+
+
 def give_back(fd: int, pgrp: int) -> None:
     """The terminal's foreground group back to `pgrp` (ptckpt's, after a shell job ended)."""
     with _sigttou_blocked(), contextlib.suppress(OSError):
