@@ -66,6 +66,7 @@ from ptckpt.formats.model import (
     Sigaction,
     Task,
     Terminal,
+    Pty,
     Thread,
     UnixSocket,
     Vma,
@@ -668,6 +669,7 @@ class ImageReader:
         self.saved_files: tuple[SavedFile, ...] = ()
         self.fd_states: tuple = ()                # EventfdState ... EpollState, by desc
         self.terminals: tuple[Terminal, ...] = ()
+        self.ptys: tuple[Pty, ...] = ()
         self.inet_sockets: tuple[InetSocket, ...] = ()
         self.netlink_sockets: tuple[NetlinkSocket, ...] = ()
         self.plugin_data: tuple[PluginData, ...] = ()
@@ -765,6 +767,7 @@ class ImageReader:
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
         self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
+        self.ptys = tuple(e for e in entries if isinstance(e, Pty))
         self.inet_sockets = tuple(e for e in entries if isinstance(e, InetSocket))
         self.netlink_sockets = tuple(e for e in entries if isinstance(e, NetlinkSocket))
         self.plugin_data = tuple(e for e in entries if isinstance(e, PluginData))

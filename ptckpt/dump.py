@@ -376,16 +376,25 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     # fds claimed as external by a plugin are not this function's business
     fds = {p: [f for f in im.fds if not f.external] for p, im in images.items()}
     stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
+    masters = _pty_masters(fds)
+    inside = {d for d, _p, _f in masters.values()} | {
+        f.desc for flist in fds.values() for f in flist
+        if f.kind is FdKind.PTY_SLAVE and terminals.slave_index(f.rdev) in masters}
     objects: dict[str, list[tuple[int, Fd]]] = {}
     for p, flist in fds.items():
         for f in flist:
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
     for p, flist in fds.items():
-        bad = files.unsupported_fds(flist, stdio)
+        bad = files.unsupported_fds(flist, stdio | inside)
         if bad:
             raise UnsupportedResource(p, bad[0])
-    outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
+    outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}, set(images) | {os.getpid()})
+    for n, (_d, p, f) in masters.items():
+        if f"/dev/pts/{n}" in outside:
+            q, m = outside[f"/dev/pts/{n}"][0]
+            raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
+                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
     internal_pipes = []
     for link, holders in objects.items():
         if all(f.desc in stdio for _p, f in holders):
@@ -403,6 +412,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
                     + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
                     + _fd_states(fds) + _terminals(root, fds[root])
+                    + [terminals.dump_pty_frozen(p, f.fd, d) for d, p, f in masters.values()]
                     + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 
 
@@ -430,6 +440,18 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
             else:
                 continue
             seen.add(f.desc)
+    return out
+
+
+def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:
+    """{pty index: (desc, a pid holding it, its fd)} for each pty master description of the tree."""
+    out: dict[int, tuple[int, int, Fd]] = {}
+    seen: set[int] = set()
+    for p, flist in fds.items():
+        for f in flist:
+            if f.kind is FdKind.PTY_MASTER and f.desc not in seen:
+                seen.add(f.desc)
+                out[terminals.master_index(p, f.fd)] = (f.desc, p, f)
     return out
 
 

@@ -259,7 +259,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                         f"its terminal (--new-pty gives it a session and a terminal of its own)")
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [], own_session=not joins)
+                             events.bind_mounts() if events else [], own_session=not joins,
+                             ptys=_pty_ttys(image, procs, handed))
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
                 to_detach = []
@@ -466,14 +467,31 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
         return
 
 
+def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
+    """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
+    the tree that is the controlling terminal of a session of the tree."""
+    slaves = _pty_slaves(image, procs)
+    out = {}
+    for rec in image.ptys:
+        fd = next((handed[d] for d, n in slaves.items() if n == rec.index and d in handed), None)
+        if fd is not None and rec.sid in procs and procs[rec.sid].task.sid == rec.sid:
+            out[rec.sid] = (fd, rec.fg_pgrp)
+    return out
+
+
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
-                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True) -> None:
+                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True,
+                 ptys: dict[int, tuple[int, int]] | None = None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
     `tty` (the new pty's slave fd in the stubs, its Terminal record): it becomes the
     root session's controlling terminal, before any other member exists (the
     children inherit it), and its foreground group is set once the groups exist.
+
+    `ptys` ({session leader: (slave fd in the stubs, foreground group)}): the tree's own
+    ptys become the controlling terminals of the sessions they were, at the leader's
+    creation too, and get their foreground groups back.
 
     own_session=False: a root that led its session stays in ptckpt restore's
     (it leads its own process group there), with the members of its session: the
@@ -491,11 +509,16 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     if tty is not None and records[root].sid == root and tty[1].controlling:
         with _stub_syscalls(created[root]) as remote:
             terminals.make_controlling_tty_frozen(remote, tty[0])
+    ptys = ptys or {}
+    if root in ptys and records[root].sid == root:
+        _controlling_pty(created[root], root, ptys[root][0])
     for p in members[1:] + [z.pid for z in zombies]:
         record = records[p]
         log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
         created[p] = _create_child(created[record.ppid], p)
         _restore_session(created[p], record)
+        if p in ptys and record.sid == p:
+            _controlling_pty(created[p], p, ptys[p][0])
     for h in helpers:
         log.info("create %d (stand-in leader of process group %d, whose leader exited)", h.pid, h.pgid)
         created[h.pid] = _create_child(created[h.ppid], h.pid)
@@ -507,6 +530,10 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
         with _stub_syscalls(created[root]) as remote:
             # in the tree's own namespace the group has the image's number
             terminals.set_foreground_frozen(remote, tty[0], tty[1].fg_pgrp)
+    for leader, (fd, fg) in ptys.items():
+        if fg in created and leader in created:
+            with _stub_syscalls(created[leader]) as remote:
+                terminals.set_foreground_frozen(remote, fd, fg)
     gadget = gadget_address()
     for z in zombies:
         pids.end_stub(created.pop(z.pid), gadget, z.wait_status)
@@ -517,6 +544,14 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
 
 
 WALL = 0x40000000
+
+
+def _controlling_pty(task, pid: int, fd: int) -> None:
+    """A new session leader takes its pty (a slave the stub inherited) as controlling terminal,
+    before its children are made (they inherit it)."""
+    log.info("pty at fd %d: the controlling terminal of session %d", fd, pid)
+    with _stub_syscalls(task) as remote:
+        terminals.make_controlling_tty_frozen(remote, fd)
 
 
 @dataclass(frozen=True)
@@ -577,9 +612,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
                    | {r.ino for r in image.netlink_sockets})
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     states = {s.desc for s in image.fd_states}
+    ptys = {p.desc for p in image.ptys} | set(_pty_slaves(image, procs))
     out = {}
     for d, f in rep.items():
         if f.skipped or f.external:
+            continue
+        if d in ptys:
+            out[d] = f
             continue
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
             out[d] = f
@@ -592,6 +631,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
         elif uses[d] > 1 and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f
     return out
+
+
+def _pty_slaves(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int, int]:
+    """{slave description: pty index} of the slaves of the ptys whose master the tree holds."""
+    indices = {p.index for p in image.ptys}
+    return {f.desc: terminals.slave_index(f.rdev) for proc in procs.values() for f in proc.fds
+            if f.kind is FdKind.PTY_SLAVE and f.desc and terminals.slave_index(f.rdev) in indices}
 
 
 def _root_stdio(root: ProcessImage) -> set[int]:
@@ -627,6 +673,11 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         netlink_inos = {r.ino for r in image.netlink_sockets}
         opened.update(netlink.create_netlink_sockets(
             image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
+        slaves = _pty_slaves(image, procs)
+        for rec in image.ptys:                       # the tree's own pty pairs, master and slaves
+            mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
+            opened[rec.desc], slave_fds = terminals.create_pty(rec, len(mine))
+            opened.update(zip(mine, slave_fds))
         made = {}
         for state in image.fd_states:
             f = plan.get(state.desc)

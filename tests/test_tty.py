@@ -3,6 +3,7 @@ capture-pane, restored onto the invoking terminal (a shell job) or onto a new pt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -12,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -403,11 +404,109 @@ def test_a_failed_restore_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd
         kill_pids([vim])
 
 
-def test_a_tmux_server_is_refused_at_dump_naming_its_pty_master(tmux, ptckpt, tmp_path):
-    tmux("new-session", "-d", "-s", "srv", "sleep 600")
-    server = int(tmux("display-message", "-p", "#{pid}"))
+@pytest.fixture
+def inner_tmux(tmp_path):
+    """A second tmux server (the one dumped and restored): inner(*args); killed at the end,
+    with its panes and the processes a restore made of them."""
+    sock = f"ptckpt-inner-{os.getpid()}-{tmp_path.name}"[:100]
+    pids: list[int] = []
+
+    def run(*args: str) -> str:
+        return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    run.sock = sock
+    run.pids = pids
+    yield run
+    with contextlib.suppress(subprocess.CalledProcessError):
+        pids += [int(p) for p in run("list-panes", "-a", "-F", "#{pane_pid}").split()]
+        pids += [int(run("display-message", "-p", "#{pid}"))]
+    pids += [d for p in list(pids) for d in _descendants(p)]
+    subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    kill_pids(pids)
+    reap_orphans()
+
+
+def test_a_tmux_server_restored_and_attached_by_a_new_client(tmux, inner_tmux, ptckpt, tmp_path):
+    """A tmux server holds the pty master of its pane, whose shell has the slave as its
+    controlling terminal: both come back, with the pty's size, and a new client sees the
+    screen of before the dump and types into the restored shell."""
+    inner = inner_tmux
+    inner("new-session", "-d", "-s", "work", "-x", "90", "-y", "25", "bash --norc --noprofile")
+    wait_until(lambda: inner("capture-pane", "-p", "-t", "work").rstrip().endswith(("$", "#")), 10)
+    inner("send-keys", "-t", "work", "echo hello-$((6 * 7))-before", "Enter")
+    wait_until(lambda: "hello-42-before" in inner("capture-pane", "-p", "-t", "work"), 10)
+    server = int(inner("display-message", "-p", "#{pid}"))
+    shell = int(inner("list-panes", "-t", "work", "-F", "#{pane_pid}"))
+    inner.pids += [server, shell]
+    pts = inner("list-panes", "-t", "work", "-F", "#{pane_tty}").strip()
+    assert os.readlink(f"/proc/{shell}/fd/0") == pts
+    res = ptckpt("dump", server, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    for pid in (shell, server):
+        wait_pid_free(pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    fields = _stat(shell)
+    assert int(fields[3]) == shell and int(fields[4]) != 0, "its own session, with a controlling tty"
+    assert int(fields[5]) == shell, "in front of its pty"
+    assert os.readlink(f"/proc/{shell}/fd/0").startswith("/dev/pts/")
+    # a new client, in a pane of the test's own tmux, sees the old screen and types on
+    tmux("new-session", "-d", "-s", "viewer", "-x", "100", "-y", "30",
+         f"tmux -L {inner.sock} attach -t work")
+    wait_until(lambda: "hello-42-before" in _screen(tmux, "viewer"), 10, message=lambda: _screen(tmux, "viewer"))
+    tmux("send-keys", "-t", "viewer", "stty size; echo after-$((40 + 2))", "Enter")
+    wait_until(lambda: "after-42" in _screen(tmux, "viewer").split("after-$")[-1], 10,
+               message=lambda: _screen(tmux, "viewer"))
+
+
+def test_a_pty_whose_slave_is_held_outside_is_refused_at_dump(tmux, inner_tmux, ptckpt, tmp_path):
+    """The master in the tree, its slave in a process outside: refused by name, left running."""
+    inner = inner_tmux
+    inner("new-session", "-d", "-s", "srv", "sleep 600")
+    server = int(inner("display-message", "-p", "#{pid}"))
+    pane = int(inner("list-panes", "-t", "srv", "-F", "#{pane_pid}"))
+    inner.pids += [server, pane]
     res = ptckpt("dump", server, "-D", tmp_path / "img")
-    assert res.returncode == 13, res.stderr
-    line, = res.stderr.strip().splitlines()
-    assert "/dev/ptmx" in line and "pty master" in line and "--new-pty" in line, line
-    assert _stat(server)[0] in "SR" and not (tmp_path / "img").exists(), "left running, nothing written"
+    assert res.returncode == 0, res.stderr                    # the whole tree: fine
+    pts = inner("list-panes", "-t", "srv", "-F", "#{pane_tty}").strip()
+    holder = subprocess.Popen(["sleep", "600"], stdin=open(pts), start_new_session=True)
+    try:
+        res = ptckpt("dump", server, "-D", tmp_path / "img2")
+        assert res.returncode == 13, res.stderr
+        line, = res.stderr.strip().splitlines()
+        assert "/dev/ptmx" in line and f"pid {holder.pid}" in line and "slave" in line, line
+        assert _stat(server)[0] in "SR" and not (tmp_path / "img2").exists(), "left running, nothing written"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_pty_master_with_output_pending_and_its_slave_in_the_tree(spawn, ptckpt, tmp_path):
+    """script(1)'s shape: the master in the parent, the slave the child's controlling terminal.
+    The bytes the child wrote that the parent has not read, and the window size, survive a
+    leave-running dump (for the process left running) and a restore."""
+    holder = spawn("ptyholder.py")
+    kid = int(holder.stdout_lines()[0].split()[1])
+    try:
+        res = ptckpt("dump", holder.pid, "-D", tmp_path / "img")
+        assert res.returncode == 0, res.stderr
+        holder.signal(signal.SIGUSR1)                  # the one left running reads its pty
+        assert holder.wait_exit(20) == 0, holder.describe()
+        assert "VERIFY OK" in holder.out_text()
+        kill_pids([kid])
+        for pid in (kid, holder.pid):
+            wait_pid_free(pid)
+        holder.out_path.write_text("")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--file-policy", "ignore")
+        assert res.returncode == 0, res.stderr
+        holder.adopt(holder.pid)
+        fields = _stat(kid)
+        assert int(fields[3]) == kid and int(fields[4]) != 0 and int(fields[5]) == kid
+        os.kill(holder.pid, signal.SIGUSR1)
+        wait_until(lambda: "VERIFY" in holder.out_text() or "BAD" in holder.out_text(), 20,
+                   message=holder.describe)
+        assert "VERIFY OK" in holder.out_text(), holder.out_text()
+        assert "pending-output-42" in holder.out_text()
+    finally:
+        kill_pids([holder.pid, kid])

@@ -50,7 +50,7 @@ _NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "tim
 # the stdio terminal/pipe of a shell job, character devices like /dev/null).
 RESTORABLE_KINDS = frozenset({
     FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
-    FdKind.PTY_SLAVE, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
+    FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
 }) | ANON_FD_KINDS | {FdKind.EPOLL}
 
 
@@ -310,13 +310,9 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
         if f.desc in exempt:
             continue
         if f.kind is FdKind.PTY_SLAVE and not is_controlling_tty(f):
-            out.append(f"fd {f.fd} -> {f.path} (a pty slave that is not the process's controlling "
-                       f"terminal, nor the stdio of the tree's root: it cannot be restored)")
-            continue
-        if f.kind is FdKind.PTY_MASTER:
-            out.append(f"fd {f.fd} -> {f.path} (a pty master: a terminal multiplexer or emulator such as "
-                       f"a tmux server, script or expect; pty masters are not restored yet: dump the "
-                       f"program running on its pty instead, and restore that one with --new-pty)")
+            out.append(f"fd {f.fd} -> {f.path} (a pty slave whose master is outside the tree, not the "
+                       f"process's controlling terminal nor the stdio of the tree's root: dump the "
+                       f"process holding its master too)")
             continue
         if f.kind in RESTORABLE_KINDS:
             continue
