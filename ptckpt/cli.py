@@ -8,6 +8,7 @@ bug in one line too (``PTCKPT_DEBUG=1`` shows the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,6 +186,8 @@ def restore(
             os.close(result.pty_master)
         else:
             typer.echo(result.summary(), err=True)
+            with contextlib.suppress(OSError):       # its screen is new: a redraw
+                terminals.redraw(os.getpgid(result.pid))
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     typer.echo(result.summary(), err=True)
     if result.foreground:                        # a job on this terminal: its screen is new

@@ -257,9 +257,14 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     result.warnings.append(
                         f"session leader {root} was restored into ptckpt restore's session, in front of "
                         f"its terminal (--new-pty gives it a session and a terminal of its own)")
+                leads = new_pty and _job_leads_new_pty(image, procs)
+                if leads:
+                    result.warnings.append(
+                        f"process {root} was restored as the leader of a session of its own, whose "
+                        f"controlling terminal is the new pty (it was in its shell's session)")
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [], own_session=not joins,
+                             events.bind_mounts() if events else [], own_session=not joins, lead=leads,
                              ptys=_pty_ttys(image, procs, handed))
                 if not new_pty:
                     _front_of_terminal(image, procs, created, result)
@@ -444,6 +449,19 @@ def _leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImag
     return False
 
 
+def _job_leads_new_pty(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+    """--new-pty for a shell job (its controlling terminal was its stdio, in its shell's
+    session): the new pty can be its controlling terminal only in a session it leads,
+    which it can lead when it led its process group and every group of the tree is the
+    tree's (a group left outside would be in another session)."""
+    root = procs[image.inventory.root_pid].task
+    if root.sid == root.pid or root.pgid != root.pid:
+        return False
+    if not any(rec.controlling for rec in image.terminals):
+        return False
+    return all(proc.task.pgid in procs for proc in procs.values()) and not image.zombies
+
+
 def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
                        result: RestoreResult) -> None:
     """A shell job: the image's termios on ptckpt's terminal, and the job's own process group
@@ -480,7 +498,7 @@ def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) 
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
-                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True,
+                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True, lead: bool = False,
                  ptys: dict[int, tuple[int, int]] | None = None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
@@ -496,6 +514,8 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     own_session=False: a root that led its session stays in ptckpt restore's
     (it leads its own process group there), with the members of its session: the
     terminal it is restored onto is the controlling terminal of that session.
+    lead=True: a root that did not lead its session leads one (with the members of
+    its session), so that the new pty can be its controlling terminal.
     """
     members = list(procs)
     records = {p: procs[p].task for p in members}
@@ -503,6 +523,9 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     root = members[0]
     if not own_session and records[root].sid == root:
         records[root] = dataclasses.replace(records[root], sid=0)      # no setsid: setpgid only
+    if lead and records[root].sid != root:
+        old = records[root].sid
+        records.update({p: dataclasses.replace(r, sid=root) for p, r in records.items() if r.sid == old})
     _restore_session(created[root], records[root])
     if binds:
         _private_mounts(created[root], binds)

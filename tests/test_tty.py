@@ -282,9 +282,7 @@ def test_bash_restored_into_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path)
 def test_less_with_its_own_open_of_the_terminal_restored(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """less opens the terminal a second time (/dev/tty, a description of its own): it was
     accepted at dump and refused at restore; now it is opened again as /dev/tty."""
-    text = tmp_path / "lines.txt"
-    text.write_text("".join(f"line number {n}\n" for n in range(1, 501)))
-    less = _job_in_pane(tmux, "less", f"less {text}", lambda s: "line number 1" in s)
+    less = _less_in_pane(tmux, tmp_path)
     tty = _tty_of_pane(tmux, "less")
     before = _links(less)
     own = [n for n in before if n > 2 and before[n] in (tty, "/dev/tty")]
@@ -295,13 +293,44 @@ def test_less_with_its_own_open_of_the_terminal_restored(tmux, ptckpt, ptckpt_cm
         assert [after[n] for n in (0, 1, 2)] == [before[n] for n in (0, 1, 2)]
         assert all(after[n] == "/dev/tty" for n in own), after
         # its controlling terminal is the pane's: reading /dev/tty reads the pane's keys
-        wait_until(lambda: "line number" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
-        tmux("send-keys", "-t", "less", "G")
-        wait_until(lambda: "line number 500" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
-        tmux("send-keys", "-t", "less", "q")
-        _ends_with_status(tmux, "less", less)
+        _less_redraws_and_takes_keys(tmux, less)
     finally:
         kill_pids([less])
+
+
+def _less_in_pane(tmux, tmp_path) -> int:
+    text = tmp_path / "lines.txt"
+    text.write_text("".join(f"line number {n}\n" for n in range(1, 501)))
+    return _job_in_pane(tmux, "less", f"less {text}", lambda s: "line number 1" in s)
+
+
+def _less_redraws_and_takes_keys(tmux, less: int) -> None:
+    wait_until(lambda: "line number 1" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+    tmux("send-keys", "-t", "less", "G")
+    wait_until(lambda: "line number 500" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+    tmux("send-keys", "-t", "less", "q")
+    _ends_with_status(tmux, "less", less)
+
+
+@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+def test_less_restored_onto_a_new_pty_leads_a_session_with_it(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """less was in its shell's session: with --new-pty it leads a session whose controlling
+    terminal is the new pty, so its own open of /dev/tty is that pty (not ptckpt's terminal)."""
+    less = _less_in_pane(tmux, tmp_path)
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "less", less, "less", "--new-pty")
+        fields = _stat(less)
+        assert int(fields[3]) == less and int(fields[5]) == less, "its own session, in front of it"
+        pts = os.readlink(f"/proc/{less}/fd/0")
+        assert pts.startswith("/dev/pts/") and pts != _tty_of_pane(tmux, "less")
+        assert os.stat(f"/proc/{less}/fd/0").st_rdev == _tty_nr_rdev(int(fields[4]))
+        _less_redraws_and_takes_keys(tmux, less)
+    finally:
+        kill_pids([less])
+
+
+def _tty_nr_rdev(tty_nr: int) -> int:
+    return os.makedev((tty_nr >> 8) & 0xFFF, (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00))
 
 
 def _vim_n(tmux, session: str) -> int:
