@@ -412,7 +412,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     return images, (pipes.dump_pipes(fds, internal_pipes) + sockets.dump_unix_sockets(fds, stdio)
                     + net.capture_frozen(fds, stdio) + netlink.dump_netlink_sockets(fds)
                     + _fd_states(fds) + _terminals(root, fds[root])
-                    + [terminals.dump_pty_frozen(p, f.fd, d) for d, p, f in masters.values()]
+                    + _ptys_frozen(masters, set(images))
                     + files.dump_ghost_files(fds, {p: list(im.vmas) for p, im in images.items()}))
 
 
@@ -452,6 +452,20 @@ def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:
             if f.kind is FdKind.PTY_MASTER and f.desc not in seen:
                 seen.add(f.desc)
                 out[terminals.master_index(p, f.fd)] = (f.desc, p, f)
+    return out
+
+
+def _ptys_frozen(masters: dict[int, tuple[int, int, Fd]], members: set[int]) -> list:
+    """The PTY records of the tree's pty masters; a pty that is the controlling terminal of a
+    session whose leader is not in the tree is refused (no process could take it again)."""
+    out = []
+    for n, (d, p, f) in masters.items():
+        rec = terminals.dump_pty_frozen(p, f.fd, d)
+        if rec.sid > 0 and rec.sid not in members:
+            raise UnsupportedResource(p, f"fd {f.fd} -> /dev/ptmx (the master of /dev/pts/{n}), the "
+                                         f"controlling terminal of session {rec.sid}, whose leader is "
+                                         f"not in the tree (dump the session's leader too)")
+        out.append(rec)
     return out
 
 

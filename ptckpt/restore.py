@@ -489,11 +489,13 @@ def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) 
     """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
     the tree that is the controlling terminal of a session of the tree."""
     slaves = _pty_slaves(image, procs)
+    virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
     out = {}
     for rec in image.ptys:
         fd = next((handed[d] for d, n in slaves.items() if n == rec.index and d in handed), None)
-        if fd is not None and rec.sid in procs and procs[rec.sid].task.sid == rec.sid:
-            out[rec.sid] = (fd, rec.fg_pgrp)
+        sid = virtual.get(rec.sid, rec.sid)
+        if fd is not None and sid in procs and procs[sid].task.sid == sid:
+            out[sid] = (fd, virtual.get(rec.fg_pgrp, rec.fg_pgrp))
     return out
 
 

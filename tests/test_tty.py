@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -539,3 +540,41 @@ def test_a_pty_master_with_output_pending_and_its_slave_in_the_tree(spawn, ptckp
         assert "pending-output-42" in holder.out_text()
     finally:
         kill_pids([holder.pid, kid])
+
+
+
+PTY_OWNER = r'''
+import os, time
+master, slave = os.openpty()
+print("PTS", os.ttyname(slave), flush=True)
+os.close(slave)
+print("READY", os.getpid(), flush=True)
+time.sleep(600)
+'''
+
+CTTY_ONLY = ("import fcntl, os, sys, termios, time\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "fcntl.ioctl(fd, termios.TIOCSCTTY, 0)\n"
+             "os.close(fd)\n"
+             "print('CTTY', flush=True)\n"
+             "time.sleep(600)\n")
+
+
+def test_a_pty_controlling_a_session_outside_the_tree_is_refused_at_dump(spawn, ptckpt, tmp_path):
+    """The tree holds the master; a process outside made the slave its controlling terminal
+    and closed its fds (so no fd of it shows outside): refused, naming the session."""
+    (tmp_path / "owner.py").write_text(PTY_OWNER)
+    holder = spawn(str(tmp_path / "owner.py"), out=False)
+    pts = holder.stdout_lines()[0].split()[1]
+    outside = subprocess.Popen([sys.executable, "-c", CTTY_ONLY, pts], stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert outside.stdout.readline().strip() == b"CTTY"
+        res = ptckpt("dump", holder.pid, "-D", tmp_path / "img")
+        assert res.returncode == 13, res.stderr
+        line, = res.stderr.strip().splitlines()
+        assert f"controlling terminal of session {outside.pid}" in line and "leader" in line, line
+        assert holder.alive() and not (tmp_path / "img").exists()
+    finally:
+        outside.kill()
+        outside.wait()
