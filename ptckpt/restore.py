@@ -266,8 +266,6 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                              _new_tty(image, procs, handed) if new_pty else None,
                              events.bind_mounts() if events else [], own_session=not joins, lead=leads,
                              ptys=_pty_ttys(image, procs, handed))
-                if not new_pty:
-                    _front_of_terminal(image, procs, created, result)
                 to_detach = []
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
@@ -277,6 +275,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     result.warnings += warnings
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
+                if not new_pty:
+                    # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
+                    _front_of_terminal(image, procs, created, result)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}

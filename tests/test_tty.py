@@ -578,3 +578,41 @@ def test_a_pty_controlling_a_session_outside_the_tree_is_refused_at_dump(spawn, 
     finally:
         outside.kill()
         outside.wait()
+
+
+SLOW_PLUGIN = '''
+import time
+from ptckpt.plugins import Plugin
+class Slow(Plugin):
+    name = "slow"
+    def restored(self, proc, ctx):
+        open(__file__ + ".started", "w").close()
+        time.sleep(30)
+'''
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_ctrl_c_during_a_restore_ends_it_and_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """^C typed while the processes are being rebuilt reaches ptckpt restore (the job is not
+    in front yet): the restore ends, nothing of it is left, the shell has its terminal."""
+    top = _job_in_pane(tmux, "top", "top -d 0.5", lambda s: "load average" in s)
+    shell = _pane_pid(tmux, "top")
+    (tmp_path / "slow.py").write_text(SLOW_PLUGIN)
+    try:
+        res = ptckpt("dump", top, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{top}"), 5)
+        tmux("send-keys", "-t", "top", "clear", "Enter")
+        tmux("send-keys", "-t", "top", f"stty -g > {tmp_path / 'before'}", "Enter")
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--plugin", str(tmp_path / "slow.py")])
+        tmux("send-keys", "-t", "top", f"{cmd}; echo RC=$?; stty -g > {tmp_path / 'after'}", "Enter")
+        wait_until(lambda: (tmp_path / "slow.py.started").exists(), 20, message=lambda: _screen(tmux, "top"))
+        tmux("send-keys", "-t", "top", "C-c")
+        wait_until(lambda: (tmp_path / "after").exists() and (tmp_path / "after").read_text(), 20,
+                   message=lambda: _screen(tmux, "top"))
+        assert "RC=130" in _screen(tmux, "top"), _screen(tmux, "top")
+        assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+        wait_until(lambda: not os.path.exists(f"/proc/{top}") or _stat(top)[0] == "Z", 10)
+    finally:
+        kill_pids([top])
