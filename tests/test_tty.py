@@ -39,6 +39,14 @@ def tmux(tmp_path):
     subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
     kill_pids(pids)
     reap_orphans()
+    _remove_socket(sock)
+
+
+def _remove_socket(name: str) -> None:
+    """tmux leaves its socket file behind when its server is killed."""
+    where = os.environ.get("TMUX_TMPDIR", "/tmp")
+    with contextlib.suppress(OSError):
+        os.unlink(f"{where}/tmux-{os.getuid()}/{name}")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -378,16 +386,18 @@ def test_session_leader_restored_in_front_of_a_plain_terminal(tmux, ptckpt, ptck
     wait_until(lambda: _screen(tmux, "sh").rstrip().endswith(("$", "#")), 10)
     shell = _pane_pid(tmux, "sh")
     try:
-        # Left running, then killed: tmux (its parent) was seen not to reap a pane process
-        # that a dump --kill killed.
-        res = ptckpt("dump", top, "-D", tmp_path / "img")
+        res = ptckpt("dump", top, "-D", tmp_path / "img", "--kill")
         assert res.returncode == 0, res.stderr
-        os.kill(top, signal.SIGKILL)
-        wait_until(lambda: not os.path.exists(f"/proc/{top}"), 10)
-        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img")])
+        # In a pid namespace of its own: tmux, its parent, was seen to leave the pid a zombie
+        # for more than 10 s (killed by a dump or by a plain SIGKILL alike).
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--pidns"])
         tmux("send-keys", "-t", "sh", f"{cmd} 2>{tmp_path / 'err'}; echo RC=$?", "Enter")
-        wait_until(lambda: os.path.exists(f"/proc/{top}") and os.readlink(f"/proc/{top}/exe").endswith("/top")
-                   and _stat(top)[0] != "t", 15, message=lambda: _screen(tmux, "sh"))
+        outer = wait_until(lambda: re.search(r" as (\d+)", (tmp_path / "err").read_text()
+                                             if (tmp_path / "err").exists() else ""), 15,
+                           message=lambda: _screen(tmux, "sh"))
+        top = int(outer.group(1))
+        wait_until(lambda: os.readlink(f"/proc/{top}/exe").endswith("/top") and _stat(top)[0] != "t", 15,
+                   message=lambda: _screen(tmux, "sh"))
         fields = _stat(top)
         assert int(fields[3]) == int(_stat(shell)[3]), "in the shell's session"
         assert int(fields[2]) == top and int(fields[5]) == top, "its own group, in front of the terminal"
@@ -455,6 +465,7 @@ def inner_tmux(tmp_path):
     subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
     kill_pids(pids)
     reap_orphans()
+    _remove_socket(sock)
 
 
 def test_a_tmux_server_restored_and_attached_by_a_new_client(tmux, inner_tmux, ptckpt, tmp_path):
