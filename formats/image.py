@@ -68,6 +68,7 @@ from ptckpt.formats.model import (
     Sigaction,
     Task,
     Terminal,
+    Pty,
     Thread,
     UnixSocket,
     InFlightFd,
@@ -671,6 +672,7 @@ class ImageReader:
         self.saved_files: tuple[SavedFile, ...] = ()
         self.fd_states: tuple = ()                # EventfdState ... EpollState, by desc
         self.terminals: tuple[Terminal, ...] = ()
+        self.ptys: tuple[Pty, ...] = ()
         self.inet_sockets: tuple[InetSocket, ...] = ()
         self.netlink_sockets: tuple[NetlinkSocket, ...] = ()
         self.in_flight: tuple[Fd, ...] = ()       # descriptions in flight in unix sockets
@@ -769,6 +771,7 @@ class ImageReader:
         self.saved_files = tuple(e for e in entries if isinstance(e, SavedFile))
         self.fd_states = tuple(e for e in entries if isinstance(e, FD_STATE_TYPES))
         self.terminals = tuple(e for e in entries if isinstance(e, Terminal))
+        self.ptys = tuple(e for e in entries if isinstance(e, Pty))
         self.inet_sockets = tuple(e for e in entries if isinstance(e, InetSocket))
         self.netlink_sockets = tuple(e for e in entries if isinstance(e, NetlinkSocket))
         self.in_flight = tuple(e.fd for e in entries if isinstance(e, InFlightFd))

@@ -690,6 +690,28 @@ class FanotifyState:
     desc: int = 0
 
 
+@dataclass(frozen=True)
+class Pty:
+    """A pty pair whose master the tree holds (a tmux server, script, expect; since format 8).
+
+    Its slaves in the tree are the Fds of the pty's index (st_rdev); `output` is what the
+    slave side wrote that the master had not read yet, given back to the new pair's master.
+    """
+
+    desc: int                 # the master's open file description
+    index: int                # N of /dev/pts/N
+    termios: bytes            # struct termios2 of the pair (TCGETS2 on the master)
+    rows: int
+    cols: int
+    xpixel: int
+    ypixel: int
+    sid: int                  # the session it is the controlling terminal of, -1: none
+    fg_pgrp: int              # its foreground process group, -1: none
+    locked: bool              # TIOCGPTLCK: the slave cannot be opened yet
+    packet: bool              # TIOCGPKT: packet mode on the master
+    output: bytes = b""
+
+
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
                   EpollState, FanotifyState)
 

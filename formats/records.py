@@ -22,7 +22,7 @@ Grammar (every integer little-endian)::
 
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
-                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD* FANOTIFY*
+                      EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD* FANOTIFY* PTY*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
@@ -115,6 +115,7 @@ from ptckpt.formats.model import (
     PageRun,
     PendingSignal,
     PosixTimer,
+    Pty,
     Restart,
     PipeBuffer,
     PluginData,
@@ -182,6 +183,7 @@ class EntryKind(enum.IntEnum):
     NETLINK_SOCKET = 40
     FANOTIFY = 45
     IN_FLIGHT_FD = 49
+    PTY = 53
     TASK = 10
     CREDS = 11
     MM = 12
@@ -873,6 +875,26 @@ TerminalRecord = Record(Terminal, Struct(
 ))
 
 
+# --- PTY ---------------------------------------------------------------------------
+# pty(7), tty_ioctl(4): TIOCGPTN (the index), TCGETS2 and TIOCGWINSZ on the master (they act
+# on the pair), TIOCGSID and TIOCGPGRP on the master (the slave's session and foreground
+# group), TIOCGPTLCK, TIOCGPKT; the bytes read from the master that the slave had written.
+PtyRecord = Record(Pty, Struct(
+    "desc" / VarInt,
+    "index" / VarInt,
+    "termios" / Blob,
+    "rows" / Int16ul,
+    "cols" / Int16ul,
+    "xpixel" / Int16ul,
+    "ypixel" / Int16ul,
+    "sid" / Int32sl,
+    "fg_pgrp" / Int32sl,
+    "locked" / Flag,
+    "packet" / Flag,
+    "output" / Blob,
+))
+
+
 # --- INET_SOCKET ---------------------------------------------------------------
 # ip(7), ipv6(7), tcp(7), udp(7); inet_diag (include/uapi/linux/inet_diag.h) for the
 # state; getsockopt(2) values of the options that differ from a new socket's; TCP_REPAIR
@@ -967,6 +989,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.INET_SOCKET: InetSocketRecord,
     EntryKind.NETLINK_SOCKET: NetlinkSocketRecord,
     EntryKind.IN_FLIGHT_FD: InFlightFdRecord,
+    EntryKind.PTY: PtyRecord,
     EntryKind.TASK: TaskRecord,
     EntryKind.CREDS: CredsRecord,
     EntryKind.MM: MmRecord,
@@ -995,7 +1018,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
                                    EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
                                    EntryKind.NETLINK_SOCKET, EntryKind.IN_FLIGHT_FD,
-                                   EntryKind.FANOTIFY}),
+                                   EntryKind.FANOTIFY, EntryKind.PTY}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -1032,7 +1055,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
                   Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,
-                  AioRing, FanotifyState,
+                  AioRing, FanotifyState, Pty,
                   RawEntry]
 
 

@@ -158,6 +158,8 @@ FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
                 for k in ("clockid", "ticks", "settime flags", "it_value", "it_interval")},
     "SIGNALFD": {"sigmask": _restored("resources.anonfds")},
     "INOTIFY": {"inotify wd": _restored("resources.anonfds")},
+    "PTY_MASTER": {"tty-index": _restored("resources.terminals (the pty made again, at its index "
+                                          "when free)")},
     "FANOTIFY": {k: _restored("resources.anonfds (which refuses content classes and unread events)")
                  for k in ("fanotify flags", "fanotify ino", "fanotify mnt_id", "fanotify sdev")},
     "EPOLL": {"tfd": _restored("resources.epoll")},

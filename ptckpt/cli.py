@@ -8,6 +8,7 @@ bug in one line too (``PTCKPT_DEBUG=1`` shows the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,17 +186,24 @@ def restore(
             os.close(result.pty_master)
         else:
             typer.echo(result.summary(), err=True)
+            with contextlib.suppress(OSError):       # its screen is new: a redraw
+                terminals.redraw(os.getpgid(result.pid))
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
+    typer.echo(result.summary(), err=True)
+    if result.foreground:                        # a job on this terminal: its screen is new
+        from .resources import terminals
+        terminals.redraw(result.foreground)
     if detach:
-        typer.echo(result.summary(), err=True)
         if pidfile:
             with open(pidfile, "w") as f:
                 f.write(f"{result.pid}\n")
         typer.echo(result.pid)
         return
-    typer.echo(result.summary(), err=True)
     status = wait_restored(result)
-    if result.terminal >= 0:                     # the shell job ended: the terminal goes back
+    if result.terminal_was is not None:          # the shell job ended: the terminal goes back
+        from .resources import terminals
+        terminals.put_back(result.terminal_was)    # as it was (a job killed may leave it raw)
+    elif result.terminal >= 0:
         from .resources import terminals
         terminals.give_back(result.terminal, result.foreground_was)
     raise typer.Exit(code=status)

@@ -401,6 +401,10 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         {f.ino for im in images.values() for f in im.fds if f.external and f.kind is FdKind.SOCKET})
     sockets.refuse_in_flight(flight)
     held = {**fds, flight.holder: flight.fds} if flight.fds else fds
+    masters = _pty_masters(fds)
+    inside = {d for d, _p, _f in masters.values()} | {
+        f.desc for flist in fds.values() for f in flist
+        if f.kind is FdKind.PTY_SLAVE and terminals.slave_index(f.rdev) in masters}
     objects: dict[str, list[tuple[int, Fd]]] = {}
     for p, flist in held.items():
         for f in flist:
@@ -411,11 +415,16 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
         shell = {f.fd for f in flist if f.desc in stdio}
         images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
-        bad = files.unsupported_fds(flist, stdio) + memory.unsupported_vmas(images[p].vmas) + files.owners_outside(
-            p, list(images[p].owners), tree, {im.task.pgid for im in images.values()})
+        bad = (files.unsupported_fds(flist, stdio | inside) + memory.unsupported_vmas(images[p].vmas)
+               + files.owners_outside(p, list(images[p].owners), tree, {im.task.pgid for im in images.values()}))
         if bad:
             raise UnsupportedResource(p, bad[0])
-    outside = procfs.fd_holders(set(objects), set(images) | {os.getpid()})
+    outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}, set(images) | {os.getpid()})
+    for n, (_d, p, f) in masters.items():
+        if f"/dev/pts/{n}" in outside:
+            q, m = outside[f"/dev/pts/{n}"][0]
+            raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
+                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
     internal_pipes = []
     for link, holders in objects.items():
         if all(f.desc in stdio for _p, f in holders):
@@ -435,7 +444,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     if net is None:
         net = inet.InetDump(inet.Policy(), "")
     out = (pipes.dump_pipes(held, internal_pipes) + net.capture_frozen(fds, stdio)
-           + netlink.dump_netlink_sockets(fds) + states + _terminals(root, fds[root]) + ghosts
+           + netlink.dump_netlink_sockets(fds) + states + _terminals(root, fds[root])
+           + _ptys_frozen(masters, set(images)) + ghosts
            + flight.records())
     # Last: reading a pending connection's data accepts it, which only a kill makes good.
     return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
@@ -476,6 +486,32 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
             else:
                 continue
             seen.add(f.desc)
+    return out
+
+
+def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:
+    """{pty index: (desc, a pid holding it, its fd)} for each pty master description of the tree."""
+    out: dict[int, tuple[int, int, Fd]] = {}
+    seen: set[int] = set()
+    for p, flist in fds.items():
+        for f in flist:
+            if f.kind is FdKind.PTY_MASTER and f.desc not in seen:
+                seen.add(f.desc)
+                out[terminals.master_index(p, f.fd)] = (f.desc, p, f)
+    return out
+
+
+def _ptys_frozen(masters: dict[int, tuple[int, int, Fd]], members: set[int]) -> list:
+    """The PTY records of the tree's pty masters; a pty that is the controlling terminal of a
+    session whose leader is not in the tree is refused (no process could take it again)."""
+    out = []
+    for n, (d, p, f) in masters.items():
+        rec = terminals.dump_pty_frozen(p, f.fd, d)
+        if rec.sid > 0 and rec.sid not in members:
+            raise UnsupportedResource(p, f"fd {f.fd} -> /dev/ptmx (the master of /dev/pts/{n}), the "
+                                         f"controlling terminal of session {rec.sid}, whose leader is "
+                                         f"not in the tree (dump the session's leader too)")
+        out.append(rec)
     return out
 
 

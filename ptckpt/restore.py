@@ -66,6 +66,8 @@ class RestoreResult:
     pty_master: int = -1          # new_pty: the master of the new pty (the caller's to close)
     terminal: int = -1            # shell job: ptckpt's terminal fd the tree was put in front of ...
     foreground_was: int = 0       # ... and the process group that was its foreground before
+    terminal_was: terminals.Saved | None = None   # ptckpt's terminal before the restore touched it
+    foreground: int = 0           # shell job: the restored group put in front of it
     pids: dict[int, int] = field(default_factory=dict)    # image (virtual) pid -> pid seen here
     exit_status: int | None = None  # its wait status when it ended already (and was reaped) at return
 
@@ -253,6 +255,16 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             ipc_made: list = []
             try:
                 ipc_made = restore_sysv(image.sysv)
+                joins = not new_pty and _leader_on_callers_terminal(image, procs)
+                if joins:
+                    result.warnings.append(
+                        f"session leader {root} was restored into ptckpt restore's session, in front of "
+                        f"its terminal (--new-pty gives it a session and a terminal of its own)")
+                leads = new_pty and _job_leads_new_pty(image, procs)
+                if leads:
+                    result.warnings.append(
+                        f"process {root} was restored as the leader of a session of its own, whose "
+                        f"controlling terminal is the new pty (it was in its shell's session)")
                 early = {procs[p].task.ppid for p in members if memory.inherited_vmas(procs[p].vmas)}
                 rebuilt: set[int] = set()
 
@@ -262,9 +274,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                         rebuilt.add(p)
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [], memory_first)
-                if not new_pty:
-                    _front_of_terminal(image, procs, created, result)
+                             events.bind_mounts() if events else [], own_session=not joins, lead=leads,
+                             ptys=_pty_ttys(image, procs, handed), memory_first=memory_first)
                 procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
                 to_detach = []
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
@@ -277,6 +288,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     to_detach += tasks
                 result.pids = {p: created[p].tgid for p in members}
                 _settle_notifications(image.fd_states, handed)
+                if not new_pty:
+                    # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
+                    _front_of_terminal(image, procs, created, result)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
@@ -304,6 +318,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                         result.exit_status = status
             except BaseException as err:
                 net.abort()
+                if result.terminal_was is not None:     # the user's terminal as it was
+                    terminals.put_back(result.terminal_was)
+                    result.terminal_was = None
                 if master >= 0:
                     os.close(master)
                 for kind, ipc_id in ipc_made:
@@ -312,6 +329,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for task in created.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(task.tgid, signal.SIGKILL)
+                for task in created.values():
+                    _reap_traced_threads(task.tgid)
                 stub.kill()
                 if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
                     raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
@@ -346,6 +365,18 @@ def _settle_notifications(states, handed: dict) -> None:
             anonfds.drain_inotify(handed[state.desc])
         elif isinstance(state, FanotifyState):
             anonfds.mark_fanotify(handed[state.desc], state)
+
+
+def _reap_traced_threads(tgid: int) -> None:
+    """The threads ptckpt traces in a killed process are its to reap (__WALL), or the
+    process never stops being a zombie and the wait for it never ends."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task") if int(t) != tgid]
+    except OSError:
+        return
+    for tid in tids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(tid, WALL)
 
 
 def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
@@ -430,6 +461,34 @@ def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
     return None
 
 
+def _leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+    """The root led its session, its controlling terminal was its stdio, and ptckpt restore
+    runs on a terminal of its own (in its session): then the root cannot have a session
+    of its own with that terminal (TIOCSCTTY: EPERM, it is the caller's session's), and
+    joins the caller's session instead."""
+    root = procs[image.inventory.root_pid].task
+    if root.sid != root.pid:
+        return False
+    for rec in image.terminals:
+        f = next((f for f in procs[root.pid].fds if f.desc == rec.desc), None)
+        if f is not None and rec.controlling and os.isatty(f.fd):
+            return terminals.session_of(f.fd) == os.getsid(0)
+    return False
+
+
+def _job_leads_new_pty(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+    """--new-pty for a shell job (its controlling terminal was its stdio, in its shell's
+    session): the new pty can be its controlling terminal only in a session it leads,
+    which it can lead when it led its process group and every group of the tree is the
+    tree's (a group left outside would be in another session)."""
+    root = procs[image.inventory.root_pid].task
+    if root.sid == root.pid or root.pgid != root.pid:
+        return False
+    if not any(rec.controlling for rec in image.terminals):
+        return False
+    return all(proc.task.pgid in procs for proc in procs.values()) and not image.zombies
+
+
 def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
                        result: RestoreResult) -> None:
     """A shell job: the image's termios on ptckpt's terminal, and the job's own process group
@@ -445,21 +504,47 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
             was = os.tcgetpgrp(f.fd)
         except OSError:
             was, front = 0, None                 # not our controlling terminal: settings only
+        result.terminal_was = terminals.save(f.fd)
         terminals.apply_terminal_state(f.fd, terminals.from_record(rec), foreground_pgrp=front,
                                        winsize=False)
         if front is not None:
-            result.terminal, result.foreground_was = f.fd, was
+            result.terminal, result.foreground_was, result.foreground = f.fd, was, front
         return
 
 
+def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
+    """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
+    the tree that is the controlling terminal of a session of the tree."""
+    slaves = _pty_slaves(image, procs)
+    virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
+    out = {}
+    for rec in image.ptys:
+        fd = next((handed[d] for d, n in slaves.items() if n == rec.index and d in handed), None)
+        sid = virtual.get(rec.sid, rec.sid)
+        if fd is not None and sid in procs and procs[sid].task.sid == sid:
+            out[sid] = (fd, virtual.get(rec.fg_pgrp, rec.fg_pgrp))
+    return out
+
+
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
-                 binds: Sequence[tuple[str, str]] = (), memory_first=lambda pid: None) -> None:
+                 binds: Sequence[tuple[str, str]] = (), own_session: bool = True, lead: bool = False,
+                 ptys: dict[int, tuple[int, int]] | None = None, memory_first=lambda pid: None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
     `tty` (the new pty's slave fd in the stubs, its Terminal record): it becomes the
     root session's controlling terminal, before any other member exists (the
     children inherit it), and its foreground group is set once the groups exist.
+
+    `ptys` ({session leader: (slave fd in the stubs, foreground group)}): the tree's own
+    ptys become the controlling terminals of the sessions they were, at the leader's
+    creation too, and get their foreground groups back.
+
+    own_session=False: a root that led its session stays in ptckpt restore's
+    (it leads its own process group there), with the members of its session: the
+    terminal it is restored onto is the controlling terminal of that session.
+    lead=True: a root that did not lead its session leads one (with the members of
+    its session), so that the new pty can be its controlling terminal.
     `memory_first(pid)` runs before a member's first child is cloned (a parent whose
     children share pages with it copy-on-write gets its memory first).
     """
@@ -467,12 +552,20 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     records = {p: procs[p].task for p in members}
     records.update({z.pid: z for z in zombies})
     root = members[0]
+    if not own_session and records[root].sid == root:
+        records[root] = dataclasses.replace(records[root], sid=0)      # no setsid: setpgid only
+    if lead and records[root].sid != root:
+        old = records[root].sid
+        records.update({p: dataclasses.replace(r, sid=root) for p, r in records.items() if r.sid == old})
     _restore_session(created[root], records[root])
     if binds:
         _private_mounts(created[root], binds)
     if tty is not None and records[root].sid == root and tty[1].controlling:
         with _stub_syscalls(created[root]) as remote:
             terminals.make_controlling_tty_frozen(remote, tty[0])
+    ptys = ptys or {}
+    if root in ptys and records[root].sid == root:
+        _controlling_pty(created[root], root, ptys[root][0])
     for p in members[1:] + [z.pid for z in zombies]:
         record = records[p]
         log.info("create %d (child of %d%s)", p, record.ppid, "" if p in procs else ", a zombie")
@@ -480,6 +573,8 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
         created[p] = _create_child(created[record.ppid], p, files=getattr(record, "shares_files", False),
                                    fs=getattr(record, "shares_fs", False))
         _restore_session(created[p], record)
+        if p in ptys and record.sid == p:
+            _controlling_pty(created[p], p, ptys[p][0])
     for h in helpers:
         log.info("create %d (stand-in leader of process group %d, whose leader exited)", h.pid, h.pgid)
         created[h.pid] = _create_child(created[h.ppid], h.pid)
@@ -491,6 +586,10 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
         with _stub_syscalls(created[root]) as remote:
             # in the tree's own namespace the group has the image's number
             terminals.set_foreground_frozen(remote, tty[0], tty[1].fg_pgrp)
+    for leader, (fd, fg) in ptys.items():
+        if fg in created and leader in created:
+            with _stub_syscalls(created[leader]) as remote:
+                terminals.set_foreground_frozen(remote, fd, fg)
     for z in zombies:
         task = created.pop(z.pid)
         pids.end_stub(task, task.gadget or gadget_address(), z.wait_status)
@@ -502,6 +601,14 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
 
 
 WALL = 0x40000000
+
+
+def _controlling_pty(task, pid: int, fd: int) -> None:
+    """A new session leader takes its pty (a slave the stub inherited) as controlling terminal,
+    before its children are made (they inherit it)."""
+    log.info("pty at fd %d: the controlling terminal of session %d", fd, pid)
+    with _stub_syscalls(task) as remote:
+        terminals.make_controlling_tty_frozen(remote, fd)
 
 
 @dataclass(frozen=True)
@@ -544,7 +651,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     """
     root = procs[image.inventory.root_pid]
     uses: dict[int, int] = {}
-    rep: dict[int, Fd] = {f.desc: f for f in root.fds if f.desc}
+    # A stdio description is represented by its lowest fd: build_handoff dups ptckpt
+    # restore's fd of that number, which must be one of its own fds 0-2 (top's fd 3,
+    # a dup of its fd 0, once made fds 0, 1 and 3 a copy of ptckpt's fd 3: its pages file).
+    rep: dict[int, Fd] = {}
+    for f in sorted(root.fds, key=lambda f: f.fd):
+        if f.desc:
+            rep.setdefault(f.desc, f)
     for proc in procs.values():
         for f in proc.fds:
             if f.desc:
@@ -559,9 +672,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
                    | {r.ino for r in image.netlink_sockets})
     ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
     states = {s.desc for s in image.fd_states}
+    ptys = {p.desc for p in image.ptys} | set(_pty_slaves(image, procs))
     out = {}
     for d, f in rep.items():
         if f.skipped or f.external:
+            continue
+        if d in ptys:
+            out[d] = f
             continue
         if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
             out[d] = f
@@ -574,6 +691,13 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
         elif (uses.get(d, 0) > 1 or d in flying) and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f
     return out
+
+
+def _pty_slaves(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int, int]:
+    """{slave description: pty index} of the slaves of the ptys whose master the tree holds."""
+    indices = {p.index for p in image.ptys}
+    return {f.desc: terminals.slave_index(f.rdev) for proc in procs.values() for f in proc.fds
+            if f.kind is FdKind.PTY_SLAVE and f.desc and terminals.slave_index(f.rdev) in indices}
 
 
 def _root_stdio(root: ProcessImage) -> set[int]:
@@ -611,6 +735,11 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         netlink_inos = {r.ino for r in image.netlink_sockets}
         opened.update(netlink.create_netlink_sockets(
             image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
+        slaves = _pty_slaves(image, procs)
+        for rec in image.ptys:                       # the tree's own pty pairs, master and slaves
+            mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
+            opened[rec.desc], slave_fds = terminals.create_pty(rec, len(mine))
+            opened.update(zip(mine, slave_fds))
         made = {}
         for state in image.fd_states:
             f = plan.get(state.desc)

@@ -162,6 +162,7 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "saved_files": [record_to_json(f) for f in reader.saved_files],
             "fd_states": [dict(record_to_json(st), record=type(st).__name__) for st in reader.fd_states],
             "terminals": [record_to_json(t) for t in reader.terminals],
+            "ptys": [record_to_json(t) for t in reader.ptys],
         }
 
 
@@ -263,6 +264,9 @@ def _shared_table(reader: ImageReader) -> str:
     for t in reader.terminals:
         rows.append(["terminal", t.desc, f"{t.cols}x{t.rows}, foreground group {t.fg_pgrp}"
                      + (", controlling" if t.controlling else "")])
+    for t in reader.ptys:
+        rows.append(["pty master", t.desc, f"/dev/pts/{t.index}, {t.cols}x{t.rows}, session {t.sid}, "
+                     f"foreground group {t.fg_pgrp}, {len(t.output)} bytes unread"])
     for o in reader.sysv:
         kind = type(o).__name__.removesuffix("Image").lower()
         ident = getattr(o, "shmid", getattr(o, "semid", getattr(o, "msqid", 0)))

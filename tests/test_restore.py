@@ -136,6 +136,42 @@ def test_blocked_read_completes_without_eintr(spawn, ptckpt_cmd, ptckpt, tmp_pat
         os.close(w)
 
 
+DUP_STDIN = r'''
+import os, sys, time
+os.dup2(0, 7)                       # fd 7 shares fd 0's description (top's fd 3, bash's fd 255)
+os.dup2(1, 9)
+print("READY", os.getpid(), flush=True)
+buf = b""
+while b"\n" not in buf:
+    buf += os.read(7, 100)          # read through the dup
+os.write(9, b"GOT " + buf)
+time.sleep(600)
+'''
+
+
+def test_a_dup_of_stdio_above_2_gets_the_stdio_of_the_restore(spawn, ptckpt_cmd, ptckpt, tmp_path):
+    """Fds sharing the root's stdio description are handed ptckpt restore's own fd 0-2
+    (the handoff once dup'ed ptckpt's fd of the highest such number: fd 7 here)."""
+    (tmp_path / "dup.py").write_text(DUP_STDIN)
+    target = spawn(str(tmp_path / "dup.py"), out=False, stdin="pipe")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    r, w = os.pipe()
+    proc = subprocess.run(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--detach",
+                                        "--file-policy", "ignore"],
+                          stdin=r, capture_output=True, text=True, timeout=60)
+    os.close(r)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        links = {n: os.readlink(f"/proc/{target.pid}/fd/{n}") for n in (0, 1, 7, 9)}
+        assert links[7] == links[0] == f"pipe:[{os.fstat(w).st_ino}]", links
+        assert links[9] == links[1] == str(target.stdout_path), links     # a file: by path
+        os.write(w, b"typed-after\n")
+        wait_until(lambda: "GOT typed-after" in target.stdout_text(), 10)
+    finally:
+        os.close(w)
+        kill_pids([target.pid])
+
+
 def test_stdin_fifo_is_reopened_by_path(spawn, ptckpt, tmp_path):
     target = spawn("blocked_read", stdin="fifo")
     target.send_line("before")

@@ -3,14 +3,18 @@ capture-pane, restored onto the invoking terminal (a shell job) or onto a new pt
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 
 import pytest
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -35,6 +39,14 @@ def tmux(tmp_path):
     subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
     kill_pids(pids)
     reap_orphans()
+    _remove_socket(sock)
+
+
+def _remove_socket(name: str) -> None:
+    """tmux leaves its socket file behind when its server is killed."""
+    where = os.environ.get("TMUX_TMPDIR", "/tmp")
+    with contextlib.suppress(OSError):
+        os.unlink(f"{where}/tmux-{os.getuid()}/{name}")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -185,3 +197,433 @@ def test_new_pty_master_handed_to_a_named_program(tmux, ptckpt, tmp_path):
         reap_orphans()
     res = ptckpt("restore", "-D", tmp_path / "img", "--new-pty", "--detach")
     assert res.returncode == 2 and "--new-pty-program" in res.stderr
+
+
+# --- real full-screen programs restored into a plain terminal (no --new-pty) -----------
+
+def _tty_of_pane(tmux, session: str) -> str:
+    return tmux("list-panes", "-t", session, "-F", "#{pane_tty}").strip()
+
+
+def _job_in_pane(tmux, session: str, command: str, ready) -> int:
+    """`command` typed into a shell in tmux session `session`; its pid once `ready(screen)`."""
+    tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30", "bash --norc --noprofile")
+    wait_until(lambda: _screen(tmux, session).rstrip().endswith(("$", "#")), 10)
+    tmux("send-keys", "-t", session, command, "Enter")
+    wait_until(lambda: ready(_screen(tmux, session)), 15, message=lambda: _screen(tmux, session))
+    return _children(_pane_pid(tmux, session))[0]
+
+
+def _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, session: str, pid: int,
+                              exe: str, *restore_args: str) -> None:
+    """Dump `pid` (killing it), then `ptckpt restore` typed into the shell of `session`; waits
+    until the restored process runs `exe` again (the start of its name: vim may be vim.basic)."""
+    res = ptckpt("dump", pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 5)
+    tmux("send-keys", "-t", session, "clear", "Enter")
+    cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), *restore_args])
+    tmux("send-keys", "-t", session, f"{cmd}; echo RC=$?", "Enter")
+
+    def back() -> bool:
+        try:
+            return (os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith(exe)
+                    and _stat(pid)[0] != "t")
+        except OSError:
+            return False
+    wait_until(back, 15, message=lambda: _screen(tmux, session))
+
+
+def _links(pid: int) -> dict[int, str]:
+    return {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+
+
+def _ends_with_status(tmux, session: str, pid: int, status: int = 0) -> None:
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") and f"RC={status}" in _screen(tmux, session),
+               10, message=lambda: _screen(tmux, session))
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_top_restored_into_a_plain_terminal_has_its_terminal_at_every_fd(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """top's fd 3 is a dup of its fd 0: the handoff of the terminal once gave fds 0, 1 and 3
+    ptckpt's own fd 3 (the image's page file)."""
+    top = _job_in_pane(tmux, "top", "top -d 0.5", lambda s: "load average" in s)
+    tty = _tty_of_pane(tmux, "top")
+    before = _links(top)
+    assert [before[n] for n in (0, 1, 3)] == [tty] * 3, before
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "top", top, "top")
+        after = _links(top)
+        assert [after[n] for n in (0, 1, 3)] == [tty] * 3, after
+        assert after[2] == before[2]
+        fields = _stat(top)
+        assert int(fields[2]) == top and int(fields[5]) == top, "its own group, in front of the terminal"
+        # it redraws (the screen was cleared before the restore) and takes keystrokes
+        wait_until(lambda: "load average" in _screen(tmux, "top"), 10, message=lambda: _screen(tmux, "top"))
+        tmux("send-keys", "-t", "top", "q")
+        _ends_with_status(tmux, "top", top)
+    finally:
+        kill_pids([top])
+
+
+def test_bash_restored_into_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """bash keeps its terminal at fd 255 too (it refused: 'has no fd 255 of its own')."""
+    inner = _job_in_pane(tmux, "sh", "bash --norc --noprofile", lambda s: s.rstrip().count("#") +
+                         s.rstrip().count("$") >= 2)
+    tmux("send-keys", "-t", "sh", "X=41; PS1='inner> '", "Enter")
+    wait_until(lambda: "inner>" in _screen(tmux, "sh"), 10)
+    tty = _tty_of_pane(tmux, "sh")
+    assert _links(inner)[255] == tty
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "sh", inner, "bash")
+        links = _links(inner)
+        assert [links[n] for n in (0, 1, 2, 255)] == [tty] * 4, links
+        tmux("send-keys", "-t", "sh", "echo $((X + 1))", "Enter")
+        wait_until(lambda: "42" in _screen(tmux, "sh").split("echo $((X + 1))")[-1], 10,
+                   message=lambda: _screen(tmux, "sh"))
+        tmux("send-keys", "-t", "sh", "exit", "Enter")
+        _ends_with_status(tmux, "sh", inner)
+    finally:
+        kill_pids([inner])
+
+
+@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+def test_less_with_its_own_open_of_the_terminal_restored(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """less opens the terminal a second time (/dev/tty, a description of its own): it was
+    accepted at dump and refused at restore; now it is opened again as /dev/tty."""
+    less = _less_in_pane(tmux, tmp_path)
+    tty = _tty_of_pane(tmux, "less")
+    before = _links(less)
+    own = [n for n in before if n > 2 and before[n] in (tty, "/dev/tty")]
+    assert own, before
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "less", less, "less")
+        after = _links(less)
+        assert [after[n] for n in (0, 1, 2)] == [before[n] for n in (0, 1, 2)]
+        assert all(after[n] == "/dev/tty" for n in own), after
+        # its controlling terminal is the pane's: reading /dev/tty reads the pane's keys
+        _less_redraws_and_takes_keys(tmux, less)
+    finally:
+        kill_pids([less])
+
+
+def _less_in_pane(tmux, tmp_path) -> int:
+    text = tmp_path / "lines.txt"
+    text.write_text("".join(f"line number {n}\n" for n in range(1, 501)))
+    return _job_in_pane(tmux, "less", f"less {text}", lambda s: "line number 1" in s)
+
+
+def _less_redraws_and_takes_keys(tmux, less: int) -> None:
+    wait_until(lambda: "line number 1" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+    tmux("send-keys", "-t", "less", "G")
+    wait_until(lambda: "line number 500" in _screen(tmux, "less"), 10, message=lambda: _screen(tmux, "less"))
+    tmux("send-keys", "-t", "less", "q")
+    _ends_with_status(tmux, "less", less)
+
+
+@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+def test_less_restored_onto_a_new_pty_leads_a_session_with_it(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """less was in its shell's session: with --new-pty it leads a session whose controlling
+    terminal is the new pty, so its own open of /dev/tty is that pty (not ptckpt's terminal)."""
+    less = _less_in_pane(tmux, tmp_path)
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "less", less, "less", "--new-pty")
+        fields = _stat(less)
+        assert int(fields[3]) == less and int(fields[5]) == less, "its own session, in front of it"
+        pts = os.readlink(f"/proc/{less}/fd/0")
+        assert pts.startswith("/dev/pts/") and pts != _tty_of_pane(tmux, "less")
+        assert os.stat(f"/proc/{less}/fd/0").st_rdev == _tty_nr_rdev(int(fields[4]))
+        _less_redraws_and_takes_keys(tmux, less)
+    finally:
+        kill_pids([less])
+
+
+def _tty_nr_rdev(tty_nr: int) -> int:
+    return os.makedev((tty_nr >> 8) & 0xFFF, (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00))
+
+
+def _vim_n(tmux, session: str) -> int:
+    """g:n of the vim in `session`, through the screen."""
+    marker = f"n={{}}{os.urandom(3).hex()}"
+    tmux("send-keys", "-t", session, "Escape")
+    tmux("send-keys", "-t", session, f":echo '{marker.format('')}' . g:n", "Enter")
+    head = marker.format("")
+    found = wait_until(lambda: [ln for ln in _screen(tmux, session).splitlines() if ln.startswith(head)], 10,
+                       message=lambda: _screen(tmux, session))
+    return int(found[-1][len(head):].split()[0])
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+def test_vim_with_a_repeating_timer_keeps_firing_after_restore(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    vim = _job_in_pane(tmux, "vim", "vim -u NONE -N -i NONE", lambda s: s.count("~") > 5)
+    tmux("send-keys", "-t", "vim", ":let g:n = 0", "Enter")
+    tmux("send-keys", "-t", "vim",
+         ":call timer_start(200, {-> execute('let g:n += 1')}, {'repeat': -1})", "Enter")
+    wait_until(lambda: _vim_n(tmux, "vim") >= 3, 10)
+    try:
+        _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, "vim", vim, "vim")
+        first = _vim_n(tmux, "vim")
+        wait_until(lambda: _vim_n(tmux, "vim") >= first + 5, 10)
+        links = _links(vim)
+        tty = _tty_of_pane(tmux, "vim")
+        assert [links[n] for n in (0, 1, 2)] == [tty] * 3, links
+        tmux("send-keys", "-t", "vim", ":qa!", "Enter")
+        _ends_with_status(tmux, "vim", vim)
+    finally:
+        kill_pids([vim])
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_session_leader_restored_in_front_of_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """top ran as a pane's own program (a session leader, the terminal its controlling one):
+    restored into another pane's shell it joins that session and comes to the front, where
+    making it a session of its own failed (EPERM: the terminal is the shell's session's)."""
+    tmux("new-session", "-d", "-s", "lead", "-x", "100", "-y", "30", "top -d 0.5")
+    wait_until(lambda: "load average" in _screen(tmux, "lead"), 10)
+    top = _pane_pid(tmux, "lead")
+    assert int(_stat(top)[3]) == top
+    tmux("new-session", "-d", "-s", "sh", "-x", "100", "-y", "30", "bash --norc --noprofile")
+    wait_until(lambda: _screen(tmux, "sh").rstrip().endswith(("$", "#")), 10)
+    shell = _pane_pid(tmux, "sh")
+    try:
+        res = ptckpt("dump", top, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        # In a pid namespace of its own: tmux, its parent, was seen to leave the pid a zombie
+        # for more than 10 s (killed by a dump or by a plain SIGKILL alike).
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--pidns"])
+        tmux("send-keys", "-t", "sh", f"{cmd} 2>{tmp_path / 'err'}; echo RC=$?", "Enter")
+        outer = wait_until(lambda: re.search(r" as (\d+)", (tmp_path / "err").read_text()
+                                             if (tmp_path / "err").exists() else ""), 15,
+                           message=lambda: _screen(tmux, "sh"))
+        top = int(outer.group(1))
+        wait_until(lambda: os.readlink(f"/proc/{top}/exe").endswith("/top") and _stat(top)[0] != "t", 15,
+                   message=lambda: _screen(tmux, "sh"))
+        fields = _stat(top)
+        assert int(fields[3]) == int(_stat(shell)[3]), "in the shell's session"
+        assert int(fields[2]) == top and int(fields[5]) == top, "its own group, in front of the terminal"
+        wait_until(lambda: "load average" in _screen(tmux, "sh"), 10, message=lambda: _screen(tmux, "sh"))
+        tmux("send-keys", "-t", "sh", "q")
+        _ends_with_status(tmux, "sh", top)
+        assert "session leader" in (tmp_path / "err").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+    finally:
+        kill_pids([top])
+
+
+FAILING_PLUGIN = '''
+from ptckpt.plugins import Plugin
+class Failing(Plugin):
+    name = "failing"
+    def restored(self, proc, ctx):
+        raise RuntimeError("this restore fails on purpose")
+'''
+
+
+@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+def test_a_failed_restore_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """The restore puts the image's termios (vim's raw mode) and the job's group on the
+    terminal before the processes are rebuilt; when it fails after that, both go back."""
+    vim = _job_in_pane(tmux, "vim", "vim -u NONE -N -i NONE", lambda s: s.count("~") > 5)
+    (tmp_path / "failing.py").write_text(FAILING_PLUGIN)
+    shell = _pane_pid(tmux, "vim")
+    try:
+        res = ptckpt("dump", vim, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{vim}"), 5)
+        tmux("send-keys", "-t", "vim", "clear", "Enter")
+        tmux("send-keys", "-t", "vim", f"stty -g > {tmp_path / 'before'}", "Enter")
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"),
+                                       "--plugin", str(tmp_path / "failing.py")])
+        tmux("send-keys", "-t", "vim", f"{cmd}; echo RC=$?; stty -g > {tmp_path / 'after'}", "Enter")
+        wait_until(lambda: (tmp_path / "after").exists() and (tmp_path / "after").read_text(), 20,
+                   message=lambda: _screen(tmux, "vim"))
+        assert re.search(r"RC=1\d", _screen(tmux, "vim")), _screen(tmux, "vim")
+        assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+    finally:
+        kill_pids([vim])
+
+
+@pytest.fixture
+def inner_tmux(tmp_path):
+    """A second tmux server (the one dumped and restored): inner(*args); killed at the end,
+    with its panes and the processes a restore made of them."""
+    sock = f"ptckpt-inner-{os.getpid()}-{tmp_path.name}"[:100]
+    pids: list[int] = []
+
+    def run(*args: str) -> str:
+        return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    run.sock = sock
+    run.pids = pids
+    yield run
+    with contextlib.suppress(subprocess.CalledProcessError):
+        pids += [int(p) for p in run("list-panes", "-a", "-F", "#{pane_pid}").split()]
+        pids += [int(run("display-message", "-p", "#{pid}"))]
+    pids += [d for p in list(pids) for d in _descendants(p)]
+    subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    kill_pids(pids)
+    reap_orphans()
+    _remove_socket(sock)
+
+
+def test_a_tmux_server_restored_and_attached_by_a_new_client(tmux, inner_tmux, ptckpt, tmp_path):
+    """A tmux server holds the pty master of its pane, whose shell has the slave as its
+    controlling terminal: both come back, with the pty's size, and a new client sees the
+    screen of before the dump and types into the restored shell."""
+    inner = inner_tmux
+    inner("new-session", "-d", "-s", "work", "-x", "90", "-y", "25", "bash --norc --noprofile")
+    wait_until(lambda: inner("capture-pane", "-p", "-t", "work").rstrip().endswith(("$", "#")), 10)
+    inner("send-keys", "-t", "work", "echo hello-$((6 * 7))-before", "Enter")
+    wait_until(lambda: "hello-42-before" in inner("capture-pane", "-p", "-t", "work"), 10)
+    server = int(inner("display-message", "-p", "#{pid}"))
+    shell = int(inner("list-panes", "-t", "work", "-F", "#{pane_pid}"))
+    inner.pids += [server, shell]
+    pts = inner("list-panes", "-t", "work", "-F", "#{pane_tty}").strip()
+    assert os.readlink(f"/proc/{shell}/fd/0") == pts
+    res = ptckpt("dump", server, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    for pid in (shell, server):
+        wait_pid_free(pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    fields = _stat(shell)
+    assert int(fields[3]) == shell and int(fields[4]) != 0, "its own session, with a controlling tty"
+    assert int(fields[5]) == shell, "in front of its pty"
+    assert os.readlink(f"/proc/{shell}/fd/0").startswith("/dev/pts/")
+    # a new client, in a pane of the test's own tmux, sees the old screen and types on
+    tmux("new-session", "-d", "-s", "viewer", "-x", "100", "-y", "30",
+         f"tmux -L {inner.sock} attach -t work")
+    wait_until(lambda: "hello-42-before" in _screen(tmux, "viewer"), 10, message=lambda: _screen(tmux, "viewer"))
+    tmux("send-keys", "-t", "viewer", "stty size; echo after-$((40 + 2))", "Enter")
+    wait_until(lambda: "after-42" in _screen(tmux, "viewer").split("after-$")[-1], 10,
+               message=lambda: _screen(tmux, "viewer"))
+
+
+def test_a_pty_whose_slave_is_held_outside_is_refused_at_dump(tmux, inner_tmux, ptckpt, tmp_path):
+    """The master in the tree, its slave in a process outside: refused by name, left running."""
+    inner = inner_tmux
+    inner("new-session", "-d", "-s", "srv", "sleep 600")
+    server = int(inner("display-message", "-p", "#{pid}"))
+    pane = int(inner("list-panes", "-t", "srv", "-F", "#{pane_pid}"))
+    inner.pids += [server, pane]
+    res = ptckpt("dump", server, "-D", tmp_path / "img")
+    assert res.returncode == 0, res.stderr                    # the whole tree: fine
+    pts = inner("list-panes", "-t", "srv", "-F", "#{pane_tty}").strip()
+    holder = subprocess.Popen(["sleep", "600"], stdin=open(pts), start_new_session=True)
+    try:
+        res = ptckpt("dump", server, "-D", tmp_path / "img2")
+        assert res.returncode == 13, res.stderr
+        line, = res.stderr.strip().splitlines()
+        assert "/dev/ptmx" in line and f"pid {holder.pid}" in line and "slave" in line, line
+        assert _stat(server)[0] in "SR" and not (tmp_path / "img2").exists(), "left running, nothing written"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_pty_master_with_output_pending_and_its_slave_in_the_tree(spawn, ptckpt, tmp_path):
+    """script(1)'s shape: the master in the parent, the slave the child's controlling terminal.
+    The bytes the child wrote that the parent has not read, and the window size, survive a
+    leave-running dump (for the process left running) and a restore."""
+    holder = spawn("ptyholder.py")
+    kid = int(holder.stdout_lines()[0].split()[1])
+    try:
+        res = ptckpt("dump", holder.pid, "-D", tmp_path / "img")
+        assert res.returncode == 0, res.stderr
+        holder.signal(signal.SIGUSR1)                  # the one left running reads its pty
+        assert holder.wait_exit(20) == 0, holder.describe()
+        assert "VERIFY OK" in holder.out_text()
+        kill_pids([kid])
+        for pid in (kid, holder.pid):
+            wait_pid_free(pid)
+        holder.out_path.write_text("")
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--file-policy", "ignore")
+        assert res.returncode == 0, res.stderr
+        holder.adopt(holder.pid)
+        fields = _stat(kid)
+        assert int(fields[3]) == kid and int(fields[4]) != 0 and int(fields[5]) == kid
+        os.kill(holder.pid, signal.SIGUSR1)
+        wait_until(lambda: "VERIFY" in holder.out_text() or "BAD" in holder.out_text(), 20,
+                   message=holder.describe)
+        assert "VERIFY OK" in holder.out_text(), holder.out_text()
+        assert "pending-output-42" in holder.out_text()
+    finally:
+        kill_pids([holder.pid, kid])
+
+
+
+PTY_OWNER = r'''
+import os, time
+master, slave = os.openpty()
+print("PTS", os.ttyname(slave), flush=True)
+os.close(slave)
+print("READY", os.getpid(), flush=True)
+time.sleep(600)
+'''
+
+CTTY_ONLY = ("import fcntl, os, sys, termios, time\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "fcntl.ioctl(fd, termios.TIOCSCTTY, 0)\n"
+             "os.close(fd)\n"
+             "print('CTTY', flush=True)\n"
+             "time.sleep(600)\n")
+
+
+def test_a_pty_controlling_a_session_outside_the_tree_is_refused_at_dump(spawn, ptckpt, tmp_path):
+    """The tree holds the master; a process outside made the slave its controlling terminal
+    and closed its fds (so no fd of it shows outside): refused, naming the session."""
+    (tmp_path / "owner.py").write_text(PTY_OWNER)
+    holder = spawn(str(tmp_path / "owner.py"), out=False)
+    pts = holder.stdout_lines()[0].split()[1]
+    outside = subprocess.Popen([sys.executable, "-c", CTTY_ONLY, pts], stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert outside.stdout.readline().strip() == b"CTTY"
+        res = ptckpt("dump", holder.pid, "-D", tmp_path / "img")
+        assert res.returncode == 13, res.stderr
+        line, = res.stderr.strip().splitlines()
+        assert f"controlling terminal of session {outside.pid}" in line and "leader" in line, line
+        assert holder.alive() and not (tmp_path / "img").exists()
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+SLOW_PLUGIN = '''
+import time
+from ptckpt.plugins import Plugin
+class Slow(Plugin):
+    name = "slow"
+    def restored(self, proc, ctx):
+        open(__file__ + ".started", "w").close()
+        time.sleep(30)
+'''
+
+
+@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+def test_ctrl_c_during_a_restore_ends_it_and_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
+    """^C typed while the processes are being rebuilt reaches ptckpt restore (the job is not
+    in front yet): the restore ends, nothing of it is left, the shell has its terminal."""
+    top = _job_in_pane(tmux, "top", "top -d 0.5", lambda s: "load average" in s)
+    shell = _pane_pid(tmux, "top")
+    (tmp_path / "slow.py").write_text(SLOW_PLUGIN)
+    try:
+        res = ptckpt("dump", top, "-D", tmp_path / "img", "--kill")
+        assert res.returncode == 0, res.stderr
+        wait_until(lambda: not os.path.exists(f"/proc/{top}"), 5)
+        tmux("send-keys", "-t", "top", "clear", "Enter")
+        tmux("send-keys", "-t", "top", f"stty -g > {tmp_path / 'before'}", "Enter")
+        cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--plugin", str(tmp_path / "slow.py")])
+        tmux("send-keys", "-t", "top", f"{cmd}; echo RC=$?; stty -g > {tmp_path / 'after'}", "Enter")
+        wait_until(lambda: (tmp_path / "slow.py.started").exists(), 20, message=lambda: _screen(tmux, "top"))
+        tmux("send-keys", "-t", "top", "C-c")
+        wait_until(lambda: (tmp_path / "after").exists() and (tmp_path / "after").read_text(), 20,
+                   message=lambda: _screen(tmux, "top"))
+        assert "RC=130" in _screen(tmux, "top"), _screen(tmux, "top")
+        assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
+        assert int(_stat(shell)[5]) == int(_stat(shell)[2]), "the shell has its terminal back"
+        wait_until(lambda: not os.path.exists(f"/proc/{top}") or _stat(top)[0] == "Z", 10)
+    finally:
+        kill_pids([top])

@@ -52,7 +52,7 @@ _NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "tim
 # the stdio terminal/pipe of a shell job, character devices like /dev/null).
 RESTORABLE_KINDS = frozenset({
     FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
-    FdKind.PTY_SLAVE, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
+    FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
 }) | ANON_FD_KINDS | {FdKind.EPOLL}
 
 
@@ -144,13 +144,17 @@ def _mount_fstypes(pid: int) -> dict[int, str]:
 def dump_fds(pid: int) -> list[Fd]:
     """Every open fd of `pid` (works on a running or a frozen process)."""
     fstypes = _mount_fstypes(pid)
-    return [f for f in (dump_fd(pid, fd, fstypes) for fd in procfs.list_fds(pid)) if f is not None]
+    ctty = _controlling_tty(pid)
+    return [f for f in (dump_fd(pid, fd, fstypes, ctty) for fd in procfs.list_fds(pid)) if f is not None]
 
 
-def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None) -> Fd | None:
-    """One open fd of `pid` (None: it was closed meanwhile)."""
+def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: int | None = None) -> Fd | None:
+    """One open fd of `pid` (None: it was closed meanwhile); `ctty`: st_rdev of its
+    controlling terminal (0: none; None: read it)."""
     if fstypes is None:
         fstypes = _mount_fstypes(pid)
+    if ctty is None:
+        ctty = _controlling_tty(pid)
     try:
         link = procfs.readlink_fd(pid, fd)
         info = procfs.read_fdinfo(pid, fd)
@@ -166,6 +170,8 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None) -> Fd |
     details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
     if kind is FdKind.SOCKET:
         details.extend(_socket_details(pid, fd))
+    if kind in TTY_KINDS and st is not None and st.st_rdev == ctty:
+        details.append(CONTROLLING_TTY)
     return Fd(
         fd=fd,
         kind=kind,
@@ -182,6 +188,31 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None) -> Fd |
         mtime_ns=st.st_mtime_ns if st else 0,
         details=tuple(details),
     )
+
+
+# An fd on the process's controlling terminal is marked so (a detail), and a restore
+# opens /dev/tty for it in the restored process: its controlling terminal there.
+TTY_KINDS = frozenset({FdKind.TTY, FdKind.PTY_SLAVE})
+CONTROLLING_TTY = ("tty", "controlling")
+CTTY_PATH = "/dev/tty"
+
+
+def _controlling_tty(pid: int) -> int:
+    """st_rdev of the controlling terminal of `pid` (/proc/PID/stat tty_nr), 0 for none."""
+    try:
+        tty_nr = procfs.read_stat(pid).tty_nr
+    except PtckptError:
+        return 0
+    if not tty_nr:
+        return 0
+    major = (tty_nr >> 8) & 0xFFF
+    minor = (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00)
+    return os.makedev(major, minor)
+
+
+def is_controlling_tty(f: Fd) -> bool:
+    """fd `f` was on its process's controlling terminal (restored by opening /dev/tty)."""
+    return f.kind in TTY_KINDS and CONTROLLING_TTY in f.details
 
 
 def number_descriptions(fds: dict[int, list[Fd]]) -> dict[int, list[Fd]]:
@@ -367,6 +398,10 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
         if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED) and not ghost_key(f):
             what = "FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH else "device node"
             out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
+        if f.kind is FdKind.PTY_SLAVE and not is_controlling_tty(f):
+            out.append(f"fd {f.fd} -> {f.path} (a pty slave whose master is outside the tree, not the "
+                       f"process's controlling terminal nor the stdio of the tree's root: dump the "
+                       f"process holding its master too)")
             continue
         if f.kind in RESTORABLE_KINDS:
             continue
@@ -490,7 +525,8 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
         if f.kind in BY_PATH_KINDS and f.path.endswith(DELETED):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file the image does not hold)")
             continue
-        if f.kind in BY_PATH_KINDS or (f.kind is FdKind.TTY and f.path.startswith("/dev/")):
+        if (f.kind in BY_PATH_KINDS or is_controlling_tty(f)
+                or (f.kind is FdKind.TTY and f.path.startswith("/dev/"))):
             continue
         out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
     return out
@@ -683,11 +719,12 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
             remote.checked("fcntl", f.fd, 2, 1, step=f"set FD_CLOEXEC on fd {f.fd}")   # F_SETFD
             continue
         flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC) | O_NOCTTY
-        step = f"reopen fd {f.fd} ({f.path})"
+        path = CTTY_PATH if is_controlling_tty(f) else f.path
+        step = f"reopen fd {f.fd} ({path})"
         # A FIFO is opened non-blocking (a blocking open would wait for the other end
         # inside the injected syscall), then gets its own flags back.
         open_flags = flags | O_NONBLOCK if f.kind is FdKind.FIFO else flags
-        with remote.scratch(os.fsencode(f.path) + b"\0") as p:
+        with remote.scratch(os.fsencode(path) + b"\0") as p:
             got = remote.checked("openat", AT_FDCWD, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0),
                                  0, step=step)
         if open_flags != flags:

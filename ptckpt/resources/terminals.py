@@ -49,8 +49,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import procfs
-from ..formats.model import Terminal
-from ..errors import PtckptError, RestoreFailed
+from ..formats.model import Pty, Terminal
+from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..tracee import RemoteSyscalls, pidfd_getfd
 
 # --- ioctls (include/uapi/asm-generic/ioctls.h) ---------------------------------
@@ -272,6 +272,149 @@ def from_record(rec: Terminal) -> TerminalState:
                          rdev=0, path="")
 
 
+# --- pty pairs whose master the tree holds -------------------------------------------
+
+TIOCGPTLCK = 0x80045439        # _IOR('T', 0x39, int)
+TIOCGPKT = 0x80045438          # _IOR('T', 0x38, int)
+TIOCPKT = 0x5420
+TIOCINQ = 0x541B               # FIONREAD
+
+
+def slave_index(rdev: int) -> int:
+    """N of /dev/pts/N from a slave's st_rdev."""
+    return (os.major(rdev) - UNIX98_PTY_SLAVE_MAJOR) * 256 + os.minor(rdev)
+
+
+def master_index(pid: int, fd: int) -> int:
+    """N of /dev/pts/N of the slave of master fd `fd` of `pid`."""
+    copy = pidfd_getfd(pid, fd)
+    try:
+        return struct.unpack("<I", fcntl.ioctl(copy, TIOCGPTN, bytes(4)))[0]
+    finally:
+        os.close(copy)
+
+
+def _int_ioctl(fd: int, request: int) -> int:
+    return PID_T.unpack(fcntl.ioctl(fd, request, bytes(PID_T.size)))[0]
+
+
+def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
+    """The pty pair of master fd `fd` of frozen `pid`: settings, job control and the bytes
+    the slave side wrote that the master has not read.  Those are read from the master
+    (nothing else reads it while the tree is frozen) and written back at once on the
+    slave with output processing off, so a tree left running reads them again.
+
+    Bytes typed into the pty that the program on the slave has not read yet cannot be
+    taken without being lost for it: a pty holding some is refused.
+    """
+    copy = pidfd_getfd(pid, fd)
+    slave = -1
+    try:
+        index = struct.unpack("<I", fcntl.ioctl(copy, TIOCGPTN, bytes(4)))[0]
+        tio = _get_termios(copy)
+        win = _get_winsize(copy)
+        sid = _ioctl_pid(copy, TIOCGSID)
+        fg = _ioctl_pid(copy, TIOCGPGRP)
+        locked = bool(_int_ioctl(copy, TIOCGPTLCK))
+        packet = bool(_int_ioctl(copy, TIOCGPKT))
+        slave = fcntl.ioctl(copy, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC | os.O_NONBLOCK)
+        typed = _int_ioctl(slave, TIOCINQ)
+        if typed:
+            raise UnsupportedResource(pid, f"fd {fd} -> /dev/ptmx (the master of /dev/pts/{index}) with "
+                                           f"{typed} bytes typed into the pty that the program on it has "
+                                           f"not read yet (dump again once it has)")
+        output = _read_pending(copy, packet)
+        if output:
+            _write_raw(slave, tio, output)
+    except OSError as err:
+        raise PtckptError(f"cannot read the pty of process {pid} fd {fd}: {err.strerror}") from None
+    finally:
+        os.close(copy)
+        if slave >= 0:
+            os.close(slave)
+    return Pty(desc=desc, index=index, termios=tio.pack(), rows=win.rows, cols=win.cols, xpixel=win.xpixel,
+               ypixel=win.ypixel, sid=-1 if sid is None else sid, fg_pgrp=-1 if fg is None else fg,
+               locked=locked, packet=packet, output=output)
+
+
+def _read_pending(master: int, packet: bool) -> bytes:
+    """What the master can read now, without waiting (packet mode: the data bytes only)."""
+    flags = fcntl.fcntl(master, fcntl.F_GETFL)
+    fcntl.fcntl(master, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    out = b""
+    try:
+        while True:
+            try:
+                data = os.read(master, _CHUNK)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            out += data[1:] if packet else data
+    finally:
+        fcntl.fcntl(master, fcntl.F_SETFL, flags)
+    return out
+
+
+def _write_raw(slave: int, tio: Termios, data: bytes) -> None:
+    """`data` written on the slave as it is (OPOST off meanwhile): the master reads it back."""
+    raw = Termios(tio.iflag, tio.oflag & ~termios.OPOST, tio.cflag, tio.lflag, tio.line, tio.cc,
+                  tio.ispeed, tio.ospeed)
+    _set_termios(slave, raw)
+    try:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(slave, view):]
+            except BlockingIOError:
+                select.select([], [slave], [], 1.0)
+    finally:
+        _set_termios(slave, tio)
+
+
+def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
+    """A new pty pair for image record `rec`: (its master, `slaves` opens of its slave), all
+    O_NOCTTY and close-on-exec, with the recorded termios, window size, packet mode and lock,
+    the recorded output waiting in the master.  The same index when it is free (devpts
+    gives the lowest free one: lower free ones are held meanwhile)."""
+    held: list[int] = []
+    master = -1
+    opened: list[int] = []
+    try:
+        while True:
+            fd = os.open("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
+            index = struct.unpack("<I", fcntl.ioctl(fd, TIOCGPTN, bytes(4)))[0]
+            if index == rec.index or index > rec.index or len(held) > 4096:
+                master = fd
+                break
+            held.append(fd)
+        fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(0))
+        tio = Termios.unpack(rec.termios)
+        for _ in range(max(slaves, 1)):
+            opened.append(fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC))
+        _set_termios(opened[0], tio)
+        _set_winsize(opened[0], WinSize(rec.rows, rec.cols, rec.xpixel, rec.ypixel))
+        if rec.output:
+            flags = fcntl.fcntl(opened[0], fcntl.F_GETFL)
+            fcntl.fcntl(opened[0], fcntl.F_SETFL, flags | os.O_NONBLOCK)
+            _write_raw(opened[0], tio, rec.output)
+            fcntl.fcntl(opened[0], fcntl.F_SETFL, flags)
+        if rec.packet:
+            fcntl.ioctl(master, TIOCPKT, PID_T.pack(1))
+        if rec.locked:
+            fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(1))
+    except OSError as err:
+        for fd in opened + ([master] if master >= 0 else []):
+            os.close(fd)
+        raise RestoreFailed(f"cannot make the pty /dev/pts/{rec.index} again: {err.strerror}") from None
+    finally:
+        for fd in held:
+            os.close(fd)
+    if not slaves:
+        os.close(opened.pop())
+    return master, opened
+
+
 # --- restore half: in ptckpt -----------------------------------------------------
 
 def open_new_pty(state: TerminalState | None = None) -> tuple[int, int, str]:
@@ -339,6 +482,58 @@ def apply_terminal_state(fd: int, state: TerminalState, *, foreground_pgrp: int 
             except OSError as err:
                 raise RestoreFailed(f"cannot make process group {foreground_pgrp} the "
                                     f"foreground group of terminal fd {fd}: {err.strerror}") from None
+
+
+def session_of(fd: int) -> int | None:
+    """The session terminal `fd` is the controlling terminal of (None: none, or not ours to ask)."""
+    try:
+        return _ioctl_pid(fd, TIOCGSID)
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A terminal of ptckpt's as it was before a restore changed it."""
+
+    fd: int
+    termios: Termios
+    fg_pgrp: int | None
+
+
+def save(fd: int) -> Saved | None:
+    """What put_back needs to leave terminal `fd` as it is now (None if it is no terminal)."""
+    try:
+        tio = _get_termios(fd)
+    except OSError:
+        return None
+    return Saved(fd, tio, _ioctl_pid(fd, TIOCGPGRP) if _is_controlling(fd) else None)
+
+
+def _is_controlling(fd: int) -> bool:
+    with contextlib.suppress(OSError):
+        return os.tcgetpgrp(fd) > 0
+    return False
+
+
+def put_back(saved: Saved | None) -> None:
+    """The terminal's termios and foreground group as save() found them (a restore failed or
+    was interrupted after it put the image's settings there); errors are ignored."""
+    if saved is None:
+        return
+    with _sigttou_blocked():
+        with contextlib.suppress(OSError):
+            _set_termios(saved.fd, saved.termios)
+        if saved.fg_pgrp is not None:
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(saved.fd, TIOCSPGRP, PID_T.pack(saved.fg_pgrp))
+
+
+def redraw(pgrp: int) -> None:
+    """SIGWINCH to a job restored onto ptckpt's terminal: the screen is not the one it drew
+    on, and a full-screen program redraws on a window change (learning this terminal's size)."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgrp, signal.SIGWINCH)
 
 
 def give_back(fd: int, pgrp: int) -> None:
