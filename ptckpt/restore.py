@@ -963,7 +963,14 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
             for task in tasks.values():
                 task.set_sigmask(signals.ALL_BLOCKED)
             timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
-            signals.restore_pending_frozen(remote, vpid, proc.pending)
+            # A signal of a kernel's si_code may only be queued by its own thread (rt_tgsigqueueinfo).
+            signals.restore_pending_frozen(remote, vpid, [p for p in proc.pending if p.tid in (0, vpid)])
+            for tid, task in tasks.items():
+                mine = [p for p in proc.pending if p.tid == tid and task is not leader]
+                if mine:
+                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
+                                         keep_regs=False) as tremote:
+                        signals.restore_pending_frozen(tremote, vpid, mine)
             creds.restore_seccomp_frozen(remote, proc.creds)
             warnings += creds.restore_creds_frozen(remote, proc.creds)
             for tid, task in tasks.items():          # credentials are per thread

@@ -8,6 +8,7 @@ to it and the teardown kills it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import os
@@ -562,6 +563,50 @@ def test_signals_and_task_state_survive(spawn, ptckpt, tmp_path):
     target.wait_for_line("USR2 handler", where="out")
     target.wait_for_line("USR1 delivered", where="out")
     assert target.alive()
+
+
+_THREAD_SIGNAL_PROGRAM = r'''
+import os, signal, sys, threading, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})    # every thread blocks it
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+def worker():
+    print("TID", threading.get_native_id(), flush=True)
+    while not os.path.exists(sys.argv[1] + ".go"):
+        time.sleep(0.02)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})   # its own pending one arrives
+threading.Thread(target=worker, daemon=True).start()
+time.sleep(0.2)
+print("READY", os.getpid(), flush=True)
+while not got:
+    time.sleep(0.02)
+open(sys.argv[1], "w").write("USR1 delivered\n")
+while True:
+    time.sleep(0.05)
+'''
+
+
+def test_a_signal_pending_on_one_thread_is_queued_by_that_thread(spawn, ptckpt, tmp_path):
+    """tgkill leaves SIGUSR1 pending on a second thread (si_code SI_TKILL): the kernel lets
+    only that thread queue such a siginfo again, so the restore injects it there."""
+    script = tmp_path / "threadsig.py"
+    script.write_text(_THREAD_SIGNAL_PROGRAM)
+    target = spawn(str(script))
+    tid = int(next(l for l in target.preamble if l.startswith("TID")).split()[1])
+    assert ctypes.CDLL(None).syscall(234, target.pid, tid, signal.SIGUSR1) == 0     # tgkill
+    bit = 1 << (signal.SIGUSR1 - 1)
+    wait_until(lambda: int(_status_of(target.pid, tid)["SigPnd"], 16) & bit, 5)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    pid = _restore(ptckpt, tmp_path / "img")
+    assert int(_status_of(pid, tid)["SigPnd"], 16) & bit, "pending on that thread again"
+    assert not int(_status(pid)["ShdPnd"], 16) & bit
+    open(f"{target.out_path}.go", "w").close()
+    target.wait_for_line("USR1 delivered", where="out")
+
+
+def _status_of(pid: int, tid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
 def test_shared_anonymous_memory_and_python_heap(spawn, ptckpt, tmp_path):

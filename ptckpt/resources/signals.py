@@ -60,7 +60,9 @@ def restore_sigactions_frozen(remote: RemoteSyscalls, actions: Iterable[Sigactio
 
 
 def restore_pending_frozen(remote: RemoteSyscalls, tgid: int, pending: Iterable[PendingSignal]) -> None:
-    """Queue the saved signals again, from inside (so any si_code is allowed)."""
+    """Queue the saved signals again, from inside (so any si_code is allowed): the
+    process-wide ones from its leader, a thread's own from that very thread (the kernel
+    lets a thread queue a kernel-made siginfo only to itself)."""
     for p in pending:
         signo = struct.unpack_from("<i", p.siginfo, 0)[0]
         with remote.scratch(p.siginfo) as info:
