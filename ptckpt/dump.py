@@ -586,7 +586,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     if parent is not None and cow:
         vmas = memory.with_cow(vmas, parent.vmas, cow)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
-    creds.refuse_strict_mode(pid, [t.tid for t in tasks])
+    statuses = {t.tid: status if t.tid == pid else procfs.read_status(pid, t.tid) for t in tasks}
+    creds.refuse_strict_mode(pid, statuses)
     with AddressSpace(pid) as mem:
         gadget = find_syscall_insn(mem, vmas)
         thread_records = []
@@ -602,10 +603,9 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
                     creds_record = creds.dump_creds_frozen(pid, status, remote, tasks)
-                    creds.check_threads(pid, [t.tid for t in tasks], status)
-                    for t in tasks:
-                        claims.check_status(pid, t.tid, status.raw if t.tid == pid
-                                            else procfs.read_status(pid, t.tid).raw)
+                    creds.check_threads(pid, statuses)
+                    for tid, st in statuses.items():
+                        claims.check_status(pid, tid, st.raw)
                     claims.check_numa(pid)
                     claims.check_namespaces(pid)
                     claims.check_label(pid)

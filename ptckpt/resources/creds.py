@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .. import procfs
 from ..errors import UnsupportedResource
@@ -74,13 +74,13 @@ BPF_RET_K = 0x06
 _SOCK_FILTER = struct.Struct("<HBBI")
 
 
-def refuse_strict_mode(pid: int, tids: Sequence[int]) -> None:
+def refuse_strict_mode(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
     """Before anything is injected: a thread in seccomp strict mode is killed by any syscall
     but read, write, exit and sigreturn, unless the tracer suspends seccomp (as root)."""
     if tracee.SUSPEND_SECCOMP:
         return
-    for tid in tids:
-        if procfs.read_status(pid, tid).seccomp == SECCOMP_MODE_STRICT:
+    for tid, s in statuses.items():
+        if s.seccomp == SECCOMP_MODE_STRICT:
             raise UnsupportedResource(pid, f"thread {tid} in seccomp strict mode (any syscall but read, "
                                       "write, exit and sigreturn kills it: nothing can be injected "
                                       "unless ptckpt runs as root)")
@@ -117,12 +117,11 @@ _PER_THREAD = ("uids", "gids", "groups", "cap_inh", "cap_prm", "cap_eff", "cap_b
                "no_new_privs", "seccomp")
 
 
-def check_threads(pid: int, tids, leader: procfs.Status) -> None:
-    """Refuse a process whose threads do not all hold the leader's credentials."""
-    for tid in tids:
-        if tid == pid:
-            continue
-        s = procfs.read_status(pid, tid)
+def check_threads(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
+    """Refuse a process whose threads do not all hold the leader's credentials
+    (`statuses`: each thread's /proc status, the leader's at `pid`)."""
+    leader = statuses[pid]
+    for tid, s in statuses.items():
         differ = [name for name in _PER_THREAD if getattr(s, name) != getattr(leader, name)]
         if differ:
             raise UnsupportedResource(pid, f"thread {tid} with credentials of its own "
