@@ -190,9 +190,6 @@ def restore(
                 terminals.redraw(os.getpgid(result.pid))
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     typer.echo(result.summary(), err=True)
-    if result.foreground:                        # a job on this terminal: its screen is new
-        from .resources import terminals
-        terminals.redraw(result.foreground)
     if detach:
         if pidfile:
             with open(pidfile, "w") as f:

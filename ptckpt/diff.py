@@ -117,6 +117,9 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(Vma, _fs("inode", "dev_major", "dev_minor", "file_mtime_ns"), _RECREATED,
              lambda a, b, s: a.kind is b.kind and a.kind in (VmaKind.ANON_SHARED, VmaKind.SHMEM)
              and not a.path.startswith(("/dev/shm/", "/SYSV"))),
+    Expected(Vma, _fs("vmflags"), "\"gu\" says a mapping may hold guard pages (its guard pages are "
+             "compared): the kernel's hint, carried over to any mapping merged with one that held them",
+             lambda a, b, s: set(a.vmflags.split()) ^ set(b.vmflags.split()) == {"gu"}),
     Expected(ShmImage, _fs("atime", "dtime", "ctime", "cpid", "lpid", "nattch"),
              "times and last pids of a System V segment (for information)"),
     Expected(SemImage, _fs("otime", "ctime", "pids"), "times and last pids of a semaphore set"),
@@ -429,6 +432,23 @@ def _vma_text(v: Vma) -> str:
     return f"{v.start:#x}-{v.end:#x}" + (f" {v.path}" if v.path else "")
 
 
+def _as_merged(vmas: Iterable[Vma]) -> list[Vma]:
+    """Neighbouring mappings alike in all but their bounds as one: the kernel keeps two such
+    apart while their anonymous pages have different origins (a fork, an earlier fault) and
+    joins them when they are mapped again, which the program cannot tell."""
+    out: list[Vma] = []
+    for v in sorted(vmas, key=lambda v: v.start):
+        last = out[-1] if out else None
+        if (last is not None and last.end == v.start
+                and (not last.path or v.pgoff == last.pgoff + (last.end - last.start))
+                and dataclasses.replace(last, start=0, end=0, pgoff=0, guards=(), cow=())
+                == dataclasses.replace(v, start=0, end=0, pgoff=0, guards=(), cow=())):
+            out[-1] = dataclasses.replace(last, end=v.end, guards=last.guards + v.guards, cow=last.cow + v.cow)
+        else:
+            out.append(v)
+    return out
+
+
 def _compare_process(c: _Comparer, pid: int, pa: ProcessImage, pb: ProcessImage, root: bool) -> None:
     site = Site(pid, root)
     here = f"process {pid}"
@@ -437,7 +457,8 @@ def _compare_process(c: _Comparer, pid: int, pa: ProcessImage, pb: ProcessImage,
     c.record(f"{here} mm", pa.mm, pb.mm, site)
     c.records(lambda r: f"{here} rlimit {_RLIMITS.get(r.resource, r.resource)}", pa.rlimits, pb.rlimits,
               lambda r: r.resource, lambda r: site)
-    c.records(lambda r: f"{here} vma {_vma_text(r)}", pa.vmas, pb.vmas, lambda r: (r.start, r.end),
+    c.records(lambda r: f"{here} vma {_vma_text(r)}", _as_merged(pa.vmas), _as_merged(pb.vmas),
+              lambda r: (r.start, r.end),
               lambda r: site)
     c.records(lambda r: f"{here} thread {r.tid}", pa.threads, pb.threads, lambda r: r.tid, lambda r: site)
     c.records(lambda r: f"{here} signal {r.signo}", pa.sigactions, pb.sigactions, lambda r: r.signo,

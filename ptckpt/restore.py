@@ -291,6 +291,11 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 if not new_pty:
                     # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
                     _front_of_terminal(image, procs, created, result)
+                    if result.foreground:
+                        # Its screen is not the one it drew on: a window change is pending at its
+                        # first instruction, so it redraws before it reads a key (sent once it
+                        # ran, the redraw could wipe what it drew for the first keys).
+                        terminals.redraw(result.foreground)
                 net.finish()                          # the lock goes, the connections leave repair mode
                 blocks = {p: a for p in members
                           if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}

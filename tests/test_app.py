@@ -9,7 +9,6 @@ import os
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ptckpt.app import LAYOUT, OFF_CRITICAL, OFF_GENERATION, OFF_STATE

@@ -11,7 +11,6 @@ lock and takes the connection out of repair mode.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal

@@ -39,11 +39,15 @@ def test_madvise_hints_locks_names_guards_and_seals_survive(spawn, ptckpt, tmp_p
     if "droppable" not in areas:
         made.discard("dp")
     assert made <= seen, f"not covered by the fixture: {made - seen}"
+    assert areas["moved"] + 4 * 4096 in before, "the moved half is a mapping of its own"
     _dump_kill(ptckpt, target, tmp_path / "img")
     target.adopt(_restore(ptckpt, tmp_path / "img"))
     after = _smaps_flags(target.pid)
     for name, addr in areas.items():
-        assert after[addr] == before[addr], name
+        # "gu" (may hold guard pages) is a hint that sticks to whatever a mapping is merged with:
+        # the moved area joins its neighbour, sealed, which had it from guarded before the seal
+        # split them.  The guard pages themselves are compared below.
+        assert after[addr][0] == before[addr][0] and after[addr][1] - {"gu"} == before[addr][1] - {"gu"}, name
     if "named" in areas:
         assert after[areas["named"]][0] == "[anon:ptckpt-named]"
     assert memory.guard_regions(target.pid, areas["guarded"], areas["guarded"] + 4 * 4096) == guards
