@@ -45,7 +45,7 @@ def testbench_image(spawn, ptckpt, testbench_bin, tmp_path):
     emulator = start_emulator(spawn, options=("--per-connection",))
     bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG)
     bench.wait_for_line("REGION 1", timeout=10)
-    for attempt in range(5):                 # the vendor plugin refuses a freeze mid-transaction
+    for attempt in range(20):                 # the vendor plugin refuses a freeze mid-transaction
         image = tmp_path / f"img{attempt}"
         res = ptckpt("dump", bench.pid, "-D", image, "--kill", "--plugin", VENDOR)
         if res.returncode == 0:
