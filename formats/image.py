@@ -21,6 +21,8 @@ from __future__ import annotations
 import errno
 import concurrent.futures
 import ctypes
+import fcntl
+import glob
 import mmap
 import os
 import queue
@@ -40,6 +42,7 @@ from ptckpt.errors import (
     NotAnImage,
     UnsupportedVersion,
 )
+from ptckpt.formats import validate
 from ptckpt.formats.model import (
     AioRing,
     FD_STATE_TYPES,
@@ -144,6 +147,29 @@ def _pread_exact(fd: int, size: int, offset: int) -> bytes:
 # writer
 # =============================================================================
 
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporary directories (`.NAME.tmp-*` beside `directory`) that writers
+    killed before they could clean up left behind: those whose lock nobody holds.  A writer
+    at work holds its own (an flock on the directory, gone with its process)."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                               # a live writer's
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
 class ImageWriter:
     """Writes one image directory atomically.
 
@@ -167,6 +193,7 @@ class ImageWriter:
         self.path = os.path.abspath(os.fspath(directory))
         self.durable = durable
         self.temp_path: str | None = None
+        self._temp_lock = -1            # the temporary directory, flock'ed while we write it
         self._inventory: Inventory | None = None
         self._cores: set[int] = set()
         self._pages_done: set[int] = set()
@@ -182,7 +209,10 @@ class ImageWriter:
         self._check_destination()
         parent, name = os.path.split(self.path)
         with self._write_errors(self.path):
+            remove_stale_temporaries(self.path)
             self.temp_path = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+            self._temp_lock = os.open(self.temp_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(self._temp_lock, fcntl.LOCK_EX)  # ours while this process lives
             os.chmod(self.temp_path, DIR_MODE)      # mkdtemp's 0700 is subject to umask
         self._state = "open"
         return self
@@ -206,7 +236,13 @@ class ImageWriter:
             if self.durable:
                 self._fsync_dir(os.path.dirname(self.path))
         self.temp_path = None
+        self._unlock()
         self._state = "committed"
+
+    def _unlock(self) -> None:
+        if self._temp_lock >= 0:
+            os.close(self._temp_lock)
+            self._temp_lock = -1
 
     def abort(self) -> None:
         """Throw away everything written so far (idempotent)."""
@@ -216,6 +252,7 @@ class ImageWriter:
         if self.temp_path is not None:
             shutil.rmtree(self.temp_path, ignore_errors=True)
             self.temp_path = None
+        self._unlock()
         if self._state in ("new", "open"):
             self._state = "aborted"
 
@@ -778,13 +815,18 @@ class ImageReader:
         self.plugin_data = tuple(e for e in entries if isinstance(e, PluginData))
         if len(set(self.inventory.pids)) != len(self.inventory.pids):
             raise CorruptImage(self._file(INVENTORY_NAME), "duplicate pids")
+        validate.refuse(self._file, validate.check_inventory, INVENTORY_NAME, self.inventory)
         for pid in self.inventory.pids:
             self._load_process(pid)
+        descs = {f.desc for p in self._processes.values() for f in p.fds}
+        validate.refuse(self._file, validate.check_shared, INVENTORY_NAME, entries, set(self.inventory.pids), descs)
 
     def _load_process(self, pid: int) -> None:
         name = core_name(pid)
         _header, entries = self._read_entries(name, FileKind.CORE)
         self._processes[pid], self._unknown[pid] = self._assemble(name, pid, entries)
+        spans = validate.refuse(self._file, validate.check_process, name, pid, self._processes[pid],
+                                self.inventory.xstate_size)
 
         name = pagemap_name(pid)
         _header, entries = self._read_entries(name, FileKind.PAGEMAP)
@@ -799,6 +841,7 @@ class ImageReader:
                 raise CorruptImage(self._file(pagemap_name(pid)),
                                    f"page run vaddr={run.vaddr:#x} npages={run.npages} offset={run.offset} "
                                    f"does not fit {name} ({header.payload_length} data bytes)")
+        validate.refuse(self._file, validate.check_page_runs, pagemap_name(pid), self._runs[pid], spans)
         if self.verify_pages and self._pages_crc(fd, header.payload_length) != header.crc32:
             raise CorruptImage(self._file(name), "checksum mismatch in page data")
 
@@ -866,7 +909,12 @@ class ImageReader:
             raise CorruptImage(path, str(err)) from err
         allowed = FILE_ENTRY_KINDS[kind]
         for entry in entries:
-            if not isinstance(entry, RawEntry):
+            if isinstance(entry, RawEntry):
+                # Only a newer writer knows more kinds, and a newer image is refused by its
+                # version: in an image of a version we read, an unknown kind is damage (and
+                # what it held would be lost).
+                raise CorruptImage(path, f"an entry of unknown kind {entry.kind}")
+            else:
                 entry_kind = KIND_OF[type(entry)]
                 if entry_kind not in allowed:
                     raise CorruptImage(path, f"{entry_kind.name} entry in a {kind.name} file")
@@ -899,6 +947,8 @@ class ImageReader:
         if len(head) < HEADER_SIZE:
             raise CorruptImage(path, f"truncated header ({len(head)} of {HEADER_SIZE} bytes)")
         header = parse_header(head[:HEADER_SIZE])
+        if head[20:HEADER_SIZE] != bytes(HEADER_SIZE - 20):
+            raise CorruptImage(path, "non-zero reserved header bytes")
         if header.version > FORMAT_VERSION:
             raise UnsupportedVersion(path, header.version, FORMAT_VERSION)
         if header.version < 1:

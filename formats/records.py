@@ -31,7 +31,10 @@ Grammar (every integer little-endian)::
 
 Evolution rules:
 
-* A reader skips entries whose kind it does not know (:class:`RawEntry` keeps them).
+* New entry kinds, like new fields, come with a FORMAT_VERSION bump.  A reader refuses an
+  image of a newer version, so an entry of a kind it does not know in an image it reads is
+  damage: :func:`decode_entries` returns it as a :class:`RawEntry`, and the image reader
+  refuses it (skipping it would lose what it held).
 * A reader ignores payload bytes beyond the fields it knows.  New fields are only
   ever appended to a record, declared with :func:`Since` (parsed only from images of
   that version or newer, older images leave the dataclass default), and come with a
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
@@ -1121,7 +1125,26 @@ def _decode_payload(kind: int, payload, version: int, offset: int) -> AnyRecord:
     try:
         return rec.parse(bytes(payload), version=version)
     except (ConstructError, UnicodeError, TypeError, ValueError) as err:
-        raise EntryDecodeError(offset, kind, str(err).strip() or type(err).__name__) from err
+        raise EntryDecodeError(offset, kind, _one_line(err)) from err
+
+
+_CONSTRUCT_PATH = re.compile(r"Error in path \(parsing\) -> (\S+)\s*")
+_SHORT_READ = re.compile(r"stream read less than specified amount, expected (\d+), found (\d+)")
+
+
+def _one_line(err: Exception) -> str:
+    """construct's words for a decoding error, as one line of ours: which field, and why
+    (a field that wants more bytes than the entry has left is the usual one)."""
+    text = str(err).strip() or type(err).__name__
+    field = ""
+    m = _CONSTRUCT_PATH.search(text)
+    if m:
+        field = f"field {m.group(1)}: "
+        text = text[:m.start()] + text[m.end():]
+    m = _SHORT_READ.search(text)
+    if m:
+        text = f"wants {m.group(1)} bytes, {m.group(2)} left"
+    return field + " ".join(text.split())
 
 
 def decode_entries(data, *, version: int = FORMAT_VERSION) -> list[AnyRecord]:
@@ -1138,7 +1161,9 @@ def decode_entries(data, *, version: int = FORMAT_VERSION) -> list[AnyRecord]:
     while pos < end:
         if end - pos < ENTRY_HEADER_SIZE:
             raise EntryDecodeError(pos, None, f"truncated entry header ({end - pos} bytes left)")
-        kind, _reserved, length = unpack_header(view, pos)
+        kind, reserved, length = unpack_header(view, pos)
+        if reserved:
+            raise EntryDecodeError(pos, kind, "non-zero reserved bytes in the entry header")
         start = pos + ENTRY_HEADER_SIZE
         if start + length > end:
             raise EntryDecodeError(pos, kind, f"length {length} overruns the payload ({end - start} bytes left)")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import __version__, appblock, claims, procfs
+from . import __version__, appblock, claims, entry, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
@@ -219,7 +219,12 @@ def dump(pid: int, directory: str | None = None, *,
         ), shared)
         for member in pids:                      # a completion while frozen: requests in flight
             aio.check_rings_quiet(member, images[member].aio_rings)
-        writer.commit()
+        entry.committed()                        # SIGINT & co from here: noted, not unwinding
+        try:
+            writer.commit()
+        except BaseException:
+            entry.not_committed()
+            raise
     except BaseException:
         flight.close()
         writer.abort()

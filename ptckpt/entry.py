@@ -24,11 +24,41 @@ class Interrupted(BaseException):
         return signal.Signals(self.signo).name
 
 
+_finishing: list[int] = []     # past the point of no return: the signals that came since
+_past_commit = False
+
+
 def _on_signal(signo, _frame) -> None:
     # once: a second signal must not interrupt the undoing of the first
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if _past_commit:
+        _finishing.append(signo)
+        return
     raise Interrupted(signo)
+
+
+def committed() -> None:
+    """The command's result exists (an image renamed into place): from here on a signal no
+    longer unwinds it, so that it ends saying what it did (an image is complete if and
+    only if the command said so); the signal is reported once it is done."""
+    global _past_commit
+    _past_commit = True
+
+
+def not_committed() -> None:
+    """The result could not be made after all (committed() came just before the attempt):
+    the command fails with that error, and a signal that came meanwhile changes nothing."""
+    global _past_commit
+    _past_commit = False
+    _finishing.clear()
+
+
+def _report_late_signal() -> None:
+    if _finishing:
+        import sys
+        sys.stderr.write(f"ptckpt: {signal.Signals(_finishing[0]).name} came after the result was "
+                         "complete: the command finished first\n")
 
 
 def install() -> None:
@@ -44,4 +74,7 @@ def main() -> None:
         import sys
         sys.stderr.write(f"ptckpt: interrupted by {stop.name}\n")
         sys.exit(128 + stop.signo)
-    cli_main()
+    try:
+        cli_main()
+    finally:
+        _report_late_signal()

@@ -379,7 +379,10 @@ def _reap_traced_threads(tgid: int) -> None:
         tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task") if int(t) != tgid]
     except OSError:
         return
-    for tid in tids:
+    # The leader last: it is a zombie once its threads are gone.  Traced, it is ours to reap
+    # first too (the parent, an init of --pidns, would otherwise wait for it for ever while
+    # ptckpt waited for that init: a failed restore of a tree hung so).
+    for tid in tids + [tgid]:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(tid, WALL)
 

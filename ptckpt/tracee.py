@@ -46,6 +46,7 @@ from .errors import (
     TargetVanished,
     TraceeError,
 )
+from . import returnframe, testhooks
 from .formats.model import GP_REG_NAMES, PAGE_SIZE
 
 # --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
@@ -451,6 +452,7 @@ class AddressSpace:
 
     def __init__(self, pid: int):
         self.pid = pid
+        self._return_path: returnframe.ReturnPath | None | bool = False
         try:
             self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -460,6 +462,12 @@ class AddressSpace:
         if self._mem >= 0:
             os.close(self._mem)
             self._mem = -1
+
+    def return_path(self) -> returnframe.ReturnPath | None:
+        """How a thread of this group gets home from injected syscalls (looked up once)."""
+        if self._return_path is False:
+            self._return_path = returnframe.find_return_path(self)
+        return self._return_path      # type: ignore[return-value]
 
     def __enter__(self) -> "AddressSpace":
         return self
@@ -584,6 +592,8 @@ class RemoteSyscalls:
         self._patched: tuple[int, bytes] | None = None
         self.saved_regs: Regs | None = None
         self._sp: int = 0
+        self._entry: int | None = None            # rsp and rbp while injecting: the way home
+        self._under_frame: tuple[int, bytes] | None = None
         self.used = False
         self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
 
@@ -617,6 +627,26 @@ class RemoteSyscalls:
             self._patched = (rip, self.mem.read(rip, 2))
             self.mem.write(rip, b"\x0f\x05")
             self._gadget = RemotePtr(rip)
+        elif self._keep_regs and self._scratch_top is None:
+            self._prepare_way_home()
+
+    def _prepare_way_home(self) -> None:
+        """A live thread: should ptckpt vanish mid-injection, the thread must find its own
+        context again by itself (ptckpt.returnframe).  Without a return path (no vdso
+        epilogue, no rt_sigreturn code mapped, a shadow stack) it goes as before."""
+        path = self.mem.return_path()
+        if path is None or _shadow_stack(self.task):
+            return
+        fpstate = returnframe.xsave_area(self.task.get_xstate())
+        if fpstate is None:
+            return
+        assert self.saved_regs is not None
+        frame = returnframe.build(path, self.saved_regs, self.task.get_sigmask(), fpstate)
+        self._under_frame = (frame.low, self.mem.read(frame.low, len(frame.data)))
+        self.mem.write(frame.low, frame.data)
+        self._gadget = RemotePtr(path.syscall)
+        self._entry = frame.entry
+        self._sp = frame.scratch_top
 
     def _exit(self) -> None:
         if self._patched is not None:
@@ -630,9 +660,19 @@ class RemoteSyscalls:
             # (set at a syscall-exit stop, -ERESTARTSYS would reach the program).
             with contextlib.suppress(TargetVanished):
                 self.task.set_regs(self.saved_regs)
+                self._put_back_under_frame()
                 self.task.interrupt()
                 self.task.resume(0)
                 self.task.wait_frozen()
+        self._put_back_under_frame()
+
+    def _put_back_under_frame(self) -> None:
+        """The stack bytes the way home covered, once the thread's registers are its own."""
+        if self._under_frame is not None:
+            low, old = self._under_frame
+            self._under_frame = None
+            with contextlib.suppress(Exception):
+                self.mem.write(low, old)
 
     def syscall(self, nr: int | str, *args: int) -> int:
         """Run one syscall in the tracee; returns the raw result (-errno on failure)."""
@@ -643,16 +683,21 @@ class RemoteSyscalls:
         regs.rip = int(self._gadget)
         regs.rax = nr
         regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
-        regs.rsp = self._sp - 64       # below the scratch data in use
+        if self._entry is not None:
+            regs.rsp = regs.rbp = self._entry     # the epilogue after the syscall leads home
+        else:
+            regs.rsp = self._sp - 64       # below the scratch data in use
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
             setattr(regs, name, value)
         self.task.set_regs(regs)
         self.used = True
+        testhooks.reached("inject-set")
         for expected in ("entry", "exit"):
             while True:
                 self.task.syscall_step()
                 st = self.task.wait()
                 if st.kind is StopKind.SYSCALL:
+                    testhooks.reached(f"inject-{expected}")
                     break
                 if st.kind is StopKind.SIGNAL:
                     # A signal arrived meanwhile: keep it for the final resume.
@@ -692,6 +737,16 @@ class RemoteSyscalls:
             self._sp = prev_sp
             with contextlib.suppress(Exception):
                 self.mem.write(addr, old)
+
+
+def _shadow_stack(task: Task) -> bool:
+    """The thread runs with a user shadow stack (rt_sigreturn would want its token)."""
+    try:
+        with open(f"/proc/{task.tgid}/task/{task.tid}/status") as f:
+            return any(line.startswith("x86_Thread_features:") and line.split(":", 1)[1].strip()
+                       for line in f)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -157,7 +157,7 @@ def make_process(pid=100) -> ProcessImage:
         vmas=(make_vma(), make_vma(0x7f0000100000, 2, VmaKind.ANON_PRIVATE, "")),
         threads=(make_thread(pid), make_thread(pid + 1, Restart.NONE)),
         sigactions=(Sigaction(2, 0x401500, 0x04000004, 0x401600, 1 << 1), Sigaction(13, 1, 0, 0, 0)),
-        pending=(PendingSignal(0, bytes([10]) + bytes(127)), PendingSignal(pid + 1, bytes(range(128)))),
+        pending=(PendingSignal(0, bytes([10]) + bytes(127)), PendingSignal(pid + 1, bytes([12, 0, 0, 0]) + bytes(range(4, 128)))),
         fds=(Fd(fd=0, kind=FdKind.PTY_SLAVE, path="/dev/pts/3", flags=0o100002, pos=0, cloexec=False,
                 mnt_id=25, dev=0x19, ino=6, mode=0o20620, rdev=0x8803, size=0, mtime_ns=1),
              Fd(fd=7, kind=FdKind.REGULAR, path=ODD_PATH, flags=0o2100000, pos=-1 & 0x7fffffffffffffff,
@@ -170,8 +170,8 @@ def make_process(pid=100) -> ProcessImage:
                 PosixTimer(id=42, clockid=-6, signo=10, notify=4, tid=pid + 1, value=2**64 - 1, interval_ns=0,
                            left_ns=0)),
         itimers=(Itimer(which=0, interval_us=30_000, left_us=12_345),),
-        owners=(FdOwner(fd=7, owner_type=1, pid=pid, signo=0), FdOwner(fd=9, owner_type=2, pid=pid - 1, signo=29)),
-        aio_rings=(AioRing(start=0x7f0000200000, end=0x7f0000201000, nr=127, head=3, tail=5, events=bytes(range(64))),),
+        owners=(FdOwner(fd=7, owner_type=1, pid=pid, signo=0), FdOwner(fd=0, owner_type=2, pid=pid - 1, signo=29)),
+        aio_rings=(AioRing(start=0x7f0000100000, end=0x7f0000101000, nr=127, head=3, tail=5, events=bytes(range(64))),),
     )
 
 
@@ -613,7 +613,9 @@ def test_os_errors_become_image_write_errors(tmp_path, monkeypatch):
 def test_pages_writer_offsets_and_crc(tmp_path):
     image = ImageWriter(tmp_path / "ckpt").create()
     image.write_inventory(make_inventory((100,)))
-    image.write_process(make_process(100))
+    proc = make_process(100)
+    image.write_process(dataclasses.replace(proc, vmas=proc.vmas + (
+        make_vma(0x10000000, 20 * 0x100, VmaKind.ANON_PRIVATE, ""),)))     # where the runs go
     pages = image.pages_writer(100, buffer_size=4 * PAGE_SIZE, nbuffers=2)
     expected = bytearray()
     offsets = []
@@ -774,13 +776,16 @@ def test_core_structure_is_checked(image_dir):
         ImageReader(image_dir).open()
 
 
-def test_unknown_core_entries_are_skipped(image_dir):
+def test_unknown_core_entries_are_refused(image_dir):
+    """Only a newer writer knows more kinds, and its images are refused by version: in an
+    image of a version this reader knows, an unknown kind is damage, and skipping it would
+    lose what it held."""
     proc = make_process(100)
     plugin = RawEntry(999, b"plugin state")
-    _rewrite_core(image_dir / "core-100.img", [proc.task, plugin, proc.creds, proc.mm, *proc.vmas])
-    with ImageReader(image_dir) as reader:
-        assert reader.unknown_entries(100) == (plugin,)
-        assert reader.process(100).vmas == proc.vmas and reader.process(100).threads == ()
+    _rewrite_core(image_dir / "core-100.img", [proc.task, plugin, proc.creds, proc.mm, *proc.vmas,
+                                               *proc.threads])
+    with pytest.raises(CorruptImage, match="unknown kind 999"):
+        ImageReader(image_dir).open()
 
 
 def test_page_run_outside_the_data_is_corrupt(image_dir):

@@ -332,7 +332,10 @@ def test_restore_waits_and_passes_the_exit_status(spawn, ptckpt, tmp_path):
     # A restored process killed by a signal: ptckpt exits 128+signal, like a shell.
     target2 = spawn("counter")
     _dump_kill(ptckpt, target2, tmp_path / "img2")
-    killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -TERM {target2.pid}"])
+    # SIGTERM once it runs again (its output file moves), not at a guessed moment
+    out = target2.out_path
+    killer = subprocess.Popen(["sh", "-c", f"a=$(cat {out}); while [ \"$(cat {out})\" = \"$a\" ]; do "
+                                           f"sleep 0.05; done; kill -TERM {target2.pid}"])
     res = ptckpt("restore", "-D", tmp_path / "img2", timeout=30)
     killer.wait()
     assert res.returncode == 128 + signal.SIGTERM, res.stderr
@@ -415,15 +418,16 @@ def test_vdso_of_another_size_is_refused(counter_image, ptckpt, tmp_path):
     from ptckpt.formats.model import VmaKind
     target, image = counter_image
 
-    def bigger_vdso(p):
+    def smaller_vdso(p):        # (a bigger one would overlap its neighbour: a corrupt image)
         vmas = []
         for v in p.vmas:
             if v.kind is VmaKind.VDSO:
-                v = dataclasses.replace(v, end=v.end + PAGE_SIZE)
+                assert v.end - v.start > PAGE_SIZE
+                v = dataclasses.replace(v, end=v.end - PAGE_SIZE)
             vmas.append(v)
         return dataclasses.replace(p, vmas=tuple(vmas))
 
-    _rewrite_image(image, tmp_path / "vdso", bigger_vdso)
+    _rewrite_image(image, tmp_path / "vdso", smaller_vdso)
     _one_line(ptckpt("restore", "-D", tmp_path / "vdso"), ExitCode.INCOMPATIBLE, "[vdso]", "bytes")
     assert not pid_alive(target.pid)
 

@@ -72,7 +72,7 @@ PROC = ProcessImage(
     vmas=(_vma(HEAP, 3, 3, VmaKind.HEAP, "[heap]"),
           _vma(0x7f0000000000, 256, 5, VmaKind.FILE_PRIVATE, b"/lib/libx\xff.so".decode("utf-8", "surrogateescape")),
           _vma(STACK, 2, 3, VmaKind.STACK, "[stack]"),
-          _vma(0x7f1000000000, 1, 3, 77, "/dev/zero (deleted)", shared=True)),
+          _vma(0x7f1000000000, 1, 3, VmaKind.ANON_SHARED, "/dev/zero (deleted)", shared=True)),
     threads=(_thread(PID, Restart.NONE, -1), _thread(PID + 1, Restart.REEXECUTE, 202)),
     sigactions=(Sigaction(15, 0x401500, 0x04000000, 0x401600, 0),),
     pending=(PendingSignal(0, bytes([15]) + bytes(127)),),
@@ -112,7 +112,7 @@ def test_json_holds_every_record(image_dir):
     assert proc["pid"] == PID
     assert proc["task"]["tids"] == [PID, PID + 1] and proc["task"]["cmdline"] == ["demo", "-v"]
     assert proc["mm"]["auxv"] == [[6, 4096]]
-    assert [v["kind"] for v in proc["vmas"]] == ["HEAP", "FILE_PRIVATE", "STACK", 77]   # unknown kind: its number
+    assert [v["kind"] for v in proc["vmas"]] == ["HEAP", "FILE_PRIVATE", "STACK", "ANON_SHARED"]
     assert proc["vmas"][3]["shared"] is True
     t0, t1 = proc["threads"]
     assert t0["restart"] == "NONE" and t1["restart"] == "REEXECUTE" and t1["syscall_nr"] == 202
@@ -158,7 +158,7 @@ def test_summary_tables(image_dir):
     assert vmas[0].split() == ["START-END", "PROT", "KIND", "PAGES", "PATH"]
     rows = [line.split(None, 4) for line in vmas[1:]]
     assert [r[1:4] for r in rows] == [["rw-p", "HEAP", "2"], ["r-xp", "FILE_PRIVATE", "0"],
-                                      ["rw-p", "STACK", "2"], ["rw-s", "77", "0"]]
+                                      ["rw-p", "STACK", "2"], ["rw-s", "ANON_SHARED", "0"]]
     assert rows[1][4] == r"/lib/libx\xff.so"
     assert rows[0][0] == f"{HEAP:012x}-{HEAP + 3 * PAGE_SIZE:012x}"
 
@@ -271,7 +271,8 @@ def _socket_image(tmp_path):
     target = tmp_path / "img"
     with ImageWriter(target) as image:
         image.write_inventory(dataclasses.replace(INVENTORY, netlock="c0ffee123456"), records)
-        image.write_process(dataclasses.replace(PROC, fds=PROC.fds + fds))
+        image.write_process(dataclasses.replace(PROC, fds=tuple(f for f in PROC.fds if f.fd not in {s.fd for s in fds})
+                                                + fds))
         with image.pages_writer(PID) as pages:
             pages.add_run(HEAP, 2, pages.write(HEAP_PAGES))
     return target

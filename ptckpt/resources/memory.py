@@ -8,6 +8,7 @@ streamed to the image's pages file: no per-page Python work).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import dataclasses
 import mmap
@@ -859,8 +860,11 @@ def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_o
         if batch:
             _fill_batch(mem, pages_fd, data_offset + start, view, size, batch)
     finally:
-        view.release()
-        buf.close()
+        # After an error, slices of the view may live on in its traceback: the buffer then
+        # goes with them, and the error itself is what is reported.
+        with contextlib.suppress(BufferError):
+            view.release()
+            buf.close()
 
 
 def _fill_batch(mem: AddressSpace, fd: int, offset: int, view: memoryview, size: int,
