@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
+from .entry import unwind_again
 from .errors import ExitCode, PtckptError
 
 app = typer.Typer(
@@ -188,6 +189,7 @@ def restore(
             typer.echo(result.summary(), err=True)
             with contextlib.suppress(OSError):       # its screen is new: a redraw
                 terminals.redraw(os.getpgid(result.pid))
+            unwind_again()
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     typer.echo(result.summary(), err=True)
     if detach:
@@ -196,6 +198,7 @@ def restore(
                 f.write(f"{result.pid}\n")
         typer.echo(result.pid)
         return
+    unwind_again()                               # said: a signal now ends the wait
     status = wait_restored(result)
     if result.terminal_was is not None:          # the shell job ended: the terminal goes back
         from .resources import terminals

@@ -54,6 +54,16 @@ def not_committed() -> None:
     _finishing.clear()
 
 
+def unwind_again() -> None:
+    """The result was reported: signals unwind the command again (a restore waiting for its
+    process), and one that came meanwhile does so now."""
+    global _past_commit
+    _past_commit = False
+    if _finishing:
+        raise Interrupted(_finishing.pop(0))
+    install()
+
+
 def _report_late_signal() -> None:
     if _finishing:
         import sys

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import appblock, breakpoints, procfs
+from . import appblock, breakpoints, entry, procfs, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
@@ -286,6 +286,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                                               memory_done=p in rebuilt)
                     result.warnings += warnings
                     to_detach += tasks
+                    testhooks.reached("restore-fixup")
                 result.pids = {p: created[p].tgid for p in members}
                 _settle_notifications(image.fd_states, handed)
                 if not new_pty:
@@ -310,8 +311,16 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
                 traced = {created[p].tgid: p for p in members if breaks[p]}
-                result.warnings += resume_holding_first([t for t in to_detach if t.tgid not in traced],
-                                                        blocks, created, hold_timeout)
+                # From the first thread let go the tree is restored: a signal no longer
+                # unwinds it (that would kill a running program and say "interrupted").
+                testhooks.reached("restore-resume")
+                entry.committed()
+                try:
+                    result.warnings += resume_holding_first([t for t in to_detach if t.tgid not in traced],
+                                                            blocks, created, hold_timeout)
+                except BaseException:
+                    entry.not_committed()
+                    raise
                 if events:
                     log.info("plugins: resumed")
                     events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])

@@ -1,10 +1,13 @@
 """Points where a test may have ptckpt die, to prove that nothing is harmed when it does.
 
-``PTCKPT_TEST_DIE_AT=POINT:N`` makes the N-th arrival at POINT (counted in this process)
-kill ptckpt with SIGKILL, as an OOM killer or a user's kill -9 would, with no chance to
-undo anything.  Points: ``inject-set`` (an injected syscall's registers are in, the thread
-not yet stepped), ``inject-entry`` and ``inject-exit`` (the thread stopped at its entry or
-exit).  Unset (the normal case), reached() costs a comparison.
+``PTCKPT_TEST_DIE_AT=POINT:N[:SIGNAL]`` makes the N-th arrival at POINT (counted in this
+process) send ptckpt SIGNAL (default SIGKILL: as an OOM killer or a user's kill -9 would,
+with no chance to undo anything; SIGINT or SIGTERM: as a user would, to be unwound).
+Points: ``inject-set`` (an injected syscall's registers are in, the thread not yet
+stepped), ``inject-entry`` and ``inject-exit`` (the thread stopped at its entry or exit);
+``restore-stub`` (a stub seized), ``restore-fixup`` (a process rebuilt, before the next),
+``restore-resume`` (the tree rebuilt, not yet let go).  Unset (the normal case), reached()
+costs a comparison.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import os
 import signal
 
-_POINT, _, _COUNT = os.environ.get("PTCKPT_TEST_DIE_AT", "").partition(":")
+_POINT, _, _REST = os.environ.get("PTCKPT_TEST_DIE_AT", "").partition(":")
+_COUNT, _, _SIGNAL = _REST.partition(":")
 _left = int(_COUNT) if _POINT and _COUNT.isdigit() else 0
+_signo = getattr(signal, _SIGNAL, signal.SIGKILL) if _SIGNAL.startswith("SIG") else signal.SIGKILL
 
 
 def reached(point: str) -> None:
@@ -21,4 +26,4 @@ def reached(point: str) -> None:
     if _left and point == _POINT:
         _left -= 1
         if _left == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), _signo)

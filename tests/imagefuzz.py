@@ -297,6 +297,9 @@ def run_cli(argv: list[str], timeout: float, work: Path) -> tuple[int | None, st
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 1)
             os.dup2(null, 0)
+            # under pytest's capture sys.stdout/sys.stderr are not fds 1 and 2: make them so
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
             sys.argv = ["ptckpt", *argv]
             from ptckpt import entry
             try:
@@ -392,6 +395,13 @@ def try_mutant(path: Path, work: Path, kind: str, timeout: float = 30.0) -> dict
     return out
 
 
+def remake(images: list[Path], seed: int, i: int, out: Path) -> Mutant:
+    """Mutant #i of a campaign with `seed` over `images`, made (again) at `out`."""
+    rng = random.Random(seed * 1_000_003 + i)
+    donor = images[(i + 1) % len(images)] if len(images) > 1 else None
+    return mutate(images[i % len(images)], out, rng, donor)
+
+
 def campaign(images: list[Path], count: int, seed: int, work: Path,
              on_result: Callable[[int, Mutant, dict[str, Outcome]], None] | None = None,
              jobs: int = 1) -> None:
@@ -399,11 +409,8 @@ def campaign(images: list[Path], count: int, seed: int, work: Path,
     called for each in order of i.  Mutant i is the same whatever `jobs` (its own seed);
     `jobs` forked workers share the mutants."""
     def one(i: int) -> tuple[Mutant, dict[str, Outcome]]:
-        rng = random.Random(seed * 1_000_003 + i)
-        image = images[i % len(images)]
-        donor = images[(i + 1) % len(images)] if len(images) > 1 else None
         path = work / f"m{i}"
-        mutant = mutate(image, path, rng, donor)
+        mutant = remake(images, seed, i, path)
         try:
             return mutant, try_mutant(path, work / f"w{i % jobs}", mutant.kind)
         finally:

@@ -25,7 +25,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name
 from ptckpt.formats.model import PageRun
 
-FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "160"))
+FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "120"))
 
 
 @pytest.fixture

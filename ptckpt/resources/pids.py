@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .. import procfs
+from .. import procfs, testhooks
 from ..formats.model import MsgImage, ProcessImage, SemImage, ShmImage, Terminal, Zombie
 from ..errors import PidBusy, PtckptError, TargetVanished, TraceeError, UnsupportedResource
 from ..restorer.stub import stub_memfd
@@ -42,6 +42,7 @@ CLONE_NEWPID = 0x20000000
 PTRACE_O_TRACEFORK = 0x2
 PTRACE_O_TRACECLONE = 0x8
 PTRACE_O_TRACEEXEC = 0x10
+PTRACE_O_EXITKILL = 0x100000
 PTRACE_EVENT_EXEC = 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -193,9 +194,24 @@ def pid_holder(pid: int) -> str | None:
     return f"{what} {pid} ({status.name})"
 
 
-def check_pids_free(pids: list[int]) -> None:
-    for pid in pids:
+ZOMBIE_WAIT = 5.0    # seconds a pid held by a zombie is waited for (its parent reaps it soon:
+                     # the target of a `dump --kill`, a stub of a killed restore, both
+                     # reparented to an init that reaps when it gets to it)
+
+
+def _holder_after_zombies(pid: int, deadline: float) -> str | None:
+    """Who holds `pid`, once any zombie holding it was reaped (waited for until `deadline`)."""
+    while True:
         holder = pid_holder(pid)
+        if holder is None or not holder.startswith("zombie") or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.01)
+
+
+def check_pids_free(pids: list[int], zombie_wait: float = ZOMBIE_WAIT) -> None:
+    deadline = time.monotonic() + zombie_wait
+    for pid in pids:
+        holder = _holder_after_zombies(pid, deadline)
         if holder is not None:
             raise PidBusy(pid, holder)
 
@@ -264,9 +280,20 @@ def end_stub(task: Task, gadget: int, wait_status: int) -> None:
         return                                   # it has exited: the parent can reap it now
 
 
-def _exec_stub_stopped(stub_fd: int) -> None:
-    """In the new child: stop until the tracer has seized us, then become the stub."""
+PR_SET_PDEATHSIG = 1
+
+
+def _exec_stub_stopped(stub_fd: int, parent: int = 0) -> None:
+    """In the new child: stop until the tracer has seized us, then become the stub.
+
+    With `parent` (ptckpt itself), the child dies with it (PR_SET_PDEATHSIG) should ptckpt
+    be killed before it seized the child (then PTRACE_O_EXITKILL takes over); the restore
+    sets the image's own parent-death signal in the end."""
     try:
+        if parent:
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(127)
         os.kill(os.getpid(), signal.SIGSTOP)
         os.execve(stub_fd, ["ptckpt-restorer"], {})
     finally:
@@ -311,7 +338,12 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
 def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
     _wait_stopped(pid)
     task = Task(pid, pid)
-    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | PTRACE_O_TRACEEXEC)
+    # EXITKILL: should ptckpt die before it lets the process go, what it half-built dies too
+    # (a traced stub would otherwise run on from wherever the rebuild was).  The resume
+    # detaches, which ends it; a process kept traced for plugin breakpoints dies with
+    # ptckpt either way (its int3s would trap).
+    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | PTRACE_O_TRACEEXEC
+               | PTRACE_O_EXITKILL)
     os.kill(pid, signal.SIGCONT)
     while True:
         st = task.wait()
@@ -321,6 +353,7 @@ def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
             while True:
                 task.syscall_step()
                 if task.wait().kind is StopKind.SYSCALL:
+                    testhooks.reached("restore-stub")
                     return Stub(pid=pid, vpid=vpid, task=task, init_pid=init_pid)
         # the group stop we were started in, SIGCONT's delivery: pass through
         task.resume(st.signo if st.kind is StopKind.SIGNAL and st.signo != signal.SIGSTOP else 0)
@@ -331,14 +364,20 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
     stub_fd = stub_memfd()
     try:
         if not pidns:
-            try:
-                child = clone3_with_pid(pid)
-            except OSError as err:
-                if err.errno == errno.EEXIST:
-                    raise PidBusy(pid, pid_holder(pid) or "a process that just exited") from None
-                raise TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}") from None
+            parent = os.getpid()
+            deadline = time.monotonic() + ZOMBIE_WAIT
+            while True:
+                try:
+                    child = clone3_with_pid(pid)
+                    break
+                except OSError as err:
+                    if err.errno != errno.EEXIST:
+                        raise TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}") from None
+                    holder = _holder_after_zombies(pid, deadline)
+                    if holder is not None or time.monotonic() >= deadline:
+                        raise PidBusy(pid, holder or "a process that just exited") from None
             if child == 0:
-                _exec_stub_stopped(stub_fd)
+                _exec_stub_stopped(stub_fd, parent)
             try:
                 return _seize_until_exec(child, pid, 0)
             except BaseException:

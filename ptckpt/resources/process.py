@@ -270,9 +270,9 @@ def restore_rlimits(pid: int, rlimits) -> list[str]:
 
 
 def restore_pdeath_signal_frozen(remote: RemoteSyscalls, task: Task) -> None:
-    """After the credentials: changing them clears the parent-death signal (prctl(2))."""
-    if task.pdeath_signal:
-        remote.checked("prctl", PR_SET_PDEATHSIG, task.pdeath_signal, step="pdeath_signal")
+    """After the credentials: changing them clears the parent-death signal (prctl(2)).  Set
+    even when it is 0: the stub had SIGKILL there while ptckpt built it (pids.start_stub)."""
+    remote.checked("prctl", PR_SET_PDEATHSIG, task.pdeath_signal, step="pdeath_signal")
 
 
 def restore_mdwe_frozen(remote: RemoteSyscalls, task: Task) -> None:

@@ -1,0 +1,118 @@
+"""A restore interrupted at a random moment leaves nothing behind, and the next one works.
+
+SIGINT and SIGTERM unwind the restore (what it built is killed and reaped by ptckpt
+itself); SIGKILL gives ptckpt no chance, so the processes it half-built die with it
+(PR_SET_PDEATHSIG before they are seized, PTRACE_O_EXITKILL after).  Each phase is hit
+by the test hook PTCKPT_TEST_DIE_AT (ptckpt.testhooks), and random moments too.  Such a stub stays a zombie until whoever inherits it
+(pid 1, here pytest) reaps it, which may take a moment: the next restore waits for a
+zombie holding its pid (pids.ZOMBIE_WAIT) instead of refusing "pid taken".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import pid_alive, proc_stat, reap_orphans, wait_until
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _status(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.split(":")[0] in ("Name", "State", "PPid",
+                                                                                  "TracerPid", "SigPnd"))
+    except OSError:
+        return "gone"
+
+
+@pytest.fixture
+def counter_image(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    return target, image
+
+
+def _restore_again(target, ptckpt, image, reap_late: bool) -> None:
+    """The next restore works, even while a zombie of the last one still holds the pid (it is
+    reaped half a second later, as pid 1 would)."""
+    reaper = threading.Timer(0.5, reap_orphans) if reap_late else None
+    if reaper:
+        reaper.start()
+    res = ptckpt("restore", "-D", image, "--detach", "--file-policy", "warn")
+    if reaper:
+        reaper.join()
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    target.wait_progress()
+    target.assert_ok()
+    os.kill(target.pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(target.pid), 5)
+    reap_orphans()
+    wait_until(lambda: proc_stat(target.pid) is None, 5)
+
+
+@pytest.mark.parametrize("point", ["restore-stub", "restore-fixup", "restore-resume"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_restore_stopped_at_each_phase_leaves_nothing(sig, point, counter_image, ptckpt, tmp_path):
+    target, image = counter_image
+    res = ptckpt("restore", "-D", image, "--detach", "--file-policy", "warn",
+                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:1:{sig.name}"))
+    if sig == signal.SIGKILL:
+        assert res.returncode == -sig, (res.returncode, res.stderr)
+    else:
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 128 + sig and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+        assert f"interrupted by {sig.name}" in lines[0]
+    # nothing half-built runs with the pid: SIGINT/SIGTERM unwound it (killed and reaped by
+    # ptckpt), after SIGKILL the stub died with ptckpt (a zombie until its new parent reaps)
+    wait_until(lambda: not pid_alive(target.pid), 5,
+               message=lambda: f"pid {target.pid} free: {_status(target.pid)}")
+    _restore_again(target, ptckpt, image, reap_late=sig == signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
+def test_restores_interrupted_at_random_moments(sig, counter_image, ptckpt, ptckpt_cmd):
+    """At a random moment after the stub exists: either nothing is left, or the process was
+    let go before the signal came and runs whole (and the command said so)."""
+    target, image = counter_image
+    rng = random.Random(sig)
+    for trial in range(6):
+        proc = subprocess.Popen(ptckpt_cmd + ["restore", "-D", str(image), "--detach", "--file-policy", "warn"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                text=True)
+        wait_until(lambda: _children(proc.pid) or proc.poll() is not None, 30, interval=0.001)
+        time.sleep(rng.uniform(0, 0.004))
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        time.sleep(0.2)
+        assert "Traceback" not in err, err
+        if pid_alive(target.pid):
+            assert "restored pid" in err, (trial, proc.returncode, err)
+            target.adopt(target.pid)
+            target.wait_progress()
+            target.assert_ok()
+            os.kill(target.pid, signal.SIGKILL)
+        else:
+            assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), (trial, proc.returncode, err)
+        wait_until(lambda: not pid_alive(target.pid), 5,
+                   message=lambda: f"trial {trial}: pid {target.pid} free: {_status(target.pid)}")
+        reap_orphans()
+        wait_until(lambda: proc_stat(target.pid) is None, 5)
+    _restore_again(target, ptckpt, image, reap_late=False)
