@@ -216,11 +216,15 @@ if leader == 0:                                  # leads a group, leaves a child
     os._exit(0)
 os.waitpid(leader, 0)
 os.write(w, b"x")
+def stat(p):                                     # [] for a process that ended meanwhile
+    try:
+        return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
 while True:                                      # the orphan is ours now: wait for its exit
     got = [int(p) for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())]
-    orphans = [p for p in got if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1:3]
-               == [str(os.getpid()), str(leader)]]
-    if orphans and open(f"/proc/{orphans[0]}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+    orphans = [p for p in got if stat(p)[1:3] == [str(os.getpid()), str(leader)]]
+    if orphans and stat(orphans[0])[:1] == ["Z"]:
         break
     time.sleep(0.01)
 os.waitid(os.P_PID, killed, os.WEXITED | os.WNOWAIT)
