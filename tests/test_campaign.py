@@ -76,16 +76,23 @@ def test_campaign_of_twenty_runs_masks_and_detects_and_repeats(ptckpt, testbench
     outcomes = {r["outcome"] for r in runs}
     assert outcomes == {"masked", "detected"}, rows
     data = json.loads((tmp_path / "results" / "results.json").read_text())
+    masked_low: set[int] = set()
     for run in data["runs"]:
         (fault,) = run["faults"]
         (bit,) = fault["bits"]
         assert fault["target"] == "design_state"
         # width 32: the upper half of each 64-bit word never reaches the design
-        assert run["outcome"] == ("masked" if bit % 64 >= 32 else "detected"), run
+        if bit % 64 >= 32:
+            assert run["outcome"] == "masked", run
+        elif run["outcome"] == "masked":
+            # a lower-half flip is masked only in the word the next READ_REG overwrites before
+            # it is used: the freeze came between a vector's writes and its read (CI saw it)
+            masked_low.add(bit // 64)
         assert run["status"] == 0 and run["outcome"] in ("masked", "detected")
         stdout = Path(tmp_path / "results" / "runs" / f"{run['index']:04d}" / "stdout").read_text()
         assert stdout.startswith("SIGNATURE ")
         assert (run["signature"] == ref["signature"]) == (run["outcome"] == "masked")
+    assert len(masked_low) <= 1, f"lower-half flips masked in words {masked_low}"
     assert f"20 runs: {data['summary'].get('masked', 0)} masked, {data['summary'].get('detected', 0)} detected, " \
            f"0 crashed, 0 hung" in res.stdout
     assert _leftovers(str(testbench_bin)) == [], "nothing is left running"
