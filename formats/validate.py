@@ -144,6 +144,14 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"TASK {field} {getattr(task, field)} out of range")
     if not 0 <= task.umask <= 0o777:
         _fail(name, f"TASK umask {task.umask:#o}")
+    for field, low, high in (("nice", -20, 19), ("rt_priority", 0, 99), ("oom_score_adj", -1000, 1000),
+                             ("personality", 0, 2**32 - 1), ("sched_policy", 0, 2**31 - 1),
+                             ("timerslack_ns", 0, 2**63 - 1), ("dumpable", 0, 2), ("mdwe", 0, 2**31 - 1),
+                             ("coredump_filter", -1, 2**32 - 1)):
+        if not low <= getattr(task, field) <= high:
+            _fail(name, f"TASK {field} {getattr(task, field)} out of range")
+    if len(task.spec_ctrl) not in (0, 3) or any(not 0 <= v < 2**31 for v in task.spec_ctrl):
+        _fail(name, "TASK speculation controls malformed")
     if not -1 <= task.exit_signal <= NSIG or not 0 <= task.pdeath_signal <= NSIG:
         _fail(name, "TASK exit or parent-death signal out of range")
     if not proc.threads:
@@ -162,6 +170,13 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"thread {t.tid}: xstate of {len(t.xstate)} bytes, the image says {xstate_size}")
         if not 0 <= t.sigmask < 2**64:
             _fail(name, f"thread {t.tid}: signal mask out of range")
+        if len(t.sched) not in (0, 3) or (t.sched and not (0 <= t.sched[0] < 2**31 and 0 <= t.sched[1] <= 99
+                                                            and -20 <= t.sched[2] <= 19)):
+            _fail(name, f"thread {t.tid}: scheduling {t.sched} malformed")
+        if any(not 0 <= c < 8192 for c in t.cpus):
+            _fail(name, f"thread {t.tid}: CPU affinity out of range")
+        if t.sas_size < 0 or not 0 <= t.sas_flags < 2**32:
+            _fail(name, f"thread {t.tid}: alternate signal stack malformed")
     if set(task.tids) != tids:
         _fail(name, "TASK's thread list and the THREAD entries disagree")
     spans = _check_vmas(name, proc)

@@ -50,8 +50,17 @@ def _main(
                         format="ptckpt: %(message)s", stream=sys.stderr)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
+
+
+def one_line(text: str) -> str:
+    """An error for stderr as one line: control characters in it (a path from an image or a
+    process may hold newlines) are shown escaped."""
+    return text.translate(_CONTROL)
+
+
 def _fail(err: PtckptError) -> typer.Exit:
-    typer.echo(f"ptckpt: error: {err}", err=True)
+    typer.echo(f"ptckpt: error: {one_line(str(err))}", err=True)
     return typer.Exit(code=err.exit_code)
 
 
@@ -173,7 +182,7 @@ def restore(
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:
-        typer.echo(f"ptckpt: warning: {warning}", err=True)
+        typer.echo(f"ptckpt: warning: {one_line(warning)}", err=True)
     for fault in injector.faults if injector else ():
         typer.echo(f"ptckpt: fault (seed {injector.seed}): {fault}", err=True)
     if new_pty and result.pty_master < 0:
@@ -393,7 +402,7 @@ def main() -> None:
     try:
         app()
     except PtckptError as err:      # pragma: no cover - commands catch their own
-        typer.echo(f"ptckpt: error: {err}", err=True)
+        typer.echo(f"ptckpt: error: {one_line(str(err))}", err=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         typer.echo("ptckpt: interrupted", err=True)
@@ -404,5 +413,5 @@ def main() -> None:
     except Exception as err:  # a bug: one line unless asked for the traceback
         if os.environ.get("PTCKPT_DEBUG"):
             raise
-        typer.echo(f"ptckpt: internal error: {type(err).__name__}: {err} (PTCKPT_DEBUG=1 for a traceback)", err=True)
+        typer.echo(f"ptckpt: internal error: {type(err).__name__}: {one_line(str(err))} (PTCKPT_DEBUG=1 for a traceback)", err=True)
         sys.exit(ExitCode.INTERNAL)

@@ -298,8 +298,9 @@ def run_cli(argv: list[str], timeout: float, work: Path) -> tuple[int | None, st
             os.dup2(null, 1)
             os.dup2(null, 0)
             # under pytest's capture sys.stdout/sys.stderr are not fds 1 and 2: make them so
+            # (with the error handler Python gives its own stderr: undecodable path bytes print)
             sys.stdout = open(1, "w", closefd=False)
-            sys.stderr = open(2, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
             sys.argv = ["ptckpt", *argv]
             from ptckpt import entry
             try:
