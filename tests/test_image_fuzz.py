@@ -23,7 +23,7 @@ import imagefuzz
 from conftest import descendants, wait_pid_free
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name
-from ptckpt.formats.model import PageRun
+from ptckpt.formats.model import PageRun, VmaKind
 
 FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "120"))
 
@@ -209,10 +209,9 @@ def test_mutants_of_real_images_are_refused_cleanly_or_restored(spawn, ptckpt, t
 def test_a_path_with_a_newline_is_one_line_in_the_refusal(counter_image, ptckpt, tmp_path):
     """Was (bench/image_fuzz): a mapped file's path with a newline in it made a refusal of
     several lines."""
-    import dataclasses as dc
-    from ptckpt.formats.model import VmaKind
-    bad = _edited(counter_image, tmp_path / "bad", proc=lambda p: dc.replace(p, vmas=tuple(
-        dc.replace(v, path=v.path + "\nsecond line") if v.kind is VmaKind.FILE_PRIVATE else v for v in p.vmas)))
+    bad = _edited(counter_image, tmp_path / "bad", proc=lambda p: dataclasses.replace(p, vmas=tuple(
+        dataclasses.replace(v, path=v.path + "\nsecond line") if v.kind is VmaKind.FILE_PRIVATE else v
+        for v in p.vmas)))
     res = ptckpt("restore", "-D", bad, "--detach", "--file-policy", "warn")
     lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("ptckpt: warning")]
     assert res.returncode not in (0, 1) and len(lines) == 1 and "\\nsecond line" in lines[0], res.stderr
