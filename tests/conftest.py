@@ -837,3 +837,17 @@ def idle_script(directory: Path, name: str, setup: str) -> Path:
     path = directory / name
     path.write_text(setup + IDLE_TAIL)
     return path
+
+
+@pytest.fixture
+def killed_counter(spawn: Callable[..., "Target"], ptckpt: Callable[..., CliResult],
+                   tmp_path: Path) -> tuple["Target", Path]:
+    """A counter fixture dumped with --kill to tmp_path/img, its pid free again:
+    (the target, to adopt a restored copy; the image)."""
+    target = spawn("counter")
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    return target, image

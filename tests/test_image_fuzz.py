@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import imagefuzz
-from conftest import descendants, wait_pid_free
+from conftest import descendants
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name
 from ptckpt.formats.model import PageRun, VmaKind
@@ -29,14 +29,8 @@ FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "120"))
 
 
 @pytest.fixture
-def counter_image(spawn, ptckpt, tmp_path):
-    target = spawn("counter")
-    image = tmp_path / "img"
-    res = ptckpt("dump", target.pid, "-D", image, "--kill")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
-    return image
+def counter_image(killed_counter):
+    return killed_counter[1]
 
 
 def _edited(src: Path, dst: Path, *, proc=None, inventory=None, runs=None) -> Path:

@@ -39,16 +39,6 @@ def _status(pid: int) -> str:
         return "gone"
 
 
-@pytest.fixture
-def counter_image(spawn, ptckpt, tmp_path):
-    target = spawn("counter")
-    image = tmp_path / "img"
-    res = ptckpt("dump", target.pid, "-D", image, "--kill")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    return target, image
-
-
 def _restore_again(target, ptckpt, image, reap_late: bool) -> None:
     """The next restore works, even while a zombie of the last one still holds the pid (it is
     reaped half a second later, as pid 1 would)."""
@@ -70,8 +60,8 @@ def _restore_again(target, ptckpt, image, reap_late: bool) -> None:
 
 @pytest.mark.parametrize("point", ["restore-stub", "restore-fixup", "restore-resume"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
-def test_a_restore_stopped_at_each_phase_leaves_nothing(sig, point, counter_image, ptckpt, tmp_path):
-    target, image = counter_image
+def test_a_restore_stopped_at_each_phase_leaves_nothing(sig, point, killed_counter, ptckpt, tmp_path):
+    target, image = killed_counter
     res = ptckpt("restore", "-D", image, "--detach", "--file-policy", "warn",
                  env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:1:{sig.name}"))
     if sig == signal.SIGKILL:
@@ -88,10 +78,10 @@ def test_a_restore_stopped_at_each_phase_leaves_nothing(sig, point, counter_imag
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
-def test_restores_interrupted_at_random_moments(sig, counter_image, ptckpt, ptckpt_cmd):
+def test_restores_interrupted_at_random_moments(sig, killed_counter, ptckpt, ptckpt_cmd):
     """At a random moment after the stub exists: either nothing is left, or the process was
     let go before the signal came and runs whole (and the command said so)."""
-    target, image = counter_image
+    target, image = killed_counter
     rng = random.Random(sig)
     for trial in range(6):
         proc = subprocess.Popen(ptckpt_cmd + ["restore", "-D", str(image), "--detach", "--file-policy", "warn"],
