@@ -38,6 +38,7 @@ from ptckpt.errors import (
     BadMagic,
     CorruptImage,
     DestinationExists,
+    ImageAccessDenied,
     ImageWriteError,
     NotAnImage,
     UnsupportedVersion,
@@ -789,11 +790,23 @@ class ImageReader:
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
+    def _require_inventory(self) -> None:
+        """NotAnImage without an inventory; ImageAccessDenied when the user may not look."""
+        try:
+            os.stat(self._file(INVENTORY_NAME))
+        except PermissionError:
+            try:
+                owner = os.stat(self.path).st_uid
+            except OSError:
+                owner = None
+            raise ImageAccessDenied(self.path, owner) from None
+        except OSError:
+            raise NotAnImage(self.path, f"no {INVENTORY_NAME}, not a ptckpt image") from None
+
     def _open(self) -> None:
         if not os.path.isdir(self.path):
             raise NotAnImage(self.path, "no such directory")
-        if not os.path.exists(self._file(INVENTORY_NAME)):
-            raise NotAnImage(self.path, f"no {INVENTORY_NAME}, not a ptckpt image")
+        self._require_inventory()
         header, entries = self._read_entries(INVENTORY_NAME, FileKind.INVENTORY)
         self.version = header.version
         inventories = [e for e in entries if isinstance(e, Inventory)]
@@ -879,8 +892,7 @@ class ImageReader:
         """Only the INVENTORY record (the first entry of inventory.img), its file's header
         and checksum validated: what the image is, without decoding what it holds."""
         reader = cls(directory)
-        if not os.path.exists(reader._file(INVENTORY_NAME)):
-            raise NotAnImage(reader.path, f"no {INVENTORY_NAME}, not a ptckpt image")
+        reader._require_inventory()
         _header, entries = reader._read_entries(INVENTORY_NAME, FileKind.INVENTORY, first_only=True)
         if not entries or not isinstance(entries[0], Inventory):
             raise CorruptImage(reader._file(INVENTORY_NAME), "the first entry is not the INVENTORY")

@@ -167,6 +167,10 @@ def dump(pid: int, directory: str | None = None, *,
         images = {}
         parents = {m: procfs.read_stat(m).ppid for m in pids}
         cow = {m: memory.shared_with_parent(m, parents[m]) for m in pids if parents[m] in parents}
+        if any(parents[m] in parents for m in pids) and not memory.page_frames_visible():
+            log.warning("pages a parent and its child share copy-on-write are not seen without "
+                        "CAP_SYS_ADMIN (pagemap shows no page frames): a restore gives each its own "
+                        "copy (the same contents, more memory)")
         lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
         for m, runs in cow.items():
             lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)

@@ -89,8 +89,8 @@ class TargetVanished(ProcessError):
 class AccessDenied(ProcessError):
     exit_code = ExitCode.ACCESS_DENIED
 
-    def __init__(self, pid: int, what: str = "trace"):
-        super().__init__(pid, f"not permitted to {what} process {pid}")
+    def __init__(self, pid: int, what: str = "trace", why: str = ""):
+        super().__init__(pid, f"not permitted to {what} process {pid}" + (f" ({why})" if why else ""))
         self.what = what
 
 
@@ -156,6 +156,15 @@ class NotAnImage(ImageError):
 
     def __init__(self, path: str, reason: str = "not a ptckpt image"):
         super().__init__(path, f"{path}: {reason}")
+
+
+class ImageAccessDenied(ImageError):
+    exit_code = ExitCode.ACCESS_DENIED
+
+    def __init__(self, path: str, owner: int | None = None):
+        whose = f" (it belongs to uid {owner})" if owner is not None else ""
+        super().__init__(path, f"{path}: permission denied{whose}: an image is readable by "
+                               f"its owner only, who may restore it or give it to you")
 
 
 class BadMagic(ImageError):
@@ -263,6 +272,12 @@ class PluginMissing(PtckptError):
                          f"give it with --plugin module:Class or a file path")
         self.name = name
         self.version = version
+
+
+class PrivilegeNeeded(PtckptError):
+    """What was asked needs a capability the user lacks (named, with the way that needs none)."""
+
+    exit_code = ExitCode.ACCESS_DENIED
 
 
 class PidBusy(PtckptError):

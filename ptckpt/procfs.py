@@ -443,7 +443,7 @@ def _why_no_mm(pid: int, procfs: str) -> PtckptError | None:
 def _translate(err: OSError, pid: int, tid: int | None, procfs: str) -> PtckptError:
     path = err.filename if isinstance(err.filename, str) else os.fsdecode(err.filename or "")
     if isinstance(err, PermissionError):
-        return AccessDenied(pid, "read /proc of")
+        return AccessDenied(pid, "read /proc of", f"{path}: {err.strerror}" if path else "")
     if isinstance(err, ProcessLookupError):
         # ESRCH from a file of an existing directory: the task has no mm
         # (exited, zombie) or never had one (kernel thread: auxv, environ ...)
@@ -487,7 +487,12 @@ def _path(procfs: str, pid: int, tid: int | None, name: str) -> str:
 
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
-        return f.read()
+        try:
+            return f.read()
+        except OSError as err:     # the error of a read (EPERM, ESRCH) names no file
+            if err.filename is None:
+                err.filename = path
+            raise
 
 
 def _read_text(path: str) -> str:
@@ -597,22 +602,68 @@ def read_smaps(pid: int, *, procfs: str = "/proc") -> list[SmapsEntry]:
     return out
 
 
-@_wrap_exceptions
-def stat_map_file(pid: int, start: int, end: int, *,
-                  procfs: str = "/proc") -> os.stat_result | None:
-    """os.stat() of /proc/PID/map_files/START-END (the file behind a VMA).
+MAP_FILES_CAPABILITY = "CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN)"
 
-    The name is lowercase hex without 0x (fs/proc/base.c, map_files).  None
-    when there is no such entry (anonymous VMA, or bounds not of one VMA).
-    Needs CAP_SYS_ADMIN in the initial user namespace (else AccessDenied).
-    """
-    path = f"{procfs}/{pid}/map_files/{start:x}-{end:x}"
+
+@_wrap_exceptions
+def map_file_path(pid: int, start: int, end: int, dev: tuple[int, int], inode: int,
+                  path: str, *, procfs: str = "/proc") -> str:
+    """A path that opens the very file mapped at start-end (dev is (major, minor) and
+    inode as /proc/PID/maps shows them; path is the mapping's name there).
+
+    /proc/PID/map_files/START-END (lowercase hex, fs/proc/base.c) names it whatever its
+    path now is, but following that link needs MAP_FILES_CAPABILITY in the initial user
+    namespace.  Without it (a user dumping its own process): /proc/PID/fd/N of an fd the
+    process holds on the same file, else the mapped path while it still names that file
+    (same device and inode).  AccessDenied naming the capability when neither does (a
+    deleted or replaced file only the mapping holds).  FileNotFoundError when there is
+    no such mapping."""
+    link = f"{procfs}/{pid}/map_files/{start:x}-{end:x}"
     try:
-        return os.stat(path)
+        os.stat(link)
+        return link
+    except PermissionError:
+        pass
     except FileNotFoundError:
         if _process_gone(pid, procfs):
             raise
+        raise FileNotFoundError(_errno.ENOENT, "no such mapping", link) from None
+
+    def same(candidate: str) -> bool:
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            return False
+        return st.st_ino == inode and (os.major(st.st_dev), os.minor(st.st_dev)) == dev
+
+    if path.startswith("/") and not path.endswith(" (deleted)") and same(path):
+        return path
+    fd_dir = f"{procfs}/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        if same(f"{fd_dir}/{name}"):
+            return f"{fd_dir}/{name}"
+    raise AccessDenied(pid, "reach a mapped file of",
+                       f"{path} mapped at {start:#x}-{end:#x} is reachable only through "
+                       f"{link}, which needs {MAP_FILES_CAPABILITY}; run ptckpt as root or with "
+                       f"that capability, or checkpoint while the process holds an fd on it")
+
+
+def stat_map_file(pid: int, start: int, end: int, *, dev: tuple[int, int] = (0, 0), inode: int = 0,
+                  path: str = "", procfs: str = "/proc") -> os.stat_result | None:
+    """os.stat() of the file behind a VMA (through :func:`map_file_path`).  None when
+    there is no such mapping (anonymous VMA, or bounds not of one VMA)."""
+    try:
+        where = map_file_path(pid, start, end, dev, inode, path, procfs=procfs)
+    except ProcEntryMissing:
         return None
+    try:
+        return os.stat(where)
+    except FileNotFoundError:
+        if _process_gone(pid, procfs):
+            raise NoSuchProcess(pid) from None
+        return None
+    except OSError as err:
+        raise _translate(err, pid, None, procfs) from err
 
 
 # --- pagemap and PAGEMAP_SCAN -----------------------------------------------

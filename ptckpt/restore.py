@@ -213,6 +213,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         host = Host.probe()
         for p in members:
             plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
+            creds.check_restorable(p, procs[p].creds)
         saved = {f.path for f in image.saved_files}
         identities = file_identities(procs, saved)
         moved = [i for i in identities if any(_under(i.path, d) for d in events.moved())] if events else []

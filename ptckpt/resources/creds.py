@@ -26,7 +26,7 @@ import struct
 from collections.abc import Mapping, Sequence
 
 from .. import procfs
-from ..errors import UnsupportedResource
+from ..errors import PrivilegeNeeded, TraceeError, UnsupportedResource
 from ..formats.model import Creds
 from .. import tracee
 from ..tracee import RemoteSyscalls, Task
@@ -89,7 +89,13 @@ def refuse_strict_mode(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
 def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]:
     """The process's filter chain, oldest first; refused when its threads' chains differ or a
     filter hands syscalls to a user-space supervisor (its listener fd is not restored)."""
-    chains = {t.tid: t.seccomp_filters() for t in tasks}
+    try:
+        chains = {t.tid: t.seccomp_filters() for t in tasks}
+    except TraceeError as err:
+        if "EACCES" not in str(err) and "EPERM" not in str(err):
+            raise
+        raise PrivilegeNeeded(f"process {pid} runs under seccomp filters: reading them "
+                              f"(PTRACE_SECCOMP_GET_FILTER) needs CAP_SYS_ADMIN; dump it as root") from None
     chain = chains.get(pid, [])
     for tid, other in chains.items():
         if other != chain:
@@ -129,6 +135,27 @@ def check_threads(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
                                       "keeps one set per process")
 
 
+CAP_SETGID, CAP_SETUID = 6, 7
+
+
+def check_restorable(pid: int, creds: Creds) -> None:
+    """Refuse, before anything is made, credentials the restoring user could not take
+    itself (an image of another user's or of root's process, or credentials edited in
+    an image): a restore never gives more than the user has."""
+    caps = procfs.read_status(os.getpid()).cap_eff
+    if caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1:
+        return
+    uids, gids = (*os.getresuid(), os.geteuid()), (*os.getresgid(), os.getegid())
+    differ = [f"{what} {'/'.join(map(str, theirs))} (yours {'/'.join(map(str, mine))})"
+              for what, theirs, mine in (("uids", creds.uids, uids), ("gids", creds.gids, gids),
+                                         ("groups", tuple(sorted(creds.groups)), tuple(sorted(os.getgroups()))))
+              if tuple(theirs) != tuple(mine)]
+    if differ:
+        raise PrivilegeNeeded(f"process {pid} of the image ran with {', '.join(differ)}: taking "
+                              f"credentials that are not your own needs CAP_SETUID and CAP_SETGID; "
+                              f"restore it as root, or as the user it ran as")
+
+
 def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds, *, uid_gid: bool = True) -> list[str]:
     """Make the calling thread's credentials `creds` (see the module's order).  A step
     the restoring user may not take is a warning; the caller decides what is fatal."""
@@ -141,8 +168,12 @@ def restore_creds_frozen(remote: RemoteSyscalls, creds: Creds, *, uid_gid: bool 
         return res
 
     if uid_gid:
-        me = (os.getuid(), os.getgid())
-        if not (creds.uids == (me[0],) * 4 and creds.gids == (me[1],) * 4 and not creds.groups):
+        # The thread holds ptckpt's own ids until now (it was forked from ptckpt, or from
+        # the init of --pidns): only what differs is changed.  In the user namespace of
+        # an unprivileged --pidns restore setgroups() is denied, and needed by nothing.
+        same = (creds.uids == (*os.getresuid(), os.geteuid()) and creds.gids == (*os.getresgid(), os.getegid())
+                and sorted(creds.groups) == sorted(os.getgroups()))
+        if not same:
             call("prctl", PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP, what="securebits for the uid change")
             with remote.scratch(struct.pack(f"<{len(creds.groups)}I", *creds.groups) or 4) as gp:
                 call("setgroups", len(creds.groups), int(gp), what=f"setgroups{creds.groups}")

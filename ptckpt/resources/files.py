@@ -287,7 +287,8 @@ def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]],
         for v in vlist:
             key = ghost_key(v)
             if key and key not in out:
-                out[key] = _read_ghost(pid, f"/proc/{pid}/map_files/{v.start:x}-{v.end:x}", v.path,
+                link = procfs.map_file_path(pid, v.start, v.end, (v.dev_major, v.dev_minor), v.inode, v.path)
+                out[key] = _read_ghost(pid, link, v.path,
                                        f"mapping {v.start:#x}-{v.end:#x}")
     return list(out.values())
 

@@ -727,9 +727,16 @@ def stale_lock_cleanup() -> list[str]:
     A lock whose owner is gone is stale unless its image is complete and names it (a
     dump --kill that finished: the lock waits for a restore).  For a stale lock, every
     connection still present in repair mode leaves it (the dumper died before it could),
-    then the lock goes.  Returns one line per lock removed."""
+    then the lock goes.  Returns one line per lock removed.
+
+    Where nft cannot be used (not installed, or a user without CAP_NET_ADMIN) no lock
+    can have been made by this user either: there is nothing to look for."""
     done = []
-    for info in netlock.list_locks():
+    try:
+        found = netlock.list_locks()
+    except netlock.NetLockUnavailable:
+        return done
+    for info in found:
         if netlock.owner_alive(info):
             continue
         present = _repair_leftovers(info)

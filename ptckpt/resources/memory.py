@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .. import procfs
+from ..errors import AccessDenied, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
 from . import sysvipc
@@ -86,13 +87,14 @@ def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
     build_ids = {} if build_ids is None else build_ids
     out: list[Vma] = []
     for e in procfs.read_smaps(pid):
-        st = procfs.stat_map_file(pid, e.start, e.end) if e.inode else None
+        st = _stat_mapped(pid, e) if e.inode else None
         kind = classify_vma(e.path, e.shared, e.inode, st)
         bid = ""
         if kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and st is not None and not e.deleted:
             key = (st.st_dev, st.st_ino, st.st_mtime_ns)
             if key not in build_ids:
-                build_ids[key] = _build_id_of(pid, e.start, e.end)
+                build_ids[key] = build_id(procfs.map_file_path(pid, e.start, e.end, (e.dev_major, e.dev_minor),
+                                                               e.inode, e.path)) or ""
             bid = build_ids[key]
         out.append(Vma(
             start=e.start, end=e.end, prot=e.prot, shared=e.shared, kind=kind,
@@ -105,6 +107,19 @@ def dump_vmas(pid: int, build_ids: dict | None = None) -> list[Vma]:
             guards=tuple(guard_regions(pid, e.start, e.end)) if "gu" in e.vmflags.split() else (),
         ))
     return out
+
+
+def _stat_mapped(pid: int, e: procfs.SmapsEntry) -> os.stat_result | None:
+    """The mapped file's stat.  A user without procfs.MAP_FILES_CAPABILITY cannot reach a
+    memfd or shared anonymous object that no fd holds: it is then known by its mappings
+    alone (its size is what they cover; the program cannot see past them either)."""
+    try:
+        return procfs.stat_map_file(pid, e.start, e.end, dev=(e.dev_major, e.dev_minor), inode=e.inode,
+                                    path=e.path)
+    except AccessDenied:
+        if e.shared and e.path.startswith(("/memfd:", "/dev/zero")):
+            return None
+        raise
 
 
 PM_GUARD_REGION = 1 << 58       # /proc/PID/pagemap: the page is in a guard region
@@ -124,6 +139,12 @@ def inheritable(child: Vma, parent: Vma) -> bool:
             == (parent.start, parent.end, parent.prot, parent.kind, parent.path, parent.pgoff)
             and flags == set(parent.vmflags.split()) and not flags & _NOT_INHERITED
             and not parent.guards)
+
+
+def page_frames_visible() -> bool:
+    """Whether /proc/PID/pagemap shows page frame numbers to ptckpt (CAP_SYS_ADMIN, since 4.0):
+    :func:`shared_with_parent` sees no sharing without them."""
+    return bool(procfs.read_status(os.getpid()).cap_eff >> 21 & 1)
 
 
 def shared_with_parent(pid: int, ppid: int) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -265,12 +286,6 @@ def restore_advice_frozen(remote, vmas: Sequence[Vma]) -> None:
             remote.checked("mseal", v.start, v.end - v.start, 0, step=f"seal {v.start:#x}-{v.end:#x}")
 
 
-def _build_id_of(pid: int, start: int, end: int) -> str:
-    """The build-id of the file mapped at start-end, read through /proc/PID/map_files (the
-    very file the process maps, whatever its path now names)."""
-    return build_id(f"/proc/{pid}/map_files/{start:x}-{end:x}") or ""
-
-
 def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     """(start, end) runs of pages of `vma` whose contents go into the image.
 
@@ -352,8 +367,9 @@ def shared_object_ranges(pid: int, vma: Vma) -> list[tuple[int, int]] | None:
     if shared_object_key(vma) is None:
         return None
     try:
-        fd = os.open(f"/proc/{pid}/map_files/{vma.start:x}-{vma.end:x}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(procfs.map_file_path(pid, vma.start, vma.end, (vma.dev_major, vma.dev_minor),
+                                          vma.inode, vma.path), os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, PtckptError):
         return None
     out: list[tuple[int, int]] = []
     try:
@@ -735,6 +751,12 @@ def _new_object(path: str, size: int) -> int:
         raise OSError(err, f"mmap of a {size}-byte shared object: {os.strerror(err)}")
     try:
         return os.open(f"/proc/self/map_files/{addr:x}-{addr + size:x}", os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError:
+        # map_files needs procfs.MAP_FILES_CAPABILITY: a user's restore makes a memfd, the
+        # same shared memory, which the restored process sees as "/memfd:dev/zero (deleted)"
+        fd = os.memfd_create("dev/zero", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return fd
     finally:
         _libc_mm.munmap(addr, size)
 

@@ -33,12 +33,17 @@ from dataclasses import dataclass, field
 
 from .. import procfs, testhooks
 from ..formats.model import MsgImage, ProcessImage, SemImage, ShmImage, Terminal, Zombie
-from ..errors import PidBusy, PtckptError, TargetVanished, TraceeError, UnsupportedResource
+from ..errors import PidBusy, PrivilegeNeeded, PtckptError, TargetVanished, TraceeError, UnsupportedResource
 from ..restorer.stub import stub_memfd
 from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
 
 NR_CLONE3 = 435
 CLONE_NEWPID = 0x20000000
+CLONE_NEWUSER = 0x10000000
+CAP_SYS_ADMIN = 21
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
+NR_CAPGET, NR_CAPSET = 125, 126
+_CAP_V3 = 0x20080522
 PTRACE_O_TRACEFORK = 0x2
 PTRACE_O_TRACECLONE = 0x8
 PTRACE_O_TRACEEXEC = 0x10
@@ -371,6 +376,11 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
                     child = clone3_with_pid(pid)
                     break
                 except OSError as err:
+                    if err.errno == errno.EPERM:
+                        raise PrivilegeNeeded(
+                            f"restoring process {pid} with its own pid needs CAP_CHECKPOINT_RESTORE "
+                            f"(clone3 with set_tid); without it, restore with --pidns: the tree gets "
+                            f"a user and pid namespace of its own, where it has its pids") from None
                     if err.errno != errno.EEXIST:
                         raise TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}") from None
                     holder = _holder_after_zombies(pid, deadline)
@@ -388,6 +398,54 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
         os.close(stub_fd)
 
 
+def privileged() -> bool:
+    """Whether ptckpt holds CAP_SYS_ADMIN in its user namespace (unshare(CLONE_NEWPID) needs it)."""
+    return bool(procfs.read_status(os.getpid()).cap_eff >> CAP_SYS_ADMIN & 1)
+
+
+def _enter_own_user_namespace() -> str | None:
+    """In the middle child of an unprivileged --pidns restore: a user namespace of its own,
+    where the restoring user's uid and gid map to themselves (the restored tree keeps its
+    ids) and it holds every capability, so that the init can choose pids (clone3 set_tid
+    needs CAP_CHECKPOINT_RESTORE in the namespace that owns the pid namespace).  None, or
+    the step that failed."""
+    uid, gid = os.geteuid(), os.getegid()
+    if _libc.unshare(ctypes.c_int(CLONE_NEWUSER)) != 0:
+        return "unshare(CLONE_NEWUSER)"
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError as err:
+        ctypes.set_errno(err.errno or errno.EPERM)
+        return f"writing /proc/self/{name}"
+    return None
+
+
+def _keep_capabilities_across_exec() -> str | None:
+    """Make every permitted capability inheritable and ambient, so that the stub this
+    process's child execs (as a user that is not root in its namespace) keeps them; the
+    restore sets the image's own capability sets in the end, which clears the ambient set.
+    None, or the step that failed."""
+    header = struct.pack("<Ii", _CAP_V3, 0)
+    data = ctypes.create_string_buffer(24)
+    if _libc.syscall(ctypes.c_long(NR_CAPGET), ctypes.c_char_p(header), data) != 0:
+        return "capget"
+    words = list(struct.unpack("<6I", data.raw))
+    words[2], words[5] = words[1], words[4]          # inheritable := permitted
+    if _libc.syscall(ctypes.c_long(NR_CAPSET), ctypes.c_char_p(header),
+                     ctypes.c_char_p(struct.pack("<6I", *words))) != 0:
+        return "capset"
+    permitted = words[1] | words[4] << 32
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if permitted >> cap & 1 and _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0:
+            return f"raising ambient capability {cap}"
+    return None
+
+
 def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
     """A fresh pid namespace: a minimal init (pid 1) creates the stub with the image's pid.
 
@@ -395,18 +453,31 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
     untouched) and forks the init; it reports the init's outer pid and exits,
     and the init, reparented to ptckpt (a child subreaper), reaps everything in
     the namespace and exits with the restored process's status.
+
+    A user without CAP_SYS_ADMIN gets a user namespace of its own first
+    (:func:`_enter_own_user_namespace`), which owns the new pid namespace.
     """
     become_subreaper()
+    own_userns = not privileged()
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:
         os.close(r)
         try:
+            failed = _enter_own_user_namespace() if own_userns else None
+            if failed:
+                os.write(w, f"E {ctypes.get_errno()} {failed}\n".encode())
+                os._exit(1)
             if _libc.unshare(ctypes.c_int(CLONE_NEWPID)) != 0:
-                os.write(w, f"E {ctypes.get_errno()} unshare\n".encode())
+                os.write(w, f"E {ctypes.get_errno()} unshare(CLONE_NEWPID)\n".encode())
                 os._exit(1)
             init = os.fork()
             if init == 0:
+                if own_userns:
+                    failed = _keep_capabilities_across_exec()
+                    if failed:
+                        os.write(w, f"E {ctypes.get_errno()} {failed}\n".encode())
+                        os._exit(1)
                 _minimal_init(pid, stub_fd, w)
             os.write(w, f"I {init}\n".encode())
         finally:
@@ -419,11 +490,11 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
         with os.fdopen(r, "rb") as pipe:
             # "I <pid>" from the middle child and "C" from the init, in either order.
             for line in pipe:
-                kind, *rest = line.decode().split()
+                kind, *rest = line.decode().split(maxsplit=2)
                 if kind == "I":
                     init_pid = int(rest[0])
                 elif kind == "E":
-                    raise TraceeError(pid, f"pid namespace setup: {rest[1]} failed: "
+                    raise TraceeError(pid, f"pid namespace setup: {rest[1].strip()} failed: "
                                            f"{os.strerror(int(rest[0]))}")
                 elif kind == "C":
                     created = True

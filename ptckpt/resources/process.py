@@ -27,6 +27,7 @@ from .files import ghost_dir_key
 PR_GET_DUMPABLE = 3
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+PR_GET_TIMERSLACK = 30           # the calling thread's; /proc/PID/timerslack_ns needs CAP_SYS_NICE
 PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42
 PR_SET_MDWE, PR_GET_MDWE = 65, 66
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
@@ -72,7 +73,8 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
         sched_policy=st.policy,
         rt_priority=st.rt_priority,
         oom_score_adj=procfs.read_oom_score_adj(pid),
-        timerslack_ns=procfs.read_timerslack_ns(pid),
+        timerslack_ns=(remote.checked("prctl", PR_GET_TIMERSLACK, step="dump task: timer slack")
+                       if remote is not None else procfs.read_timerslack_ns(pid)),
         exit_signal=st.exit_signal,
         tids=tuple(tids),
         cmdline=tuple(procfs.read_cmdline(pid)),
