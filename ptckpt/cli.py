@@ -20,7 +20,7 @@ import typer
 
 from . import __version__
 from .entry import unwind_again
-from .errors import ExitCode, PtckptError
+from .errors import ExitCode, PtckptError, exhausted
 
 app = typer.Typer(
     add_completion=False,
@@ -60,8 +60,9 @@ def one_line(text: str) -> str:
 
 
 def _fail(err: PtckptError) -> typer.Exit:
-    typer.echo(f"ptckpt: error: {one_line(str(err))}", err=True)
-    return typer.Exit(code=err.exit_code)
+    why = exhausted(err)
+    typer.echo(f"ptckpt: error: {one_line(str(err))}" + (f"; {why}" if why else ""), err=True)
+    return typer.Exit(code=ExitCode.EXHAUSTED if why else err.exit_code)
 
 
 @app.command()
@@ -413,5 +414,9 @@ def main() -> None:
     except Exception as err:  # a bug: one line unless asked for the traceback
         if os.environ.get("PTCKPT_DEBUG"):
             raise
+        why = exhausted(err)
+        if why:
+            typer.echo(f"ptckpt: error: {one_line(str(err))}; {why}", err=True)
+            sys.exit(ExitCode.EXHAUSTED)
         typer.echo(f"ptckpt: internal error: {type(err).__name__}: {one_line(str(err))} (PTCKPT_DEBUG=1 for a traceback)", err=True)
         sys.exit(ExitCode.INTERNAL)

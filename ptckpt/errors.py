@@ -38,6 +38,7 @@ class ExitCode:
     CONTROL = 20          # `ptckpt control`: no such run, or it does not answer
     CONNECTION = 21       # a TCP connection needs --tcp-established, --tcp-close or --external
     DIFFERENT = 22        # `ptckpt diff`: the images differ (beyond the fields expected to)
+    EXHAUSTED = 23        # out of a resource: open files, memory, processes
 
 
 class PtckptError(Exception):
@@ -351,3 +352,34 @@ class OSErrorTranslator:
                     raise self.translate(err, what, errnos) from err
             return wrapper
         return decorate
+
+
+def exhausted(err: BaseException) -> str | None:
+    """What ran out, with the way out, when `err` (or what caused it) is a resource running
+    out: too many open files (ptckpt's or the system's), memory, processes.  None otherwise."""
+    seen = 0
+    while err is not None and seen < 8:
+        code = getattr(err, "errno", None)
+        name = getattr(err, "name", "")
+        if code in (_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM) or (
+                code == _errno.EAGAIN and (name in ("clone", "clone3", "fork", "vfork")
+                                           or type(err) is BlockingIOError)):   # os.fork, clone3
+            break
+        err = err.__cause__ or err.__context__
+        seen += 1
+    else:
+        return None
+    if err is None:
+        return None
+    if code == _errno.EMFILE:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (f"out of open files: ptckpt may hold {soft} (RLIMIT_NOFILE {soft}/{hard}); raise the "
+                f"limit (ulimit -n) and try again")
+    if code == _errno.ENFILE:
+        return "the system's table of open files is full (fs.file-max); close files and try again"
+    if code == _errno.ENOMEM:
+        return ("out of memory (the machine's, or the memory cgroup's limit); free memory or "
+                "raise the limit and try again")
+    return ("no more processes may be made (RLIMIT_NPROC, the pids cgroup's pids.max, or "
+            "kernel.pid_max); raise the limit and try again")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import logging
@@ -185,6 +186,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     leave it, and the image's network lock goes, once every process is rebuilt.
     """
     started = time.monotonic()
+    oom_before = process.oom_kills()
     _raise_nofile()
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
@@ -249,6 +251,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 channel = handed.pop("plugin-channel-ours", -1)
                 log.info("create %d", root)
                 stub = pids.start_stub(root, pidns=pidns)
+                process.expendable(stub.pid)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
                                    warnings=[f"the image left out {u}" for u in left_out]
                                    + [f"changed since the dump: {w}" for w in verdict.warnings])
@@ -347,6 +350,11 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for task in created.values():
                     _reap_traced_threads(task.tgid)
                 stub.kill()
+                if isinstance(err, PtckptError) and process.oom_kills() > oom_before:
+                    failed = RestoreFailed(f"restore of {root} failed, the half-restored processes were "
+                                           f"killed: {err} (the OOM killer ended a process meanwhile)")
+                    failed.errno = errno.ENOMEM
+                    raise failed from err
                 if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
                     raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
                                         f"killed: {err}") from err

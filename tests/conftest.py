@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -754,7 +754,8 @@ def ptckpt_cmd() -> list[str]:
 @pytest.fixture
 def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
     """Run the CLI as a subprocess: ptckpt(*args, timeout=120.0, input=None,
-    env=None, cwd=None, check=False) -> CliResult(returncode, stdout, stderr).
+    env=None, cwd=None, check=False, prefix=()) -> CliResult(returncode, stdout, stderr);
+    `prefix` goes before the command (a wrapper such as prlimit).
 
     stdout/stderr go through files, not pipes, so a process the CLI leaves
     running (a restored target) cannot hold them open and hang the test.  The
@@ -765,8 +766,8 @@ def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
 
     def run(*args: Any, timeout: float = 120.0, input: str | bytes | None = None,
             env: dict[str, str] | None = None, cwd: Path | str | None = None,
-            check: bool = False) -> CliResult:
-        argv = ptckpt_cmd + [str(a) for a in args]
+            check: bool = False, prefix: Sequence[str] = ()) -> CliResult:
+        argv = [*prefix] + ptckpt_cmd + [str(a) for a in args]
         n = next(runs)
         out_path, err_path = tmp_path / f"ptckpt.{n}.stdout", tmp_path / f"ptckpt.{n}.stderr"
         stdin_data = input.encode() if isinstance(input, str) else input

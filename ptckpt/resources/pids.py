@@ -382,7 +382,9 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
                             f"(clone3 with set_tid); without it, restore with --pidns: the tree gets "
                             f"a user and pid namespace of its own, where it has its pids") from None
                     if err.errno != errno.EEXIST:
-                        raise TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}") from None
+                        failed = TraceeError(pid, f"clone3 with set_tid={pid} failed: {err.strerror}")
+                        failed.errno = err.errno          # EAGAIN, ENOMEM: errors.exhausted()
+                        raise failed from None
                     holder = _holder_after_zombies(pid, deadline)
                     if holder is not None or time.monotonic() >= deadline:
                         raise PidBusy(pid, holder or "a process that just exited") from None
@@ -494,8 +496,11 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
                 if kind == "I":
                     init_pid = int(rest[0])
                 elif kind == "E":
-                    raise TraceeError(pid, f"pid namespace setup: {rest[1].strip()} failed: "
-                                           f"{os.strerror(int(rest[0]))}")
+                    failed = TraceeError(pid, f"pid namespace setup: {rest[1].strip()} failed: "
+                                              f"{os.strerror(int(rest[0]))}")
+                    failed.errno = int(rest[0])
+                    failed.name = rest[1].split("-")[0].split("(")[0]     # clone3, unshare ...
+                    raise failed
                 elif kind == "C":
                     created = True
                 if init_pid and created:

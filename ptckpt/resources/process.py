@@ -226,6 +226,9 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}
                 f.write(value)
         except OSError as err:
             warnings.append(f"cannot set {name} to {value}: {err.strerror}")
+            if name == "oom_score_adj":          # at least not expendable() any longer
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(str(procfs.read_oom_score_adj(os.getpid())))
     try:
         os.setpriority(os.PRIO_PROCESS, pid, task.nice)
     except OSError as err:
@@ -371,3 +374,27 @@ def restore_cgroups(pid: int, recorded: str) -> list[str]:
                             f"{line}): {getattr(err, 'strerror', None) or err}")
     return warnings
 
+
+
+
+def expendable(pid: int) -> None:
+    """Make a process being restored the first the OOM killer picks (oom_score_adj 1000;
+    its children inherit it), so that a restore running out of memory loses what it was
+    building, not ptckpt, which then says so.  The image's own value is set in the fix-up
+    (lowering needs CAP_SYS_RESOURCE only below the minimum the process inherited, which
+    ptckpt's own value is not)."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("1000")
+
+
+def oom_kills() -> int:
+    """How many processes the OOM killer has ended since boot (/proc/vmstat, 4.13+)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
