@@ -325,6 +325,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 except BaseException:
                     entry.not_committed()
                     raise
+                stub.release()                        # the --pidns init stops watching ptckpt
                 if events:
                     log.info("plugins: resumed")
                     events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])

@@ -6,7 +6,8 @@ with no chance to undo anything; SIGINT or SIGTERM: as a user would, to be unwou
 Points: ``inject-set`` (an injected syscall's registers are in, the thread not yet
 stepped), ``inject-entry`` and ``inject-exit`` (the thread stopped at its entry or exit);
 ``restore-stub`` (a stub seized), ``restore-fixup`` (a process rebuilt, before the next),
-``restore-resume`` (the tree rebuilt, not yet let go).  Unset (the normal case), reached()
+``restore-resume`` (the tree rebuilt, not yet let go), ``restore-pidns`` (--pidns: the init made
+the stub, not yet seized).  Unset (the normal case), reached()
 costs a comparison.
 """
 

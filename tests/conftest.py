@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+import proccheck
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = ROOT / "fixtures"
 
@@ -225,6 +227,8 @@ def _become_subreaper() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "proc_differs(*views, reason): the restored process may differ from "
+                                       "the dumped one in these /proc views (tests/proccheck.py)")
     _become_subreaper()
 
 
@@ -751,8 +755,15 @@ def ptckpt_cmd() -> list[str]:
     return [sys.executable, "-m", "ptckpt"]
 
 
+def _option(args: Sequence[str], name: str) -> str | None:
+    for i, a in enumerate(args[:-1]):
+        if a == name:
+            return args[i + 1]
+    return None
+
+
 @pytest.fixture
-def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
+def ptckpt(ptckpt_cmd: list[str], tmp_path: Path, request: pytest.FixtureRequest) -> Callable[..., CliResult]:
     """Run the CLI as a subprocess: ptckpt(*args, timeout=120.0, input=None,
     env=None, cwd=None, check=False, prefix=()) -> CliResult(returncode, stdout, stderr);
     `prefix` goes before the command (a wrapper such as prlimit).
@@ -761,13 +772,49 @@ def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
     running (a restored target) cannot hold them open and hang the test.  The
     CLI runs in its own session; on timeout its whole process group is killed
     and the test fails.  check=True fails the test on a non-zero exit.
+
+    Every `dump PID` is preceded by a snapshot of what /proc shows of PID, and every
+    successful `restore --detach` of that image (asking for no change) is followed by the
+    comparison with the restored process (tests/proccheck.py); a difference fails the test
+    unless it is marked ``@pytest.mark.proc_differs(VIEW, ..., reason=...)``.
     """
     runs = iter(range(1, 1 << 30))
+    snapshots: dict[str, dict] = {}
+    marker = request.node.get_closest_marker("proc_differs")
+    ignore = frozenset(marker.args) if marker else frozenset()
+
+    def image_of(args: list[str], cwd: Path | str | None) -> str | None:
+        directory = _option(args, "-D") or _option(args, "--directory")
+        return os.path.abspath(os.path.join(cwd or os.getcwd(), directory)) if directory else None
+
+    def before(args: list[str], cwd: Path | str | None) -> None:
+        if len(args) > 1 and args[0] == "dump" and args[1].isdigit() and image_of(args, cwd):
+            try:
+                snapshots[image_of(args, cwd)] = proccheck.snapshot(int(args[1]))
+            except OSError:
+                pass
+
+    def after(args: list[str], cwd: Path | str | None, result: CliResult) -> None:
+        if not args or args[0] != "restore" or result.returncode != 0 or "--detach" not in args:
+            return
+        if proccheck.CHANGING_FLAGS & set(args) or image_of(args, cwd) not in snapshots:
+            return
+        pid = proccheck.restored_pid(result.stderr)
+        try:
+            now = proccheck.snapshot(pid) if pid else None
+        except OSError:
+            return                                   # it ended already: nothing to compare
+        found = proccheck.differences(snapshots[image_of(args, cwd)], now, ignore) if now else []
+        if found:
+            pytest.fail(f"restored process {pid} differs from what it was at the dump "
+                        f"(tests/proccheck.py):\n" + "\n".join(found))
 
     def run(*args: Any, timeout: float = 120.0, input: str | bytes | None = None,
             env: dict[str, str] | None = None, cwd: Path | str | None = None,
             check: bool = False, prefix: Sequence[str] = ()) -> CliResult:
-        argv = [*prefix] + ptckpt_cmd + [str(a) for a in args]
+        args = [str(a) for a in args]
+        argv = [*prefix] + ptckpt_cmd + args
+        before(args, cwd)
         n = next(runs)
         out_path, err_path = tmp_path / f"ptckpt.{n}.stdout", tmp_path / f"ptckpt.{n}.stderr"
         stdin_data = input.encode() if isinstance(input, str) else input
@@ -793,6 +840,7 @@ def ptckpt(ptckpt_cmd: list[str], tmp_path: Path) -> Callable[..., CliResult]:
         if check and result.returncode != 0:
             pytest.fail(f"{' '.join(argv)} exited with {result.returncode}\n"
                         f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+        after(args, cwd, result)
         return result
 
     return run

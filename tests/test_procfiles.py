@@ -30,6 +30,7 @@ while True: time.sleep(0.05)
 """
 
 
+@pytest.mark.proc_differs("fds", reason="with --pidns the restored process has another outer pid")
 @pytest.mark.parametrize("pidns", [False, True], ids=["same-pids", "pidns"])
 def test_a_file_under_proc_of_a_member_follows_it(spawn, ptckpt, tmp_path, pidns):
     script = tmp_path / "parent.py"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import pid_alive, proc_stat, reap_orphans, wait_until
+from conftest import descendants, pid_alive, proc_stat, reap_orphans, wait_until
 
 
 def _children(pid: int) -> list[int]:
@@ -106,3 +107,32 @@ def test_restores_interrupted_at_random_moments(sig, killed_counter, ptckpt, ptc
         reap_orphans()
         wait_until(lambda: proc_stat(target.pid) is None, 5)
     _restore_again(target, ptckpt, image, reap_late=False)
+
+
+@pytest.mark.parametrize("point", ["restore-pidns", "restore-stub", "restore-fixup", "restore-resume"])
+def test_a_pidns_restore_killed_at_each_phase_leaves_no_namespace_behind(point, killed_counter, ptckpt):
+    """ptckpt killed outright while it builds a tree in a pid namespace of its own: the
+    namespace's init sees ptckpt's end of its guard pipe close before the tree was let go
+    and kills everything in the namespace, the stub it made before ptckpt seized it too."""
+    target, image = killed_counter
+    alive_before = descendants()
+    res = ptckpt("restore", "-D", image, "--pidns", "--detach", "--file-policy", "warn",
+                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:1:SIGKILL"))
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
+
+    def left() -> set[int]:
+        reap_orphans()
+        return {p for p in descendants() - alive_before if proc_stat(p) is not None}
+
+    wait_until(lambda: not left(), 5, message=lambda: f"left: {[_status(p) for p in left()]}")
+    res = ptckpt("restore", "-D", image, "--pidns", "--detach", "--file-policy", "warn")
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"\(init (\d+)\) as (\d+)", res.stderr)
+    init, outer = int(m.group(1)), int(m.group(2))
+    try:
+        target.adopt(outer)
+        target.wait_progress()
+        target.assert_ok()
+    finally:
+        os.kill(init, signal.SIGKILL)
+        reap_orphans()

@@ -510,6 +510,8 @@ BY_PATH_KINDS = frozenset({FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdK
                            FdKind.FIFO})
 O_NONBLOCK = 0o4000
 F_SETFL = 4
+O_APPEND, O_DIRECT = 0o2000, 0o40000
+_SETFL_STATUS = O_APPEND | O_NONBLOCK | O_DIRECT   # set again on what ptckpt made (O_ASYNC: with its owner)
 
 
 def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list[str]:
@@ -697,10 +699,17 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
     pairs to dup3() too: fds plugins give.  Skipped and external fds are not reopened.
     """
     wanted = {f.fd for f in fds if not f.skipped and not f.external} | {n for _src, n in extra}
+    status_set: set[int] = set()
     for f in fds:
         if f.desc in handed and not f.skipped and not f.external:
-            remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0,
-                           step=f"install fd {f.fd} ({f.path})")
+            step = f"install fd {f.fd} ({f.path})"
+            remote.checked("dup3", handed[f.desc], f.fd, O_CLOEXEC if f.cloexec else 0, step=step)
+            if f.desc not in status_set:     # a description ptckpt made: its status flags as dumped
+                status_set.add(f.desc)
+                now = remote.checked("fcntl", f.fd, F_GETFL, step=step)
+                if (now ^ f.flags) & _SETFL_STATUS:
+                    remote.checked("fcntl", f.fd, F_SETFL, now & ~_SETFL_STATUS | f.flags & _SETFL_STATUS,
+                                   step=step)
     cloexec = {f.fd: f.cloexec for f in fds}         # a plugin's fd in place of the image's keeps its flag
     for src, number in extra:
         remote.checked("dup3", src, number, O_CLOEXEC if cloexec.get(number) else 0,

@@ -25,6 +25,7 @@ import dataclasses
 import errno
 import os
 import resource
+import select
 import signal
 import struct
 import time
@@ -313,9 +314,21 @@ class Stub:
     vpid: int           # its pid inside its own namespace (the image's pid)
     task: Task
     init_pid: int = 0   # the minimal init of --pidns, 0 without
+    guard: int = -1     # --pidns: ptckpt's end of the pipe the init watches (see _minimal_init)
+
+    def release(self) -> None:
+        """The tree is let go: the init of --pidns stops watching ptckpt."""
+        if self.guard >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self.guard, b"go")
+            os.close(self.guard)
+            self.guard = -1
 
     def kill(self) -> None:
         """Kill what was half-built (the init too: that ends the whole namespace)."""
+        if self.guard >= 0:
+            os.close(self.guard)
+            self.guard = -1
         for pid in (self.pid, self.init_pid):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
@@ -462,9 +475,11 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
     become_subreaper()
     own_userns = not privileged()
     r, w = os.pipe()
+    guard_r, guard_w = os.pipe2(os.O_CLOEXEC)
     middle = os.fork()
     if middle == 0:
         os.close(r)
+        os.close(guard_w)
         try:
             failed = _enter_own_user_namespace() if own_userns else None
             if failed:
@@ -480,11 +495,12 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
                     if failed:
                         os.write(w, f"E {ctypes.get_errno()} {failed}\n".encode())
                         os._exit(1)
-                _minimal_init(pid, stub_fd, w)
+                _minimal_init(pid, stub_fd, w, guard_r)
             os.write(w, f"I {init}\n".encode())
         finally:
             os._exit(0)
     os.close(w)
+    os.close(guard_r)
     os.waitpid(middle, 0)
     init_pid = 0
     created = False
@@ -511,15 +527,24 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
             children = [int(x) for x in f.read().split()]
         if len(children) != 1:
             raise TraceeError(pid, "pid namespace setup: the init has no child")
-        return _seize_until_exec(children[0], pid, init_pid)
+        testhooks.reached("restore-pidns")
+        stub = _seize_until_exec(children[0], pid, init_pid)
+        stub.guard = guard_w
+        return stub
     except BaseException:
+        os.close(guard_w)
         if init_pid:
             Stub(0, pid, Task(0, 0), init_pid=init_pid).kill()
         raise
 
 
-def _minimal_init(pid: int, stub_fd: int, report_fd: int) -> None:
-    """Pid 1 of the new namespace: create the stub with `pid`, then reap until it ends."""
+def _minimal_init(pid: int, stub_fd: int, report_fd: int, guard: int) -> None:
+    """Pid 1 of the new namespace: create the stub with `pid`, then reap until it ends.
+
+    Until ptckpt lets the tree go it writes "go" on `guard`: should ptckpt die before
+    (killed outright, before it could seize the stub or once it had), the pipe ends
+    without it and the init kills everything in the namespace, so nothing half-built
+    is left."""
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_IGN)
@@ -534,13 +559,25 @@ def _minimal_init(pid: int, stub_fd: int, report_fd: int) -> None:
         os.write(report_fd, b"C\n")
         # The init keeps nothing of ptckpt's: not the report pipe, not the stub, and
         # not the objects handed to the stub (a pipe end held here would never see EOF).
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.closerange(3, guard)
+        os.closerange(guard + 1, os.sysconf("SC_OPEN_MAX"))
         # The init needs none of ptckpt's stdio (the restored process has its own copies).
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
         status = 0
+        watched = os.pidfd_open(child)
+        while True:
+            ready, _, _ = select.select([guard, watched], [], [])
+            if guard in ready:
+                if os.read(guard, 8) == b"":
+                    os.kill(-1, signal.SIGKILL)    # ptckpt died before it let the tree go
+                break
+            if watched in ready:
+                break                              # the stub ended: reaped below
+        os.close(guard)
+        os.close(watched)
         while True:
             try:
                 got, st = os.waitpid(-1, 0)
