@@ -812,7 +812,8 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
     files.close_all()
-    fill_pages(mem, runs, pages_fd, data_offset)
+    if not fill_pages_in_target(remote, runs, pages_fd, data_offset):
+        fill_pages(mem, runs, pages_fd, data_offset)
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
@@ -855,6 +856,48 @@ def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:
 
 
 FILL_BUFFER = 32 * 1024 * 1024
+_IOV_BATCH = 256                      # iovecs per injected preadv (the tracee's scratch holds 4 KiB)
+_READ_MAX = 0x7FFFF000                # what one read may move (fs/read_write.c MAX_RW_COUNT)
+
+
+def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> bool:
+    """The tracee reads its saved pages itself: the image's page file opened in it, then
+    injected preadv()s straight into its memory, one per run of pages consecutive in the
+    file (up to _IOV_BATCH mappings each).  One copy, page cache to memory, and the page
+    faults are the tracee's own: a memory limit ends it, not ptckpt.  False when the
+    tracee cannot open the file (then ptckpt copies, fill_pages)."""
+    if not runs:
+        return True
+    path = os.readlink(f"/proc/self/fd/{pages_fd}")
+    with remote.scratch(os.fsencode(path) + b"\0") as p:
+        fd = remote.syscall("openat", -100, int(p), os.O_RDONLY | os.O_CLOEXEC, 0)
+    if fd < 0:
+        return False
+    try:
+        groups: list[list[tuple[int, int, int]]] = []      # [(file offset, vaddr, length)], consecutive
+        for r in sorted(runs, key=lambda r: r.offset):
+            pos, left, vaddr = r.offset, r.npages * PAGE_SIZE, r.vaddr
+            while left:
+                take = min(left, _READ_MAX // PAGE_SIZE * PAGE_SIZE)
+                g = groups[-1] if groups else None
+                if (g is None or len(g) == _IOV_BATCH or g[-1][0] + g[-1][2] != pos
+                        or sum(n for _o, _v, n in g) + take > _READ_MAX):
+                    g = []
+                    groups.append(g)
+                g.append((pos, vaddr, take))
+                pos, vaddr, left = pos + take, vaddr + take, left - take
+        for g in groups:
+            iov = b"".join(struct.pack("<QQ", vaddr, n) for _o, vaddr, n in g)
+            want, offset = sum(n for _o, _v, n in g), data_offset + g[0][0]
+            with remote.scratch(iov) as iovp:
+                got = remote.checked("preadv", fd, int(iovp), len(g), offset, 0,
+                                     step=f"read {want} bytes of pages at {g[0][1]:#x} from {path}")
+            if got != want:                # short: the page file ends early (or a fault)
+                from ..errors import CorruptImage
+                raise CorruptImage(path, f"page data ends early at offset {offset + got}")
+    finally:
+        remote.syscall("close", fd)
+    return True
 
 
 def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> None:
