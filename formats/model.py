@@ -418,6 +418,9 @@ class UnixSocket:
     file_gid: int = 0
     queue_fds: tuple[tuple[int, ...], ...] = ()   # per queue item, the descriptions (Fd.desc) it
                                                   # carries in flight (SCM_RIGHTS); () when none
+    queue_creds: tuple[tuple[int, int, int], ...] = ()   # per queue item, the (pid, uid, gid) its
+                              # reader gets with it (SCM_CREDENTIALS, SO_PASSCRED on; pid as the
+                              # tree sees it, 0: none); () when the reader gets none (format 9)
 
 
 @dataclass(frozen=True)

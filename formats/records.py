@@ -137,7 +137,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 8                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 9                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -145,6 +145,7 @@ FORMAT_VERSION = 8                 # 2: trees (desc, zombies, pipes, unix socket
                                    # 7: timers (POSIX_TIMER, ITIMER)
                                    # 8: kernel-state breadth (caps, prctl, VMA flags, deleted
                                    #    paths, in-flight fds, notification fds, terminals)
+                                   # 9: senders' credentials queued in unix sockets
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -613,6 +614,7 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "file_uid" / Since(8, Int32ul),
     "file_gid" / Since(8, Int32ul),
     "queue_fds" / Since(8, PrefixedArray(VarInt, PrefixedArray(VarInt, VarInt))),
+    "queue_creds" / Since(9, PrefixedArray(VarInt, Array(3, Int64sl))),
 ))
 
 # --- POSIX_TIMER, ITIMER ----------------------------------------------------------

@@ -237,6 +237,11 @@ def check_shared(name: str, records, pids: set[int], descs: set[int]) -> None:
     for z in records:
         if isinstance(z, model.Zombie) and (not 0 < z.pid < PID_MAX or z.pid in pids):
             _fail(name, f"zombie {z.pid}: out of range or also a live process")
+    for u in records:
+        if isinstance(u, model.UnixSocket) and u.queue_creds and (
+                len(u.queue_creds) != len(u.queue) or any(c[0] and c[0] not in pids for c in u.queue_creds)):
+            _fail(name, f"unix socket {u.ino}: the credentials of its queue do not match its messages "
+                        f"or name a process the image does not hold")
 
 
 def refuse(path_of, fn, *args):

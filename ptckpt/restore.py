@@ -238,6 +238,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         handed: dict = {}
         channel = -1
         net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
+        credentials = sockets.QueuedCredentials()      # queues filled once their senders exist
         ns_fd = netns_mod.new_netns() if netns else -1
         try:
             for p in members:
@@ -246,7 +247,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             files.put_back_saved_files(list(image.saved_files))
             with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
                 # the tree's sockets are made in its network namespace, and it is born there
-                handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events), net)
+                handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events), net,
+                                       credentials)
                 master = handed.pop("pty-master", -1)
                 channel = handed.pop("plugin-channel-ours", -1)
                 log.info("create %d", root)
@@ -281,6 +283,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                              events.bind_mounts() if events else [], own_session=not joins, lead=leads,
                              ptys=_pty_ttys(image, procs, handed), memory_first=memory_first)
                 procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
+                credentials.fill({p: created[p].tgid for p in members})
                 to_detach = []
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
@@ -364,6 +367,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             net.abort()
             raise
         finally:
+            credentials.close()
             if ns_fd >= 0:
                 os.close(ns_fd)
             for fd, _ in pages.values():
@@ -733,7 +737,8 @@ def _root_stdio(root: ProcessImage) -> set[int]:
 
 def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
                   new_pty: bool = False, installs: Sequence[tuple[int, int, int]] = (),
-                  channel: bool = False, net: inet.InetRestore | None = None) -> dict:
+                  channel: bool = False, net: inet.InetRestore | None = None,
+                  credentials: sockets.QueuedCredentials | None = None) -> dict:
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
@@ -793,7 +798,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
             image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
-            cwd_of, {d: fd for d, fd in opened.items() if isinstance(d, int)}))
+            cwd_of, {d: fd for d, fd in opened.items() if isinstance(d, int)}, credentials))
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))

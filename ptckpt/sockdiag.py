@@ -301,6 +301,9 @@ class QueueSnapshot:
     creds: tuple[tuple[int, int, int], ...] = ()   # (pid, uid, gid) queued messages carry, as
                                                    # far as the walk saw them (SO_PASSCRED on)
     passcred: bool = False                    # the socket's own SO_PASSCRED (its reader sees them)
+    item_creds: tuple[tuple[int, int, int] | None, ...] = ()   # with passcred: per message (a
+                                              # stream: per segment, which ends where they change)
+                                              # the (pid, uid, gid) its reader gets, None: none
 
     @property
     def nbytes(self) -> int:
@@ -492,6 +495,7 @@ class _Walk:
     keep: bool = False                      # keep the passed fds (else closed at once) ...
     passed: list[tuple[int, ...]] = field(default_factory=list)    # ... per message
     creds: list[tuple[int, int, int]] = field(default_factory=list)   # SCM_CREDENTIALS seen (pid != 0)
+    item_creds: list[tuple[int, int, int] | None] = field(default_factory=list)   # per message
 
 
 def _close_all(fds) -> None:
@@ -576,6 +580,7 @@ def _peek_stream(s: socket.socket, walk: _Walk) -> None:
         return
     s.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, 0)
     data = bytearray()                  # of the segment being read
+    creds = None                        # ... and the credentials its bytes came with
     seen = 0
     buf = bytearray(min(total, _STREAM_CHUNK))
     while seen < total:
@@ -583,6 +588,15 @@ def _peek_stream(s: socket.socket, walk: _Walk) -> None:
         got = _peek_once(s, view, walk, 0)
         if got is None or got[0] == 0:
             break
+        now = _sender(got[1])
+        if data and now != creds:
+            # A reader with SO_PASSCRED never gets two senders' bytes in one read (so
+            # neither does a peek): a segment ends where the credentials change.
+            walk.messages.append(bytes(data))
+            walk.passed.append(())
+            walk.item_creds.append(creds)
+            data = bytearray()
+        creds = now
         data += view[: got[0]]
         seen += got[0]
         if got[3] and walk.keep:
@@ -592,6 +606,7 @@ def _peek_stream(s: socket.socket, walk: _Walk) -> None:
             # join its segment.
             walk.messages.append(bytes(data))
             walk.passed.append(got[3])
+            walk.item_creds.append(creds)
             data = bytearray()
     if seen != total:
         raise SockDiagError("peek of a stream socket",
@@ -600,6 +615,12 @@ def _peek_stream(s: socket.socket, walk: _Walk) -> None:
     if data or not walk.messages:
         walk.messages.append(bytes(data))
         walk.passed.append(())
+        walk.item_creds.append(creds)
+
+
+def _sender(creds: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+    """SCM_CREDENTIALS as a queued message's sender: None when it had none (pid 0)."""
+    return creds if creds is not None and creds[0] else None
 
 
 def _peek_datagram(s: socket.socket, stype: int, walk: _Walk) -> bool:
@@ -622,6 +643,7 @@ def _peek_datagram(s: socket.socket, stype: int, walk: _Walk) -> bool:
             walk.messages.append(bytes(buf[:nbytes]))
             walk.senders.append(_address(addr))
             walk.passed.append(passed)
+            walk.item_creds.append(_sender(creds))
             return True
         if walk.keep:
             _close_all(passed)          # the repeated peek passes them again
@@ -648,6 +670,7 @@ def _peek_datagrams(s: socket.socket, stype: int, walk: _Walk) -> None:
         walk.messages.append(b"")
         walk.senders.append(head.senders[0])
         walk.passed.append(head.passed[0])
+        walk.item_creds.append(head.item_creds[0])
         walk.creds += head.creds
         walk.fds += head.fds
     elif walk.keep:
@@ -736,7 +759,8 @@ def snapshot_queue(sock: socket.socket | int, keep_fds: bool = False) -> QueueSn
                              fds=walk.fds, oob=oob, peek_off=peek_off,
                              pending_error=walk.pending_error,
                              passed=tuple(walk.passed) if keep_fds else (),
-                             creds=tuple(walk.creds), passcred=passcred)
+                             creds=tuple(walk.creds), passcred=passcred,
+                             item_creds=tuple(walk.item_creds) if passcred else ())
 
 
 def peek_queue(sock: socket.socket | int) -> list[bytes]:
@@ -807,14 +831,16 @@ def _full_error(done: int, total: int, stype: int, err: OSError) -> SocketQueueE
                             f"({err.strerror}){hint}", err.errno)
 
 
-def _send_stream(s: socket.socket, data: bytes) -> None:
-    """Queue a byte stream, growing SO_SNDBUF when it fills."""
+def _send_stream(s: socket.socket, data: bytes, anc: list = ()) -> None:
+    """Queue a byte stream (every part with ancillary data `anc`: credentials), growing
+    SO_SNDBUF when it fills."""
     view = memoryview(data)
     done = 0
     stuck = 0
     while done < len(data):
         try:
-            done += s.send(view[done: done + _STREAM_CHUNK], _SEND)
+            part = view[done: done + _STREAM_CHUNK]
+            done += s.sendmsg([part], anc, _SEND) if anc else s.send(part, _SEND)
             stuck = 0
         except BlockingIOError as err:
             stuck += 1
@@ -827,20 +853,33 @@ def _rights(fds: Sequence[int]) -> list:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
 
 
+def _credentials(creds: tuple[int, int, int] | None) -> list:
+    """The ancillary data giving a message its sender's (pid, uid, gid) (SCM_CREDENTIALS:
+    another pid than the sender's own needs CAP_SYS_ADMIN, and the pid must be alive)."""
+    return [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, _UCRED.pack(*creds))] if creds else []
+
+
+def _item(seq: Sequence, i: int):
+    return seq[i] if i < len(seq) else None
+
+
 def _send_messages(s: socket.socket, stype: int, messages: Sequence[bytes],
-                   fds: Sequence[Sequence[int]] = (), address=None) -> None:
-    """Queue datagrams one send each (with the fds in flight beside each, and to `address`
-    when given), growing SO_SNDBUF on EAGAIN / EMSGSIZE.  A stream's segments go the same
-    way, a short send finished without the fds (they went with its first part)."""
+                   fds: Sequence[Sequence[int]] = (), address=None,
+                   creds: Sequence[tuple[int, int, int] | None] = ()) -> None:
+    """Queue datagrams one send each (with the fds in flight and the credentials beside
+    each, and to `address` when given), growing SO_SNDBUF on EAGAIN / EMSGSIZE.  A stream's
+    segments go the same way, a short send finished without the fds (they went with its
+    first part) but with the same credentials."""
     i = 0
     stuck = 0
     while i < len(messages):
         try:
-            anc = _rights(fds[i] if i < len(fds) else ())
+            who = _credentials(_item(creds, i))
+            anc = _rights(_item(fds, i) or ()) + who
             args = (_SEND, address) if address is not None else (_SEND,)
             sent = s.sendmsg([messages[i]], anc, *args) if anc or address is not None else s.send(messages[i], _SEND)
             if stype == socket.SOCK_STREAM and sent < len(messages[i]):
-                _send_stream(s, messages[i][sent:])
+                _send_stream(s, messages[i][sent:], who)
             i += 1
             stuck = 0
         except OSError as err:
@@ -854,7 +893,8 @@ def _send_messages(s: socket.socket, stype: int, messages: Sequence[bytes],
 
 @_wrap_oserror("refill of a socket queue")
 def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
-               type: int | None = None, fds: Sequence[Sequence[int]] = (), address=None) -> None:
+               type: int | None = None, fds: Sequence[Sequence[int]] = (), address=None,
+               creds: Sequence[tuple[int, int, int] | None] = ()) -> None:
     """Send `messages` on a connected AF_UNIX socket so that they wait, with the
     same boundaries, in its PEER's receive queue (restore side).
 
@@ -868,7 +908,8 @@ def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
 
     `fds`, parallel to `messages`: the fds to pass with each (SCM_RIGHTS; a stream
     then sends its items one by one, so that each ends where its fds ride).  `address`:
-    send every message there (an unconnected datagram socket).
+    send every message there (an unconnected datagram socket).  `creds`, parallel to
+    `messages`: the (pid, uid, gid) each is sent with (SCM_CREDENTIALS), None: ptckpt's.
     """
     with _borrowed(sock) as s:
         stype = _getint(s, socket.SO_TYPE)
@@ -876,9 +917,9 @@ def send_queue(sock: socket.socket | int, messages: Sequence[bytes],
             raise ValueError(f"socket type is {stype}, not {type}")
         original = _getint(s, socket.SO_SNDBUF)
         try:
-            if stype == socket.SOCK_STREAM and not any(fds):
+            if stype == socket.SOCK_STREAM and not any(fds) and not any(creds):
                 _send_stream(s, b"".join(messages))
             else:
-                _send_messages(s, stype, messages, fds, address)
+                _send_messages(s, stype, messages, fds, address, creds)
         finally:
             _restore_sndbuf(s, original)

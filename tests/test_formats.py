@@ -360,7 +360,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0800" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0900" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(
@@ -383,6 +383,17 @@ def test_golden_bytes():
     old = parse_record(EntryKind.TASK, build_record(task)[:-23], version=1)
     assert (old.pdeath_signal, old.child_subreaper) == (0, False)
     assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
+
+
+def test_unix_socket_queue_credentials_since_format_9():
+    sock = UnixSocket(ino=9, type=2, state=1, name=b"", peer=8, peer_name=b"", backlog=0, shutdown=0,
+                      queue=(b"a", b"b"), queue_creds=((5, 0, 0), (6, 4321, 4322)))
+    raw = build_record(sock)
+    assert raw.endswith(bytes.fromhex("02" "050000000000000000000000000000000000000000000000"
+                                      "0600000000000000e110000000000000e210000000000000"))
+    assert parse_record(EntryKind.UNIX_SOCKET, raw) == sock
+    old = parse_record(EntryKind.UNIX_SOCKET, raw[:-49], version=8)        # a format-8 image
+    assert old == dataclasses.replace(sock, queue_creds=())
 
 
 def test_inventory_pid_namespace_fields_since_format_5():

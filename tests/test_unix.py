@@ -13,7 +13,7 @@ import pytest
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
-from conftest import wait_pid_free
+from conftest import descendants, wait_pid_free
 from test_restore import _one_line, _restore
 
 
@@ -134,12 +134,43 @@ def test_an_fd_in_flight_of_a_kind_not_passed_again_is_refused(spawn, ptckpt, tm
     assert _after(t, 1) == ["EVENTFD 7"]
 
 
-def test_queued_credentials_its_reader_would_see_are_refused(spawn, ptckpt, tmp_path):
-    """A message queued for a reader with SO_PASSCRED carries its sender's pid, uid and
-    gid, which a restore cannot queue again: refused by name, and the program then reads
-    the message with its own credentials, as if no dump had been tried."""
-    t = spawn("unixkinds.py", "scm-creds")
+def _creds_lines(child: str = "child") -> list[str]:
+    me, other = f"{os.getuid()} {os.getgid()}", "4321 4321" if os.getuid() == 0 else f"{os.getuid()} {os.getgid()}"
+    return [f"CREDS self1 me {me}", f"CREDS child {child} {other}", f"CREDS self2 me {me}"]
+
+
+@pytest.mark.parametrize("stype,pidns", [("stream", False), ("seqpacket", False), ("dgram", False),
+                                         ("stream", True)])
+def test_queued_credentials_come_back_with_each_message(spawn, ptckpt, tmp_path, stype, pidns):
+    """Messages queued for a reader with SO_PASSCRED carry their senders' pid, uid and gid:
+    the process's own, then a child's (another uid and gid), then its own again.  After the
+    round trip each read gets one sender's message with that sender's credentials (a
+    stream's reads stop where they change), the pids as the tree sees them (with --pidns
+    too, where the restored processes have other pids outside)."""
+    t = spawn("unixkinds.py", "scm-creds", stype)
+    (child,) = descendants(t.pid)
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    wait_pid_free(child)
+    with ImageReader(tmp_path / "img") as image:
+        creds = [u.queue_creds for u in image.unix_sockets if u.queue_creds]
+    assert [[c[0] for c in q] for q in creds] == [[t.pid, child, t.pid]]
+    outer = _restore(ptckpt, tmp_path / "img", *(["--pidns"] if pidns else []))
+    if not pidns:
+        assert _after(t, 3) == _creds_lines()
+        return
+    assert outer != t.pid
+    t.adopt(outer)                   # its exit status goes to the namespace's init: not seen here
+    t.signal(signal.SIGUSR1)
+    t.wait_exit(10)
+    assert t.out_lines()[-3:] == _creds_lines()
+
+
+def test_queued_credentials_of_a_sender_gone_are_refused(spawn, ptckpt, tmp_path):
+    """A message whose sender has exited carries a pid no restore can give it again (the
+    kernel takes only a live one): refused by name, and the program then reads its
+    messages with their credentials, as if no dump had been tried."""
+    t = spawn("unixkinds.py", "scm-creds", "dgram", "gone")
     res = _dump(ptckpt, t, tmp_path / "img", "--kill")
-    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "SCM_CREDENTIALS",
-              f"pid {t.pid}", "SO_PASSCRED")
-    assert _after(t, 1) == [f"CREDS b'who' True {os.getuid()} {os.getgid()}"]
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "credentials of pid",
+              "not a process of the tree", "SO_PASSCRED")
+    assert _after(t, 3) == _creds_lines()

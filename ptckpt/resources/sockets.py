@@ -42,7 +42,9 @@ reader then gets the fds with its first read of those bytes).
 Socket options (SO_PASSCRED, SO_PASSSEC, buffer sizes ...: :mod:`.sockopts`) are set
 again once the connections are made and the queues refilled.  Queued messages that
 carry their sender's credentials (SCM_CREDENTIALS) for a reader with SO_PASSCRED on
-are refused: a restore would queue them with ptckpt's, or none.
+keep them (UnixSocket.queue_creds, pids as the tree sees them): the kernel takes
+only a live pid in SCM_CREDENTIALS, so those queues are filled once the tree's
+processes exist (:class:`QueuedCredentials`); a sender outside the tree is refused.
 
 Not kept: the sender address of each queued datagram; the credentials of messages
 queued for a reader without SO_PASSCRED (it would see them if it turned it on).
@@ -188,7 +190,7 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
         if d is None:
             raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}): a unix socket sock_diag does not list")
         peer = diag.get(d.peer)
-        queue, passed = _queue(pid, f, flight)
+        queue, passed, creds = _queue(pid, f, flight, members)
         out.append(UnixSocket(
             ino=ino, type=d.type, state=d.state, name=d.name or b"",
             peer=d.peer if d.peer in holders else embryo_of.get(ino, 0),
@@ -199,6 +201,7 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
             listener=names.get(d.name, 0) if d.name and not d.listening and d.peer else 0,
             options=_options(pid, f),
             queue_fds=tuple(tuple(desc_of[n] for n in p) for p in passed) if any(passed) else (),
+            queue_creds=() if d.listening else creds,
             **_socket_file(pid, d),
         ))
     return out
@@ -316,44 +319,132 @@ def _options(pid: int, f: Fd) -> tuple:
         return sockopts.read_options(sock)
 
 
-def _queue(pid: int, f: Fd, flight: InFlight) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
-    """The receive queue of a socket, and the fds in flight with each item: from the peek
-    of peek_queues_frozen, else peeked now (refused if fds ride in it)."""
+def _queue(pid: int, f: Fd, flight: InFlight, members: set[int]) -> tuple[tuple[bytes, ...], tuple, tuple]:
+    """The receive queue of a socket, the fds in flight with each item, and the senders'
+    credentials its reader gets with each: from the peek of peek_queues_frozen, else
+    peeked now (refused if fds ride in it)."""
     snap = flight.queues.get(f.ino)
     if snap is None:
         copy = pidfd_getfd(pid, f.fd)
         try:
-            return tuple(sockdiag.peek_queue(copy)), ()
+            return tuple(sockdiag.peek_queue(copy)), (), ()
         finally:
             os.close(copy)
     if snap.oob is not None:
         raise sockdiag.SocketQueueError("peek of a socket receive queue",
                                         "an out-of-band (MSG_OOB) byte is pending; not supported")
-    _refuse_credentials(pid, f, snap)
-    return snap.messages, snap.passed
+    return snap.messages, snap.passed, _credentials(pid, f, snap, members)
+
+
+def _credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot, members: set[int]) -> tuple:
+    """The (pid, uid, gid) the reader of a socket with SO_PASSCRED on gets with each queued
+    message, () when it gets none.  A restore sends them again with the message, which the
+    kernel allows only for a live pid: a sender outside the tree (gone since, most likely)
+    is refused by name."""
+    if not snap.passcred or not any(snap.item_creds):
+        return ()
+    for n, creds in enumerate(snap.item_creds):
+        if creds is None and snap.messages[n]:
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) has a queued message "
+                                           f"without its sender's credentials (sent before SO_PASSCRED "
+                                           f"was on), which a restore cannot queue again; let it read "
+                                           f"its queue first")
+        if creds is not None and creds[0] not in members:
+            cpid, uid, gid = creds
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) has queued messages "
+                                           f"carrying the credentials of pid {cpid} (uid {uid} gid {gid}), "
+                                           f"not a process of the tree: a restore can queue them again "
+                                           f"only with a live sender's pid; dump the sender's tree too, "
+                                           f"or let it read its queue first")
+    return tuple(c or (0, 0, 0) for c in snap.item_creds)
 
 
 def _refuse_credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot) -> None:
-    """Queued messages whose sender's credentials their reader gets (SO_PASSCRED on):
-    a restore would queue them with ptckpt's, or none, so they are refused."""
+    """Messages waiting in a connection not yet accepted whose sender's credentials their
+    reader gets (SO_PASSCRED on): the accept queue is filled before the tree's processes
+    exist, so they are refused."""
     if snap.passcred and snap.creds:
         cpid, uid, gid = snap.creds[0]
-        raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with {len(snap.creds)} "
-                                       f"queued messages carrying their sender's credentials "
-                                       f"(SCM_CREDENTIALS pid {cpid} uid {uid} gid {gid}), which a "
-                                       f"restore cannot queue again; let it read them first")
+        raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) has a connection not yet "
+                                       f"accepted with {len(snap.creds)} queued messages carrying their "
+                                       f"sender's credentials (SCM_CREDENTIALS pid {cpid} uid {uid} "
+                                       f"gid {gid}), which a restore cannot queue again; let it accept "
+                                       f"and read them first")
 
 
 # --- restore half --------------------------------------------------------------
 
+class QueuedCredentials:
+    """Receive queues whose messages carry their senders' credentials (SCM_CREDENTIALS, for
+    a reader with SO_PASSCRED on).  The kernel takes only a live pid there, so they are
+    filled once the tree's processes exist (:meth:`fill`, given the pids they got), and
+    their sockets and the senders' are shut down and given their options only then.  It
+    holds its own copies of those sockets and of the fds the messages pass."""
+
+    def __init__(self) -> None:
+        self.queues: list[tuple[UnixSocket, socket.socket, list[list[int]]]] = []
+        self.ends: dict[int, tuple[UnixSocket, socket.socket]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.queues)
+
+    def add(self, r: UnixSocket, sender: socket.socket, fds: list[list[int]]) -> None:
+        self.queues.append((r, _copy(sender), [[os.dup(n) for n in item] for item in fds]))
+
+    def end(self, r: UnixSocket, s: socket.socket) -> None:
+        """r's shutdown and options wait until its queue (or its peer's) is filled."""
+        self.ends[r.ino] = (r, _copy(s))
+
+    def fill(self, real: Mapping[int, int]) -> None:
+        """Send every queue with its credentials, the tree's pids as `real` ({image pid:
+        pid now}) gives them; then the shutdowns and options."""
+        try:
+            for r, sender, fds in self.queues:
+                creds = [None if not c[0] else (_sender_pid(r, c[0], real), c[1], c[2]) for c in r.queue_creds]
+                _call(f"refill the queue of socket:[{r.ino}] with its senders' credentials",
+                      sockdiag.send_queue, sender, list(r.queue), r.type, fds, None, creds)
+            for r, s in self.ends.values():
+                _shutdown(s, r.shutdown)
+                _call("set its options", sockopts.apply_options, s, r.options)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for _r, s, fds in self.queues:
+            s.close()
+            for n in (n for item in fds for n in item):
+                os.close(n)
+        for _r, s in self.ends.values():
+            s.close()
+        self.queues, self.ends = [], {}
+
+
+def _copy(s: socket.socket) -> socket.socket:
+    return socket.socket(fileno=os.dup(s.fileno()))
+
+
+def _sender_pid(r: UnixSocket, pid: int, real: Mapping[int, int]) -> int:
+    if pid not in real:
+        raise RestoreFailed(f"unix socket: socket:[{r.ino}] has messages from pid {pid}, which the "
+                            f"restore did not make")
+    return real[pid]
+
+
 def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
                         cwd_of: Mapping[int, str] | None = None,
-                        passing: Mapping[int, int] | None = None) -> dict[int, int]:
+                        passing: Mapping[int, int] | None = None,
+                        later: QueuedCredentials | None = None) -> dict[int, int]:
     """Make the image's unix sockets in ptckpt: {desc: fd}, one fd per description in `descs`
     (their Fd.ino names the socket).  `cwd_of` maps a socket inode to the directory a
     relative name was bound in.  `passing` has ptckpt's fd of every other description
-    ({desc: fd}) a queue may carry in flight.  The caller owns the fds."""
+    ({desc: fd}) a queue may carry in flight.  Queues with their senders' credentials go
+    to `later`, to be filled when the tree exists.  The caller owns the fds."""
     by_ino = {r.ino: r for r in records}
+    credited = {r.ino for r in records if r.queue_creds and any(c[0] for c in r.queue_creds)}
+    if credited and later is None:
+        raise RestoreFailed(f"unix socket: socket:[{min(credited)}] has messages with their "
+                            f"senders' credentials, and nothing to fill its queue once they exist")
+    waits: set[int] = set()                          # sockets whose shutdown and options wait
     cwd_of = cwd_of or {}
     made: dict[int, socket.socket] = {}
     temps: list[socket.socket] = []
@@ -399,9 +490,17 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
             if r.ino not in refilled and r.queue:
                 peer = by_ino.get(r.peer)
                 mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
-                _refill(r, senders.get(r.ino) or (made[r.peer] if mutual else None), fd_of, names)
+                sender = senders.get(r.ino) or (made[r.peer] if mutual else None)
+                if r.ino in credited:
+                    later.add(r, _credited_sender(r, sender, names, temps), [[fd_of(d) for d in item]
+                                                                      for item in r.queue_fds])
+                    waits |= {r.ino, r.peer if mutual else 0}
+                else:
+                    _refill(r, sender, fd_of, names)
         for r in records:
-            if r.ino in made:
+            if r.ino in made and r.ino in waits:
+                later.end(r, made[r.ino])
+            elif r.ino in made:
                 _shutdown(made[r.ino], r.shutdown)
                 _call("set its options", sockopts.apply_options, made[r.ino], r.options)
         out: dict[int, int] = {}
@@ -577,6 +676,22 @@ def _refill(r: UnixSocket, sender: socket.socket | None, fd_of, names: "_Names")
         raise RestoreFailed(f"socket:[{r.ino}] has {len(r.queue)} queued messages and no end to "
                             f"send them from")
     sockdiag.send_queue(sender, list(r.queue), r.type, fds)
+
+
+def _credited_sender(r: UnixSocket, sender: socket.socket | None, names: "_Names",
+                     temps: list) -> socket.socket:
+    """What sends r's queue with credentials later: its peer (or a stand-in), or for a
+    datagram socket without one, a socket connected to its name now (which may be a
+    deleted one, gone again by then)."""
+    if sender is not None:
+        return sender
+    if r.type != socket.SOCK_DGRAM or not r.name:
+        raise RestoreFailed(f"socket:[{r.ino}] has {len(r.queue)} queued messages and no end to "
+                            f"send them from")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    temps.append(s)
+    names.connect(s, r.name, r.ino, "(to queue its messages again)")
+    return s
 
 
 def _shutdown(s: socket.socket, how: int) -> None:
