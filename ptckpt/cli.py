@@ -397,11 +397,33 @@ def check(
         raise typer.Exit(code=ExitCode.MISSING_FEATURE)
 
 
+try:                                # typer 0.26 carries its own click (pyproject pins it)
+    from typer._click.exceptions import Abort as _Abort, ClickException as _ClickException
+except ImportError:                 # pragma: no cover - a typer on the system click
+    from click.exceptions import Abort as _Abort, ClickException as _ClickException
+
+
+def _usage_error(err: _ClickException) -> None:
+    """Bad usage (an unknown option, a pid that is no number ...): one line and exit 2."""
+    ctx = getattr(err, "ctx", None)
+    where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    if err.format_message():        # none: the help was shown instead (no arguments at all)
+        typer.echo(f"ptckpt: error: {one_line(err.format_message())}{where}", err=True)
+    sys.exit(ExitCode.USAGE if err.exit_code == 2 else err.exit_code)
+
+
 def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
     from .entry import Interrupted
     try:
-        app()
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:     # typer.Exit(code=...) of a command
+            sys.exit(code)
+    except _ClickException as err:
+        _usage_error(err)
+    except _Abort:                  # ^C seen by the parser (it turns KeyboardInterrupt into this)
+        typer.echo("ptckpt: interrupted", err=True)
+        sys.exit(130)
     except PtckptError as err:      # pragma: no cover - commands catch their own
         typer.echo(f"ptckpt: error: {one_line(str(err))}", err=True)
         sys.exit(err.exit_code)
