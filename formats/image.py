@@ -43,7 +43,7 @@ from ptckpt.errors import (
     NotAnImage,
     UnsupportedVersion,
 )
-from ptckpt.formats import validate
+from ptckpt.formats import pagesums, validate
 from ptckpt.formats.model import (
     AioRing,
     FD_STATE_TYPES,
@@ -60,6 +60,7 @@ from ptckpt.formats.model import (
     MsgImage,
     NetlinkSocket,
     PageRun,
+    PageSums,
     PendingSignal,
     PosixTimer,
     PipeBuffer,
@@ -94,6 +95,7 @@ from ptckpt.formats.records import (
     build_file,
     build_header,
     decode_entries,
+    encode_entry,
     encode_page_runs,
     parse_header,
 )
@@ -108,6 +110,7 @@ DEFAULT_BUFFER_SIZE = 4 << 20
 DEFAULT_NBUFFERS = 4
 MAX_BUFFER_SIZE = 64 << 20
 _CHUNK = 4 << 20                     # unit of work of the checksum and write threads
+PAGE_SUMS_SINCE = 10                 # format that hashes the page data by block
 _READ_BLOCK = 16 << 20               # block of the reader's checksum pass (O_DIRECT: big requests)
 
 
@@ -470,6 +473,7 @@ class PagesWriter:
         self._checked_out: set[int] = set()        # id() of views handed to the caller
         self._length = 0                           # data bytes submitted so far
         self._crc = 0
+        self._sums = pagesums.BlockHasher()        # fed by the checksum thread
         self._runs: list[tuple[int, int, int]] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -556,7 +560,8 @@ class PagesWriter:
                 _pwrite_all(self._fd, header.ljust(PAGES_DATA_OFFSET, b"\0"), 0)
                 if self._image.durable:
                     os.fsync(self._fd)
-            self._image._write_file(pagemap_name(self.pid), build_file_from_runs(self._runs))
+            self._image._write_file(pagemap_name(self.pid), build_file_from_runs(
+                self._runs, PageSums(self._sums.block, self._sums.sums())))
         finally:
             self._release()
             self._image._open_pages.pop(self.pid, None)
@@ -606,6 +611,7 @@ class PagesWriter:
             try:
                 if self._error is None:
                     crc = zlib.crc32(view, crc)
+                    self._sums.update(view)
             except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
                 self._error = self._error or err
             finally:
@@ -670,9 +676,10 @@ class PagesWriter:
         self._image._open_pages.pop(self.pid, None)
 
 
-def build_file_from_runs(runs) -> bytes:
-    """A whole PAGEMAP file from (vaddr, npages, offset) runs (fast path of build_file)."""
-    payload = encode_page_runs(runs)
+def build_file_from_runs(runs, sums: PageSums | None = None) -> bytes:
+    """A whole PAGEMAP file from (vaddr, npages, offset) runs (fast path of build_file),
+    and the page data's block sums."""
+    payload = encode_page_runs(runs) + (encode_entry(sums) if sums is not None else b"")
     return build_header(FileKind.PAGEMAP, len(payload), zlib.crc32(payload)) + payload
 
 
@@ -720,6 +727,7 @@ class ImageReader:
         self._unknown: dict[int, tuple[RawEntry, ...]] = {}
         self._runs: dict[int, list[PageRun]] = {}
         self._pages: dict[int, tuple[int, FileHeader]] = {}     # pid -> (fd, header)
+        self._sums: dict[int, PageSums] = {}                    # pid -> block sums (format 10)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -785,6 +793,19 @@ class ImageReader:
         fd, header = self._pages[pid]
         return self._pages_crc(fd, header.payload_length) == header.crc32
 
+    def page_check(self) -> pagesums.PageCheck:
+        """Check every process's page data in a thread, started now: by block where the
+        image has block sums, else its crc32.  Its wait() raises CorruptImage naming the
+        file (and the offset)."""
+        return pagesums.PageCheck([self._pages_to_check(pid, os.dup(self._pages[pid][0]))
+                                   for pid in self.inventory.pids])
+
+    def _pages_to_check(self, pid: int, fd: int) -> pagesums.PagesToCheck:
+        header = self._pages[pid][1]
+        sums = self._sums.get(pid)
+        return pagesums.PagesToCheck(self._file(pages_name(pid)), fd, PAGES_DATA_OFFSET, header.payload_length,
+                                     sums.block_size if sums else 0, sums.sums if sums else b"", header.crc32)
+
     # --- validation --------------------------------------------------------------
 
     def _file(self, name: str) -> str:
@@ -844,6 +865,7 @@ class ImageReader:
         name = pagemap_name(pid)
         _header, entries = self._read_entries(name, FileKind.PAGEMAP)
         self._runs[pid] = [e for e in entries if isinstance(e, PageRun)]
+        sums = [e for e in entries if isinstance(e, PageSums)]
 
         name = pages_name(pid)
         fd, header = self._open_file(name, FileKind.PAGES)
@@ -855,8 +877,22 @@ class ImageReader:
                                    f"page run vaddr={run.vaddr:#x} npages={run.npages} offset={run.offset} "
                                    f"does not fit {name} ({header.payload_length} data bytes)")
         validate.refuse(self._file, validate.check_page_runs, pagemap_name(pid), self._runs[pid], spans)
-        if self.verify_pages and self._pages_crc(fd, header.payload_length) != header.crc32:
-            raise CorruptImage(self._file(name), "checksum mismatch in page data")
+        if sums or self.version >= PAGE_SUMS_SINCE:
+            self._sums[pid] = self._check_sums(pid, sums, header.payload_length)
+        if self.verify_pages:
+            pagesums.verify(self._pages_to_check(pid, fd))
+
+    def _check_sums(self, pid: int, sums: list[PageSums], length: int) -> PageSums:
+        path = self._file(pagemap_name(pid))
+        if self.version < PAGE_SUMS_SINCE or len(sums) != 1:
+            raise CorruptImage(path, f"{len(sums)} PAGE_SUMS entries in a format {self.version} image "
+                                     f"(one from format {PAGE_SUMS_SINCE} on)")
+        s = sums[0]
+        if s.block_size <= 0 or s.block_size % PAGE_SIZE or s.block_size > pagesums.MAX_BLOCK or \
+                len(s.sums) != 8 * pagesums.block_count(length, s.block_size):
+            raise CorruptImage(path, f"PAGE_SUMS of {len(s.sums)} bytes for blocks of {s.block_size} bytes "
+                                     f"does not match {length} bytes of page data")
+        return s
 
     def _assemble(self, name: str, pid: int, entries) -> tuple[ProcessImage, tuple[RawEntry, ...]]:
         single: dict[type, object] = {}

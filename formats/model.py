@@ -218,6 +218,15 @@ class PageRun:
 
 
 @dataclass(frozen=True)
+class PageSums:
+    """The xxh3-64 of every `block_size` bytes of pages-PID.img's data, the last block maybe
+    shorter: 8 bytes each, little-endian, in file order (format 10; formats/pagesums.py)."""
+
+    block_size: int
+    sums: bytes
+
+
+@dataclass(frozen=True)
 class Thread:
     tid: int
     regs: tuple[int, ...]     # GP_REG_NAMES order, exactly as PTRACE_GETREGS gave

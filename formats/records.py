@@ -26,7 +26,7 @@ Grammar (every integer little-endian)::
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
-    PAGEMAP file   := PAGE_RUN*
+    PAGEMAP file   := PAGE_RUN* PAGE_SUMS          (PAGE_SUMS from format 10)
     PAGES file     := (no entries: the payload is the page data)
 
 Evolution rules:
@@ -117,6 +117,7 @@ from ptckpt.formats.model import (
     Mm,
     MsgImage,
     PageRun,
+    PageSums,
     PendingSignal,
     PosixTimer,
     Pty,
@@ -137,7 +138,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 9                 # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 10                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -146,6 +147,7 @@ FORMAT_VERSION = 9                 # 2: trees (desc, zombies, pipes, unix socket
                                    # 8: kernel-state breadth (caps, prctl, VMA flags, deleted
                                    #    paths, in-flight fds, notification fds, terminals)
                                    # 9: senders' credentials queued in unix sockets
+                                   # 10: page data hashed by block (PAGE_SUMS in the pagemap)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -200,6 +202,7 @@ class EntryKind(enum.IntEnum):
     FD = 18
     FILE_LOCK = 19
     PAGE_RUN = 20
+    PAGE_SUMS = 23
     POSIX_TIMER = 21
     ITIMER = 22
     FD_OWNER = 26
@@ -674,6 +677,14 @@ PageRunRecord = Record(PageRun, Struct(
     "offset" / Int64ul,
 ))
 
+# --- PAGE_SUMS ---------------------------------------------------------------
+# xxh3-64 (https://xxhash.com) of each block of the page data, u64 little-endian each,
+# packed in one blob: checked by block as a restore reads the pages (formats/pagesums.py).
+PageSumsRecord = Record(PageSums, Struct(
+    "block_size" / Int32ul,
+    "sums" / Blob,
+))
+
 
 # --- SYSV_SHM, SYSV_SEM, SYSV_MSG -------------------------------------------------
 # svipc(7); shmctl(2)/semctl(2)/msgctl(2) IPC_STAT (struct ipc64_perm, shmid64_ds,
@@ -1007,6 +1018,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.FD: FdRecord,
     EntryKind.FILE_LOCK: HeldLockRecord,
     EntryKind.PAGE_RUN: PageRunRecord,
+    EntryKind.PAGE_SUMS: PageSumsRecord,
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
     EntryKind.FD_OWNER: FdOwnerRecord,
@@ -1031,7 +1043,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
         EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
         EntryKind.ITIMER, EntryKind.FD_OWNER, EntryKind.AIO_RING,
     }),
-    FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN}),
+    FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN, EntryKind.PAGE_SUMS}),
     FileKind.PAGES: frozenset(),
 }
 
@@ -1057,7 +1069,7 @@ _PAGE_RUN = struct.Struct("<QQQ")
 _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
-                  PendingSignal, Fd, PageRun, Zombie, PipeBuffer, UnixSocket, ShmImage,
+                  PendingSignal, Fd, PageRun, PageSums, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
                   Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from . import appblock, breakpoints, entry, procfs, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
-from .errors import Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
+from .errors import CorruptImage, Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
@@ -191,7 +191,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
     log.info("collect %s", directory)
-    with ImageReader(directory) as image:
+    with ImageReader(directory, verify_pages=False) as image, _checking_pages(image) as page_check:
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
         if image.inventory.pid_level and not pidns:
@@ -295,6 +295,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     to_detach += tasks
                     testhooks.reached("restore-fixup")
                 result.pids = {p: created[p].tgid for p in members}
+                log.info("wait for the page check")
+                page_check.wait()                     # before any of them runs an instruction of its own
                 _settle_notifications(image.fd_states, handed)
                 if not new_pty:
                     # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
@@ -354,6 +356,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for task in created.values():
                     _reap_traced_threads(task.tgid)
                 stub.kill()
+                if isinstance(err, CorruptImage):     # the page check: said as such, exit code too
+                    raise CorruptImage(err.path, f"{err.reason}; the half-restored processes were killed "
+                                                 f"before they ran") from err
                 if isinstance(err, PtckptError) and process.oom_kills() > oom_before:
                     failed = RestoreFailed(f"restore of {root} failed, the half-restored processes were "
                                            f"killed: {err} (the OOM killer ended a process meanwhile)")
@@ -380,6 +385,17 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 os.close(channel)
     result.seconds = time.monotonic() - started
     return result
+
+
+@contextlib.contextmanager
+def _checking_pages(image: ImageReader):
+    """The image's page data checked in a thread while the restore goes on (its verdict is
+    asked before the restored processes run); stopped when the restore ends otherwise."""
+    check = image.page_check()
+    try:
+        yield check
+    finally:
+        check.cancel()
 
 
 def _settle_notifications(states, handed: dict) -> None:

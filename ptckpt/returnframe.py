@@ -29,6 +29,8 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
+from . import cpuid
+
 SIGRETURN_CODES = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05",     # mov $15,%rax; syscall (glibc, musl)
                    b"\xb8\x0f\x00\x00\x00\x0f\x05")             # mov $15,%eax; syscall (Go)
 _SEARCH_LIMIT = 256 << 20            # bytes of executable mappings searched for one
@@ -149,11 +151,22 @@ def xsave_area(xstate: bytes) -> bytes | None:
     """The NT_X86_XSTATE regset as a signal frame's fpstate, or None when it is not in the
     XSAVE layout.  ptrace puts XCR0 in the first software-reserved bytes (464); a frame
     holds the fx_sw_bytes there that tell rt_sigreturn an XSAVE area follows (its magic,
-    features and size), and a second magic after the area."""
+    features and size), and a second magic after the area.
+
+    ptrace's area has room for AMX tile data where the CPU has it, but a thread that never
+    asked for tiles (ARCH_REQ_XCOMP_PERM) has a smaller signal frame, and rt_sigreturn
+    takes only the legacy FX part (no AVX upper halves) of an area bigger than that: so
+    the tile data is cut off where the thread holds none."""
     size = len(xstate)
     if size < _SW_BYTES + 48 + 64 or size % 64:
         return None
     (xcr0,) = struct.unpack_from("<Q", xstate, _SW_BYTES)
+    (in_use,) = struct.unpack_from("<Q", xstate, 512)           # XSTATE_BV
+    tiles = 1 << cpuid.XFEATURE_XTILEDATA
+    if xcr0 & tiles and not in_use & tiles:
+        cut = cpuid.xfeature_offset(cpuid.XFEATURE_XTILEDATA)
+        if 576 < cut < size and not cut % 64:
+            xstate, size, xcr0 = xstate[:cut], cut, xcr0 & ~tiles
     sw = struct.pack("<IIQI", FP_XSTATE_MAGIC1, size + 4, xcr0, size)
     return xstate[:_SW_BYTES] + sw + xstate[_SW_BYTES + len(sw):] + struct.pack("<I", FP_XSTATE_MAGIC2)
 

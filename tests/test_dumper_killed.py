@@ -119,3 +119,24 @@ def _tracing(tracer: int, pid: int) -> bool:
             return any(line.startswith("TracerPid:") and int(line.split()[1]) == tracer for line in f)
     except OSError:
         return False
+
+
+def test_the_way_home_leaves_out_tile_data_a_thread_does_not_hold(monkeypatch):
+    """On a CPU with AMX, ptrace's xsave area has room for tile data, but a thread that
+    never asked for tiles gets only the legacy FX part back from a signal frame that big
+    (its AVX registers would come back zero): the frame's area ends where tile data begins,
+    unless the thread holds tiles (XSTATE_BV bit 18)."""
+    import struct
+    from ptckpt import cpuid, returnframe
+    monkeypatch.setattr(cpuid, "xfeature_offset", lambda bit: {18: 2816}[bit])
+    xcr0 = 0b111 | 1 << 17 | 1 << 18
+    area = bytearray(2816 + 8192)
+    struct.pack_into("<Q", area, 464, xcr0)
+    struct.pack_into("<Q", area, 512, 0b111)                  # x87, SSE, AVX in use
+    frame = returnframe.xsave_area(bytes(area))
+    assert len(frame) == 2816 + 4
+    assert struct.unpack_from("<IIQI", frame, 464) == (returnframe.FP_XSTATE_MAGIC1, 2816 + 4, xcr0 & ~(1 << 18), 2816)
+    struct.pack_into("<Q", area, 512, 0b111 | 1 << 18)        # tiles held: the whole area
+    frame = returnframe.xsave_area(bytes(area))
+    assert len(frame) == len(area) + 4
+    assert struct.unpack_from("<IIQI", frame, 464)[2:] == (xcr0, len(area))

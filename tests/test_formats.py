@@ -70,6 +70,7 @@ from ptckpt.formats.model import (
     Sigaction,
     Task,
     Thread,
+    PageSums,
     UnixSocket,
     Vma,
     VmaKind,
@@ -179,7 +180,7 @@ def sample_records() -> list:
     proc = make_process()
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
             *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
-            *proc.owners, *proc.aio_rings, PageRun(0x7f0000000000, 4, 8192),
+            *proc.owners, *proc.aio_rings, PageRun(0x7f0000000000, 4, 8192), PageSums(1 << 20, bytes(range(16))),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -360,7 +361,9 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0900" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0a00" "2211000000000000" "efbeadde" "00000000")
+    assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
+        "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(

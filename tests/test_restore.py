@@ -384,6 +384,32 @@ def test_corrupt_image(counter_image, ptckpt):
     assert not pid_alive(target.pid)
 
 
+def test_corrupt_page_block_is_named_and_the_half_built_process_killed(spawn, ptckpt, tmp_path):
+    """The page data is checked block by block (1 MiB, xxh3) while the new process reads it
+    into its memory: a byte changed in the sixth block is named by its range in the file,
+    and the process that was being built is killed before it ran, so its pid is free."""
+    target = spawn("bigheap", 8)
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    pages = image / f"pages-{target.pid}.img"
+    block = 1 << 20
+    where = PAGE_SIZE + 5 * block + 12345
+    with open(pages, "r+b") as f:
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 0x01]))
+    res = ptckpt("-v", "restore", "-D", image)
+    assert res.returncode == ExitCode.CORRUPT_IMAGE, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    first = PAGE_SIZE + 5 * block
+    for w in (str(pages), f"bytes {first}-{first + block - 1}", "(block 5)", "killed before they ran"):
+        assert w in last, last
+    phases = [line for line in res.stderr.splitlines() if line.startswith("ptckpt: ")]
+    assert any("fix up" in line for line in phases), res.stderr      # checked beside the restore
+    assert not pid_alive(target.pid)
+
+
 def test_newer_format_version(counter_image, ptckpt):
     target, image = counter_image
     inv = image / "inventory.img"
@@ -410,10 +436,13 @@ def _rewrite_image(src: Path, dst: Path, change) -> None:
 
 
 def test_cpu_without_an_xstate_feature(counter_image, ptckpt, tmp_path):
+    from ptckpt.restore import Host
     target, image = counter_image
-    amx = (1 << 17) | (1 << 18)            # AMX tile state: not on these CPUs
+    # A feature this CPU lacks: AMX tiles (17, 18) on most, else APX (19), or bit 63.
+    xcr0 = Host.probe().xcr0
+    absent = next(1 << b for b in (17, 18, 19, 63) if not xcr0 & 1 << b)
     _rewrite_image(image, tmp_path / "amx", lambda p: dataclasses.replace(
-        p, threads=tuple(dataclasses.replace(t, xfeatures=t.xfeatures | amx) for t in p.threads)))
+        p, threads=tuple(dataclasses.replace(t, xfeatures=t.xfeatures | absent) for t in p.threads)))
     _one_line(ptckpt("restore", "-D", tmp_path / "amx"), ExitCode.INCOMPATIBLE, "xsave features")
     assert not pid_alive(target.pid)
 

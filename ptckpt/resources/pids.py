@@ -53,6 +53,11 @@ PTRACE_EVENT_EXEC = 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+# The same libc, called with the GIL held: a clone must not happen while another thread of
+# ptckpt (the page check of a restore) holds it, or the child, whose only thread is the
+# caller's copy, would wait for it forever when it runs Python again.
+_libc_gil = ctypes.PyDLL(None, use_errno=True)
+_libc_gil.syscall.restype = ctypes.c_long
 
 
 # --- dump: the tree's own view of its pids ---------------------------------------
@@ -248,7 +253,7 @@ def clone3_with_pid(pid: int) -> int:
     tid = ctypes.c_int32(pid)
     args = clone_args(ctypes.addressof(tid))
     buf = ctypes.create_string_buffer(args, len(args))
-    res = _libc.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
+    res = _libc_gil.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
                         ctypes.c_size_t(len(args)))
     if res < 0:
         err = ctypes.get_errno()
