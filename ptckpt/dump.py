@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .callable import make_callable
 from . import __version__, appblock, claims, entry, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
@@ -695,3 +696,6 @@ def _thread_comm(pid: int, tid: int) -> str:
         return procfs.read_comm(pid, tid=tid)
     except (NoSuchProcess, TargetVanished):
         return ""
+
+
+make_callable(__name__, "dump")        # ptckpt.dump(pid, directory, **options): ptckpt.api.dump

@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .callable import make_callable
 from . import appblock, breakpoints, entry, procfs, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
@@ -1111,3 +1112,6 @@ def wait_restored(result: RestoreResult) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+
+
+make_callable(__name__, "restore")     # ptckpt.restore(directory, **options): ptckpt.api.restore
