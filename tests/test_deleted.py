@@ -90,6 +90,31 @@ def test_deleted_file_opened_o_path(spawn, ptckpt, tmp_path):
     assert os.listdir(tmp_path).count("P") == 0
 
 
+@pytest.mark.proc_differs("fds", reason="its flags lose O_TMPFILE's bits (it is made again by name, then "
+                                       "unlinked, so that it keeps its name #INODE)")
+def test_a_file_made_with_o_tmpfile_comes_back_with_its_bytes_and_offset(spawn, ptckpt, tmp_path):
+    """An O_TMPFILE file never had a name ("DIR/#INODE (deleted)"; pytest's output capture
+    is one): it comes back with its bytes and offset, reopened as the file it is (its
+    O_TMPFILE flags hold O_DIRECTORY, which a reopen must not ask for)."""
+    where = tmp_path / "t"
+    where.mkdir()
+    target = spawn(str(idle_script(tmp_path, "tmpfile.py", "import os, time\n"
+                                   f"fd = os.open({str(where)!r}, os.O_TMPFILE | os.O_RDWR, 0o600)\n"
+                                   "os.write(fd, b'unnamed bytes')\n"
+                                   "os.lseek(fd, 3, os.SEEK_SET)\n")), out=False)
+    fd = next(n for n in os.listdir(f"/proc/{target.pid}/fd")
+              if os.readlink(f"/proc/{target.pid}/fd/{n}").startswith(f"{where}/#"))
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    link = os.readlink(f"/proc/{target.pid}/fd/{fd}")
+    assert link.startswith(str(where)) and link.endswith(" (deleted)"), link
+    with open(f"/proc/{target.pid}/fdinfo/{fd}") as f:
+        assert next(line for line in f if line.startswith("pos:")).split()[1] == "3"
+    with open(f"/proc/{target.pid}/fd/{fd}", "rb") as f:
+        assert f.read() == b"unnamed bytes"
+    assert os.listdir(where) == [], "nothing left behind"
+
+
 CHROOT = """import os, time
 os.chdir({where!r})
 os.chroot({where!r})

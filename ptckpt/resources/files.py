@@ -538,6 +538,8 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
 def open_description(f: Fd, path: str | None = None) -> int:
     """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset."""
     flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
+    if f.kind is FdKind.REGULAR:
+        flags &= ~os.O_TMPFILE        # made by O_TMPFILE (its O_DIRECTORY bit too): reopened as a file
     try:
         fd = os.open(path or f.path, flags)
     except OSError as err:
