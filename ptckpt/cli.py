@@ -344,6 +344,27 @@ def show(
 
 
 @app.command()
+def core(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
+    out: Annotated[str, typer.Option("-o", "--out", help="Directory for the core files (core.PID, one per process).")],
+) -> None:
+    """Write an ELF core file per process of an image, for gdb and other debuggers.
+
+    Each holds the process as it was at the checkpoint: its threads' registers, its memory
+    and the files it had mapped (NT_FILE), as a kernel core dump would.
+
+    Example: ptckpt core -D /tmp/ckpt -o /tmp/cores; gdb -batch -ex 'thread apply all bt' PROG /tmp/cores/core.PID
+    """
+    from .core import write_cores
+    try:
+        for r in write_cores(directory, out):
+            typer.echo(f"{r.path}: process {r.pid}, {r.threads} thread{'s' if r.threads != 1 else ''}, "
+                       f"{r.segments - 1} mappings")
+    except PtckptError as err:
+        raise _fail(err) from None
+
+
+@app.command()
 def diff(
     image_a: Annotated[str, typer.Argument(help="First image directory.")],
     image_b: Annotated[str, typer.Argument(help="Second image directory.")],

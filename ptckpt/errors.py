@@ -212,6 +212,17 @@ class ImageWriteError(ImageError):
         self.errno = err.errno
 
 
+class OutputError(PtckptError):
+    """A file ptckpt writes besides images (a core file ...) could not be written."""
+
+    exit_code = ExitCode.IO_ERROR
+
+    def __init__(self, path: str, err: OSError):
+        super().__init__(f"cannot write {path}: {err.strerror or err}")
+        self.path = path
+        self.errno = err.errno
+
+
 # --- resources and environment ---------------------------------------------
 
 class UnsupportedResource(PtckptError):

@@ -1,0 +1,249 @@
+"""ELF core files from an image (`ptckpt core`): one per process, as the kernel would have
+dumped it at the checkpoint, for gdb, eu-stack and other tools that read cores.
+
+Layout (the kernel's, fs/binfmt_elf.c): an ELF64 header, one PT_NOTE segment, then one
+PT_LOAD per mapping.  The notes: per thread NT_PRSTATUS (registers, pids, signals), the
+first thread followed by the process-wide NT_PRPSINFO, NT_AUXV and NT_FILE (the mapped
+files, so a debugger finds the shared libraries), and per thread NT_FPREGSET and
+NT_X86_XSTATE (owner "LINUX").  A mapping's bytes are the image's pages; what the image
+does not hold is read from the mapped file where it has one and is readable (text and
+read-only data, which a dump leaves out when unchanged), else left a hole (zeros, and no
+disk: the core file is sparse).  A mapping backed by a file with no page in the image
+gets no bytes at all (p_filesz 0), as the kernel's default coredump_filter does: a
+debugger reads those from the files NT_FILE names.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .errors import OutputError
+from .formats.image import ImageReader
+from .formats.model import PAGE_SIZE, ProcessImage, Vma, VmaKind
+
+EM_X86_64 = 62
+ET_CORE = 4
+PT_LOAD, PT_NOTE = 1, 4
+PF_X, PF_W, PF_R = 1, 2, 4
+NT_PRSTATUS, NT_FPREGSET, NT_PRPSINFO, NT_AUXV = 1, 2, 3, 6
+NT_FILE = 0x46494C45
+NT_X86_XSTATE = 0x202
+FXSAVE_SIZE = 512
+
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_PHDR = struct.Struct("<IIQQQQQQ")
+_NHDR = struct.Struct("<III")
+_PRSTATUS_HEAD = struct.Struct("<iiih2xQQiiii")       # siginfo, cursig, sigpend, sighold, pids
+_TIMEVALS = 4 * 16                                     # utime, stime, cutime, cstime
+_REGS = struct.Struct("<27Q")
+_PRPSINFO = struct.Struct("<cccc4xQII4i16s80s")
+
+
+@dataclass(frozen=True)
+class CoreResult:
+    path: str
+    pid: int
+    threads: int
+    segments: int
+    bytes: int
+
+
+def _note(name: bytes, kind: int, desc: bytes) -> bytes:
+    name += b"\0"
+    pad = lambda b: b + bytes(-len(b) % 4)       # noqa: E731 - 4-byte alignment of each part
+    return _NHDR.pack(len(name), len(desc), kind) + pad(name) + pad(desc)
+
+
+def _prstatus(proc: ProcessImage, thread, pending: int) -> bytes:
+    t = proc.task
+    head = _PRSTATUS_HEAD.pack(0, 0, 0, 0, pending, thread.sigmask, thread.tid, t.ppid, t.pgid, t.sid)
+    return head + bytes(_TIMEVALS) + _REGS.pack(*thread.regs) + struct.pack("<i4x", 1)
+
+
+def _prpsinfo(proc: ProcessImage) -> bytes:
+    t, creds = proc.task, proc.creds
+    args = " ".join(t.cmdline).encode(errors="replace")[:79]
+    state = t.state[:1].encode() or b"R"
+    number = b"RSDTZW".find(state)
+    return _PRPSINFO.pack(bytes([max(number, 0)]), state, b"\0", bytes([t.nice & 0xFF]), 0,
+                          creds.uids[0], creds.gids[0], t.pid, t.ppid, t.pgid, t.sid,
+                          t.comm.encode(errors="replace")[:15], args)
+
+
+def _auxv(proc: ProcessImage) -> bytes:
+    return b"".join(struct.pack("<QQ", k, v) for k, v in (*proc.mm.auxv, (0, 0)))
+
+
+def _file_backed(v: Vma) -> bool:
+    return v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and v.path.startswith("/")
+
+
+def _nt_file(vmas: Sequence[Vma]) -> bytes:
+    files = [v for v in vmas if _file_backed(v)]
+    out = struct.pack("<QQ", len(files), PAGE_SIZE)
+    out += b"".join(struct.pack("<QQQ", v.start, v.end, v.pgoff // PAGE_SIZE) for v in files)
+    return out + b"".join(v.path.removesuffix(" (deleted)").encode() + b"\0" for v in files)
+
+
+def _flags(prot: int) -> int:
+    return (PF_R if prot & 1 else 0) | (PF_W if prot & 2 else 0) | (PF_X if prot & 4 else 0)
+
+
+class _Pages:
+    """Where each saved page of a process is: its own image, else (pages it shares
+    copy-on-write with its parent, which the image keeps once) its parent's."""
+
+    def __init__(self, image: ImageReader, pid: int):
+        self.image = image
+        self.chain = []
+        members = set(image.pids)
+        while pid in members and pid not in self.chain:
+            self.chain.append(pid)
+            pid = image.process(pid).task.ppid
+
+    def runs(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+        """(pid, vaddr, npages, file offset) of saved pages in [start, end), the process's
+        own first (a page found there is not looked for further up)."""
+        seen: list[tuple[int, int]] = []
+        for pid in self.chain:
+            for run in self.image.page_runs(pid):
+                lo, hi = max(run.vaddr, start), min(run.vaddr + run.npages * PAGE_SIZE, end)
+                for a, b in _minus((lo, hi), seen) if lo < hi else ():
+                    yield pid, a, (b - a) // PAGE_SIZE, run.offset + (a - run.vaddr)
+                    seen.append((a, b))
+
+
+def _minus(span: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    parts = [span]
+    for a, b in taken:
+        parts = [p for lo, hi in parts for p in ((lo, min(hi, a)), (max(lo, b), hi)) if p[0] < p[1]]
+    return parts
+
+
+def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
+    """The core file of process `pid` of an open image, at `path` (0600)."""
+    proc = image.process(pid)
+    pages = _Pages(image, pid)
+    vmas = [v for v in proc.vmas if v.kind not in (VmaKind.VSYSCALL, VmaKind.VVAR, VmaKind.VVAR_VCLOCK)]
+    pending = 0
+    for s in proc.pending:
+        signo = struct.unpack_from("<i", s.siginfo)[0]
+        if 0 < signo <= 64:
+            pending |= 1 << (signo - 1)
+    notes = b""
+    for n, thread in enumerate(proc.threads):
+        notes += _note(b"CORE", NT_PRSTATUS, _prstatus(proc, thread, pending))
+        if n == 0:
+            notes += _note(b"CORE", NT_PRPSINFO, _prpsinfo(proc))
+            notes += _note(b"CORE", NT_AUXV, _auxv(proc))
+            notes += _note(b"CORE", NT_FILE, _nt_file(vmas))
+        notes += _note(b"CORE", NT_FPREGSET, thread.xstate[:FXSAVE_SIZE])
+        notes += _note(b"LINUX", NT_X86_XSTATE, thread.xstate)
+
+    loads = []
+    for v in vmas:
+        saved = list(pages.runs(v.start, v.end))
+        whole = bool(saved) or not (_file_backed(v) or v.kind is VmaKind.DEVICE)
+        loads.append((v, saved, whole and bool(v.prot & 1)))
+    phnum = 1 + len(loads)
+    notes_at = _EHDR.size + phnum * _PHDR.size
+    data_at = -(-(notes_at + len(notes)) // PAGE_SIZE) * PAGE_SIZE
+    phdrs = [_PHDR.pack(PT_NOTE, 0, notes_at, 0, 0, len(notes), 0, 4)]
+    offset = data_at
+    for v, _saved, dumped in loads:
+        size = v.end - v.start if dumped else 0
+        phdrs.append(_PHDR.pack(PT_LOAD, _flags(v.prot), offset, v.start, 0, size, v.end - v.start, PAGE_SIZE))
+        offset += size
+    ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)        # 64-bit, little-endian, SYSV
+    header = _EHDR.pack(ident, ET_CORE, EM_X86_64, 1, 0, _EHDR.size, 0, 0, _EHDR.size, _PHDR.size,
+                        phnum, 0, 0, 0)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, header + b"".join(phdrs), 0)
+        os.pwrite(fd, notes, notes_at)
+        offset = data_at
+        for v, saved, dumped in loads:
+            if not dumped:
+                continue
+            _write_mapping(fd, image, v, saved, offset)
+            offset += v.end - v.start
+        os.ftruncate(fd, offset)                            # trailing holes count too
+    finally:
+        os.close(fd)
+    return CoreResult(path, pid, len(proc.threads), phnum, offset)
+
+
+def _write_mapping(fd: int, image: ImageReader, v: Vma, saved, at: int) -> None:
+    """A mapping's bytes at file offset `at`: the mapped file's first (where it has one),
+    then the image's pages over them."""
+    if v.kind is VmaKind.VDSO:
+        _write_vdso(fd, v, at)
+    elif _file_backed(v) and not v.file_deleted:
+        try:
+            src = os.open(v.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            src = -1
+        if src >= 0:
+            try:
+                size = v.end - v.start
+                done = 0
+                while done < size:
+                    chunk = os.pread(src, min(size - done, 8 << 20), v.pgoff + done)
+                    if not chunk:
+                        break                                # past its end: zeros (a hole)
+                    os.pwrite(fd, chunk, at + done)
+                    done += len(chunk)
+            finally:
+                os.close(src)
+    for pid, vaddr, npages, offset in saved:
+        src, base = image.pages_location(pid, _Run(vaddr, npages, offset))
+        done = 0
+        size = npages * PAGE_SIZE
+        while done < size:
+            chunk = os.pread(src, min(size - done, 8 << 20), base + done)
+            if not chunk:
+                raise OSError(f"page data of process {pid} ends early")
+            os.pwrite(fd, chunk, at + (vaddr - v.start) + done)
+            done += len(chunk)
+
+
+def _write_vdso(fd: int, v: Vma, at: int) -> None:
+    """The vdso is the kernel's: this kernel's own (ptckpt's), when it has the same size (a
+    restore refuses another one too), else a hole."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[vdso]"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if hi - lo == v.end - v.start:
+                    with open("/proc/self/mem", "rb", buffering=0) as mem:
+                        mem.seek(lo)
+                        os.pwrite(fd, mem.read(hi - lo), at)
+                return
+
+
+@dataclass(frozen=True)
+class _Run:                                                  # what pages_location needs of a run
+    vaddr: int
+    npages: int
+    offset: int
+
+
+def write_cores(directory: str, out: str) -> list[CoreResult]:
+    """`ptckpt core -D DIRECTORY -o OUT`: OUT/core.PID for every process of the image
+    (OUT made 0700 if missing)."""
+    with ImageReader(directory) as image:
+        try:
+            os.makedirs(out, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise OutputError(out, err) from None
+        done = []
+        for pid in image.pids:
+            path = os.path.join(out, f"core.{pid}")
+            try:
+                done.append(write_core(image, pid, path))
+            except OSError as err:
+                raise OutputError(path, err) from None
+        return done
