@@ -24,6 +24,7 @@ from .errors import ExitCode, PtckptError, exhausted
 
 app = typer.Typer(
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     help="Transparent checkpoint/restore of running Linux processes, from outside (ptrace, /proc, syscall injection).",
@@ -38,9 +39,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr (before or after the command).")] = False,
 ) -> None:
     """ptckpt: checkpoint a running process into an image directory, inspect it, check this machine.
 
@@ -433,11 +434,24 @@ def _usage_error(err: _ClickException) -> None:
     sys.exit(ExitCode.USAGE if err.exit_code == 2 else err.exit_code)
 
 
+_VERBOSE = ("-v", "--verbose")
+
+
+def hoist_verbose(argv: list[str]) -> list[str]:
+    """-v/--verbose anywhere before a `--` (`ptckpt dump 123 -v`) goes in front of the
+    command, where the option is defined; what follows `--` (run's command) is left alone."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    head, tail = argv[:cut], argv[cut:]
+    if not any(a in _VERBOSE for a in head[1:]):
+        return argv
+    return ["--verbose"] + [a for a in head if a not in _VERBOSE] + tail
+
+
 def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
     from .entry import Interrupted
     try:
-        code = app(standalone_mode=False)
+        code = app(args=hoist_verbose(sys.argv[1:]), standalone_mode=False)
         if isinstance(code, int) and code:     # typer.Exit(code=...) of a command
             sys.exit(code)
     except _ClickException as err:

@@ -50,6 +50,17 @@ def test_bad_usage_is_one_line_and_exit_2(ptckpt, argv, words):
         assert w in res.stderr
 
 
+def test_short_options_and_verbose_after_the_command(ptckpt, tmp_path):
+    assert ptckpt("-V").stdout.strip() == ptckpt("--version").stdout.strip()
+    assert "Usage: ptckpt dump" in ptckpt("dump", "-h").stdout
+    res = ptckpt("restore", "-D", tmp_path / "none", "-v")         # -v after the command
+    assert res.returncode == ExitCode.NOT_AN_IMAGE
+    assert res.stderr.splitlines()[0] == f"ptckpt: collect {tmp_path / 'none'}", res.stderr
+    from ptckpt.cli import hoist_verbose
+    assert hoist_verbose(["run", "-v", "--", "cmd", "-v"]) == ["--verbose", "run", "--", "cmd", "-v"]
+    assert hoist_verbose(["run", "--", "cmd", "-v"]) == ["run", "--", "cmd", "-v"]
+
+
 def test_help_names_arguments_and_types_plainly(ptckpt):
     """The typer pinned in pyproject.toml renders PID / INTEGER / TEXT and flag pairs
     without a type (later ones show {pid}, <int>, <bool>)."""
