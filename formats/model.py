@@ -286,6 +286,8 @@ class Fd:
     skipped: bool = False     # dump --skip-file: recorded, not reopened at restore (since format 3)
     external: str = ""        # claimed as external by a plugin (its note): not saved, a plugin
                               # must give the process a new one at restore (since format 4)
+    append_hash: int = 0      # a regular file open O_APPEND: xxh3-64 of its first `size` bytes at
+                              # dump, so that a restore knows it only grew since (0: none; format 11)
 
 
 @dataclass(frozen=True)

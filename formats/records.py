@@ -138,7 +138,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 10                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 11                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -148,6 +148,7 @@ FORMAT_VERSION = 10                # 2: trees (desc, zombies, pipes, unix socket
                                    #    paths, in-flight fds, notification fds, terminals)
                                    # 9: senders' credentials queued in unix sockets
                                    # 10: page data hashed by block (PAGE_SUMS in the pagemap)
+                                   # 11: files open for appending hashed up to their size
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -532,6 +533,7 @@ FdRecord = Record(Fd, Struct(
     "desc" / Since(2, VarInt),        # open file description number (kcmp(2) KCMP_FILE groups)
     "skipped" / Since(3, Flag),       # dump --skip-file
     "external" / Since(4, Text),      # claimed external by a plugin (its note)
+    "append_hash" / Since(11, Int64ul),   # xxh3-64 of an O_APPEND file's bytes up to `size`
 ))
 
 # --- PLUGIN ------------------------------------------------------------------

@@ -146,7 +146,8 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
         for f in proc.fds:
             if (f.kind is FdKind.REGULAR and not f.skipped and not f.external and files.ghost_key(f) is None
                     and f.path not in saved and tree_proc_pid(f.path, procs) is None):
-                out.append(filepolicy.FileIdentity(f.path, f.size, f.mtime_ns, f.ino, f.dev))
+                out.append(filepolicy.FileIdentity(f.path, f.size, f.mtime_ns, f.ino, f.dev,
+                                                   append_hash=f.append_hash))
     return out
 
 
@@ -257,7 +258,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 process.expendable(stub.pid)
             result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
                                    warnings=[f"the image left out {u}" for u in left_out]
-                                   + [f"changed since the dump: {w}" for w in verdict.warnings])
+                                   + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted])
             created = {root: stub.task}
             ipc_made: list = []
             try:

@@ -206,3 +206,39 @@ def _write_script(directory, name, text):
     path = directory / name
     path.write_text(text)
     return path
+
+
+def _appender(spawn, tmp_path, log):
+    """A python3 target holding `log` open for appending, one line written."""
+    return spawn(str(idle_script(tmp_path, "appender.py", "import os, time\n"
+                                 f"fd = os.open({str(log)!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n"
+                                 "os.write(fd, b'first line\\n')\n")), out=False)
+
+
+def test_a_log_open_for_appending_that_only_grew_is_accepted_and_said(spawn, ptckpt, tmp_path):
+    """A second restore of an image whose program logs (O_APPEND) finds the log longer:
+    its bytes up to the dump's size are unchanged (a hash at dump), so the strict default
+    accepts it and says so; the restored fd appends after everything."""
+    log = tmp_path / "app.log"
+    target = _appender(spawn, tmp_path, log)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        (fd,) = [f for f in image.process(target.pid).fds if f.path == str(log)]
+    assert fd.append_hash and fd.size == len(b"first line\n")
+    with open(log, "ab") as f:
+        f.write(b"written after the dump\n")
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    assert f"{log}: grew by 23 bytes, open for appending and its first 11 bytes unchanged: accepted" in res.stderr
+    with open(f"/proc/{target.pid}/fd/{fd.fd}", "ab") as f:     # the restored description appends
+        f.write(b"x\n")
+    assert log.read_bytes() == b"first line\nwritten after the dump\nx\n"
+
+
+def test_a_log_open_for_appending_whose_old_bytes_changed_is_refused(spawn, ptckpt, tmp_path):
+    log = tmp_path / "app.log"
+    target = _appender(spawn, tmp_path, log)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    log.write_bytes(b"FIRST line\nand more\n")                   # rewritten, longer: not an append
+    _one_line(ptckpt("restore", "-D", tmp_path / "img", "--detach"), ExitCode.INCOMPATIBLE,
+              f"{log}: size 11 -> 20, mtime changed")

@@ -121,6 +121,7 @@ class FileIdentity:
     inode: int
     dev: int
     build_id: str = ""
+    append_hash: int = 0      # open O_APPEND: head_hash of its first `size` bytes at dump (0: none)
 
 
 def identify(path: str, st: os.stat_result | None = None, *, elf: bool = False) -> FileIdentity:
@@ -134,6 +135,46 @@ def identify(path: str, st: os.stat_result | None = None, *, elf: bool = False) 
     bid = (build_id(path) or "") if elf else ""
     return FileIdentity(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns,
                         inode=st.st_ino, dev=st.st_dev, build_id=bid)
+
+
+APPEND_HASH_LIMIT = 1 << 30   # bytes of a file open for appending hashed at dump, at most
+
+
+def head_hash(path: str, size: int) -> int:
+    """xxh3-64 of the first `size` bytes of the file at `path` (a /proc/PID/fd link will
+    do); 0 when it cannot be read, is shorter, or is bigger than APPEND_HASH_LIMIT."""
+    import xxhash
+    if not 0 < size <= APPEND_HASH_LIMIT:
+        return 0
+    h = xxhash.xxh3_64()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                chunk = f.read(min(8 << 20, size - done))
+                if not chunk:
+                    return 0
+                h.update(chunk)
+                done += len(chunk)
+    except OSError:
+        return 0
+    return h.intdigest() or 1                       # 0 means "none"
+
+
+def appended(recorded: FileIdentity) -> int | None:
+    """Bytes a file open for appending grew by since the dump, when that is all that
+    changed (the same file, its first bytes as they were); None otherwise."""
+    if not recorded.append_hash:
+        return None
+    try:
+        st = os.stat(recorded.path)
+    except OSError:
+        return None
+    if (st.st_ino, st.st_dev) != (recorded.inode, recorded.dev) or st.st_size < recorded.size:
+        return None
+    if head_hash(recorded.path, recorded.size) != recorded.append_hash:
+        return None
+    return st.st_size - recorded.size
 
 
 def changes(recorded: FileIdentity) -> list[str]:
@@ -361,6 +402,7 @@ class Verdict:
 
     refused: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)   # files open for appending that only grew
 
     @property
     def ok(self) -> bool:
@@ -380,7 +422,11 @@ def evaluate(identities: Sequence[FileIdentity], policy: FilePolicy) -> Verdict:
         if action is Action.IGNORE:
             continue
         what = changes(ident)
-        if what:
+        grew = appended(ident) if what else None
+        if grew is not None:
+            verdict.accepted.append(f"{ident.path}: grew by {grew} bytes, open for appending and its "
+                                    f"first {ident.size} bytes unchanged: accepted")
+        elif what:
             line = f"{ident.path}: {', '.join(what)}"
             (verdict.refused if action is Action.STRICT else verdict.warnings).append(line)
     return verdict

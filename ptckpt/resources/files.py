@@ -29,6 +29,7 @@ from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
 from .anonfds import ANON_FD_KINDS, file_handle, is_mqueue, open_file_handle
+from . import filepolicy
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
@@ -187,6 +188,9 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
         size=st.st_size if st else 0,
         mtime_ns=st.st_mtime_ns if st else 0,
         details=tuple(details),
+        append_hash=(filepolicy.head_hash(f"/proc/{pid}/fd/{fd}", st.st_size)
+                     if kind is FdKind.REGULAR and st is not None and info.flags & os.O_APPEND
+                     and not link.endswith(DELETED) else 0),
     )
 
 
