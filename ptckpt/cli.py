@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .entry import unwind_again
+from .entry import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, exhausted
 
 app = typer.Typer(
@@ -84,6 +84,7 @@ def dump(
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long to wait for a critical section the program marked (ptckpt.app, ptckpt.h) to end before giving up.")] = "10s",
     tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (TCP_REPAIR: sequence numbers, both queues, options) under a network lock; without it (or --tcp-close, --external fd:N) a tree holding one is refused.")] = False,
     tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed (the program sees a reset, then EOF); connections not yet accepted are dropped.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (schema in the README) instead of the directory and a summary line.")] = False,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
@@ -103,6 +104,12 @@ def dump(
                        tcp_established=tcp_established, tcp_close=tcp_close)
     except PtckptError as err:
         raise _fail(err) from None
+    if as_json:
+        typer.echo(json.dumps({"directory": result.directory, "pids": result.pids, "threads": result.threads,
+                               "vmas": result.vmas, "pages": result.pages, "bytes": result.bytes,
+                               "seconds": round(result.seconds, 6),
+                               "frozen_seconds": round(result.frozen_seconds, 6)}))
+        return
     typer.echo(result.directory)
     typer.echo(result.summary())
 
@@ -114,6 +121,7 @@ def restore(
     netns: Annotated[bool, typer.Option("--netns", help="Restore into a fresh network namespace (loopback up), where the image's ports are free: with --pidns, copies of one server image run at once.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout once the tree runs (schema in the README) instead of the pid.")] = False,
     plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
                                                         help="Load a plugin (as for dump); every plugin the image was made with must be given. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW",
@@ -203,13 +211,18 @@ def restore(
             unwind_again()
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
     typer.echo(result.summary(), err=True)
+    if as_json:
+        typer.echo(json.dumps({"pid": result.pid, "vpid": result.vpid, "init_pid": result.init_pid,
+                               "pids": {str(v): r for v, r in result.pids.items()},
+                               "seconds": round(result.seconds, 6), "warnings": result.warnings}))
     if detach:
         if pidfile:
             with open(pidfile, "w") as f:
                 f.write(f"{result.pid}\n")
-        typer.echo(result.pid)
+        if not as_json:
+            typer.echo(result.pid)
         return
-    unwind_again()                               # said: a signal now ends the wait
+    forward_to(result.pid)                       # said: ^C & co now go to the restored process
     status = wait_restored(result)
     if result.terminal_was is not None:          # the shell job ended: the terminal goes back
         from .resources import terminals

@@ -64,6 +64,26 @@ def unwind_again() -> None:
     install()
 
 
+def forward_to(pid: int) -> None:
+    """The restored process runs and ptckpt waits for it, as a shell waits for its job:
+    SIGINT, SIGTERM and SIGHUP (and one that came since the result was said) go to it, and
+    ptckpt goes on waiting, to exit with its status."""
+    import os
+    global _past_commit
+    _past_commit = False
+    came, _finishing[:] = list(_finishing), []
+
+    def forward(signo, _frame) -> None:
+        try:
+            os.kill(pid, signo)
+        except ProcessLookupError:
+            pass                                   # it ended already: the wait says how
+    for sig in SIGNALS:
+        signal.signal(sig, forward)
+    for signo in came:
+        forward(signo, None)
+
+
 def _report_late_signal() -> None:
     if _finishing:
         import sys

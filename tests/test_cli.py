@@ -83,3 +83,23 @@ def test_check_probe_pid_wraps_below_pid_max():
     assert free_pid_after(32600, 32768, lambda p: False) == 300 + (33100 - 32768)
     assert free_pid_after(1000, 32768, lambda p: p < 1503) == 1503
     assert free_pid_after(32767, 32768, lambda p: False) < 32768
+
+
+def test_dump_and_restore_print_json(spawn, ptckpt, tmp_path):
+    from conftest import wait_pid_free
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--json")
+    assert res.returncode == 0, res.stderr
+    dumped = json.loads(res.stdout)
+    assert dumped["directory"] == str(tmp_path / "img") and dumped["pids"] == [target.pid]
+    assert dumped["threads"] == 1 and dumped["pages"] > 0 and dumped["bytes"] == dumped["pages"] * 4096
+    assert 0 < dumped["frozen_seconds"] <= dumped["seconds"]
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--json")
+    assert res.returncode == 0, res.stderr
+    restored = json.loads(res.stdout)
+    assert restored["pid"] == restored["vpid"] == target.pid and restored["init_pid"] == 0
+    assert restored["pids"] == {str(target.pid): target.pid} and restored["warnings"] == []
+    target.adopt(target.pid)
+    target.wait_progress()

@@ -136,3 +136,28 @@ def test_a_pidns_restore_killed_at_each_phase_leaves_no_namespace_behind(point, 
     finally:
         os.kill(init, signal.SIGKILL)
         reap_orphans()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_waiting_restore_passes_the_signal_to_its_process(sig, killed_counter, ptckpt_cmd):
+    """`ptckpt restore` without --detach waits for what it restored, as a shell waits for
+    its job: ^C (or SIGTERM) to ptckpt goes to the restored process, and ptckpt exits
+    with its status, leaving nothing running."""
+    target, image = killed_counter
+    proc = subprocess.Popen(ptckpt_cmd + ["restore", "-D", str(image), "--file-policy", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True)
+    try:
+        wait_until(lambda: pid_alive(target.pid) or proc.poll() is not None, 30)
+        target.adopt(target.pid)
+        target.wait_progress()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + sig, (proc.returncode, err)
+        assert "interrupted" not in err, err
+        wait_until(lambda: not pid_alive(target.pid), 5, message=lambda: _status(target.pid))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reap_orphans()
