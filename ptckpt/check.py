@@ -238,10 +238,10 @@ def run_checks() -> list[Check]:
                      "sockets, pipes and memfds cannot be handed to a restored process", True))
     out.append(Check("PR_SET_MM_MAP", _prctl_mm_map(), "set brk, arg/env areas, auxv, exe",
                      "restored processes keep the stub's mm fields (wrong brk, /proc/PID/cmdline)", True))
-    out.append(Check("userfaultfd", _userfaultfd(), "lazy restore (page faults served on demand)",
-                     "no lazy restore", False))
+    out.append(Check("userfaultfd", _userfaultfd(), "page faults served on demand (for a lazy restore: not in ptckpt yet)",
+                     "a lazy restore (not in ptckpt yet) could not work here", False))
     out.append(Check("soft-dirty", _soft_dirty(), "CONFIG_MEM_SOFT_DIRTY",
-                     "incremental dumps must compare page contents instead", False))
+                     "incremental dumps (not in ptckpt yet) would have to compare page contents instead", False))
     out.append(Check("CAP_SYS_ADMIN", _cap(CAP_SYS_ADMIN), "capability",
                      "no clone3 set_tid outside a new user namespace, no namespaces", False))
     out.append(Check("CAP_SYS_RESOURCE", _cap(CAP_SYS_RESOURCE), "capability",
