@@ -42,13 +42,25 @@ def _main(
     version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr (before or after the command).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print results only (the image directory, the pid), no summary lines; errors and warnings still (before or after the command).")] = False,
 ) -> None:
     """ptckpt: checkpoint a running process into an image directory, inspect it, check this machine.
 
     Example: ptckpt dump 1234 -D /tmp/ckpt
     """
+    global _quiet
+    _quiet = quiet and not verbose
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="ptckpt: %(message)s", stream=sys.stderr)
+
+
+_quiet = False
+
+
+def _summary(text: str, err: bool = False) -> None:
+    """A summary line (what was dumped, restored, how long): left out with -q."""
+    if not _quiet:
+        typer.echo(text, err=err)
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
@@ -111,7 +123,7 @@ def dump(
                                "frozen_seconds": round(result.frozen_seconds, 6)}))
         return
     typer.echo(result.directory)
-    typer.echo(result.summary())
+    _summary(result.summary())
 
 
 @app.command()
@@ -210,7 +222,7 @@ def restore(
                 terminals.redraw(os.getpgid(result.pid))
             unwind_again()
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
-    typer.echo(result.summary(), err=True)
+    _summary(result.summary(), err=True)
     if as_json:
         typer.echo(json.dumps({"pid": result.pid, "vpid": result.vpid, "init_pid": result.init_pid,
                                "pids": {str(v): r for v, r in result.pids.items()},
@@ -447,17 +459,19 @@ def _usage_error(err: _ClickException) -> None:
     sys.exit(ExitCode.USAGE if err.exit_code == 2 else err.exit_code)
 
 
-_VERBOSE = ("-v", "--verbose")
+_GLOBAL_FLAGS = {"-v": "--verbose", "--verbose": "--verbose", "-q": "--quiet", "--quiet": "--quiet"}
 
 
 def hoist_verbose(argv: list[str]) -> list[str]:
-    """-v/--verbose anywhere before a `--` (`ptckpt dump 123 -v`) goes in front of the
-    command, where the option is defined; what follows `--` (run's command) is left alone."""
+    """-v/--verbose and -q/--quiet anywhere before a `--` (`ptckpt dump 123 -v`) go in
+    front of the command, where they are defined; what follows `--` (run's command) is
+    left alone."""
     cut = argv.index("--") if "--" in argv else len(argv)
     head, tail = argv[:cut], argv[cut:]
-    if not any(a in _VERBOSE for a in head[1:]):
+    if not any(a in _GLOBAL_FLAGS for a in head[1:]):
         return argv
-    return ["--verbose"] + [a for a in head if a not in _VERBOSE] + tail
+    flags = list(dict.fromkeys(_GLOBAL_FLAGS[a] for a in head if a in _GLOBAL_FLAGS))
+    return flags + [a for a in head if a not in _GLOBAL_FLAGS] + tail
 
 
 def main() -> None:

@@ -61,6 +61,14 @@ def test_short_options_and_verbose_after_the_command(ptckpt, tmp_path):
     from ptckpt.cli import hoist_verbose
     assert hoist_verbose(["run", "-v", "--", "cmd", "-v"]) == ["--verbose", "run", "--", "cmd", "-v"]
     assert hoist_verbose(["run", "--", "cmd", "-v"]) == ["run", "--", "cmd", "-v"]
+    assert hoist_verbose(["dump", "1", "-q"]) == ["--quiet", "dump", "1"]
+
+
+def test_quiet_prints_the_result_only(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "-q")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(tmp_path / "img")] and res.stderr == ""
 
 
 def test_help_names_arguments_and_types_plainly(ptckpt):
