@@ -370,6 +370,25 @@ def show(
 
 
 @app.command()
+def stop(
+    target: Annotated[str, typer.Argument(metavar="PID|PIDFILE", help="The restored process (its pid as seen here, or the file restore --pidfile wrote).")],
+    timeout: Annotated[str, typer.Option("--timeout", help="How long it has to end on SIGTERM before SIGKILL.")] = "5s",
+) -> None:
+    """End a detached restored tree: SIGTERM to its root, SIGKILL after --timeout, and with
+    --pidns the namespace's init too (it ignores SIGTERM), which ends the rest of it.
+
+    Example: ptckpt restore -D /tmp/ckpt --pidns --detach --pidfile /tmp/pid; ptckpt stop /tmp/pid
+    """
+    from .stop import stop as _stop, target_pid
+    from .units import parse_duration
+    try:
+        result = _stop(target_pid(target), parse_duration(timeout))
+    except PtckptError as err:
+        raise _fail(err) from None
+    _summary(result.summary())
+
+
+@app.command()
 def core(
     directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
     out: Annotated[str, typer.Option("-o", "--out", help="Directory for the core files (core.PID, one per process).")],
