@@ -19,7 +19,6 @@ checksum, entries) in open() and never writes.
 from __future__ import annotations
 
 import errno
-import concurrent.futures
 import ctypes
 import fcntl
 import glob
@@ -111,7 +110,6 @@ DEFAULT_NBUFFERS = 4
 MAX_BUFFER_SIZE = 64 << 20
 _CHUNK = 4 << 20                     # unit of work of the checksum and write threads
 PAGE_SUMS_SINCE = 10                 # format that hashes the page data by block
-_READ_BLOCK = 16 << 20               # block of the reader's checksum pass (O_DIRECT: big requests)
 
 
 def core_name(pid: int) -> str:
@@ -790,8 +788,14 @@ class ImageReader:
         return data
 
     def pages_crc_ok(self, pid: int) -> bool:
+        """Whether the page data matches the crc32 its PAGES header records."""
         fd, header = self._pages[pid]
-        return self._pages_crc(fd, header.payload_length) == header.crc32
+        try:
+            pagesums.verify(pagesums.PagesToCheck(self._file(pages_name(pid)), fd, PAGES_DATA_OFFSET,
+                                                  header.payload_length, crc32=header.crc32))
+        except CorruptImage:
+            return False
+        return True
 
     def page_check(self) -> pagesums.PageCheck:
         """Check every process's page data in a thread, started now: by block where the
@@ -1017,51 +1021,3 @@ class ImageReader:
         if size > expected:
             raise CorruptImage(path, f"{size - expected} unexpected bytes after the payload")
         return header
-
-    @staticmethod
-    def _pages_crc(fd: int, length: int) -> int:
-        """crc32 of the page data: O_DIRECT reads (no page cache to fill) into two
-        aligned buffers, the next read running while the last block is checksummed."""
-        try:
-            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError:
-            rfd = os.dup(fd)
-        block = _READ_BLOCK
-        bufs = [mmap.mmap(-1, block), mmap.mmap(-1, block)]
-        views = [memoryview(b) for b in bufs]
-        crc = 0
-        try:
-            def read(i: int, offset: int, size: int) -> int:
-                got = 0
-                while got < size:
-                    n = os.preadv(rfd, [views[i][got:size]], offset + got)
-                    if n <= 0:
-                        break
-                    got += n
-                return got
-
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                offset = PAGES_DATA_OFFSET
-                remaining = length
-                pending = pool.submit(read, 0, offset, min(remaining, block)) if remaining > 0 else None
-                i = 0
-                while pending is not None:
-                    n = pending.result()
-                    want = min(remaining, block)
-                    offset += n
-                    remaining -= n
-                    pending = None
-                    if n == want and remaining > 0:
-                        pending = pool.submit(read, 1 - i, offset, min(remaining, block))
-                    crc = zlib.crc32(views[i][:n], crc)
-                    i = 1 - i
-                    if n < want:
-                        break
-        finally:
-            for v in views:
-                v.release()
-            for b in bufs:
-                b.close()
-            os.close(rfd)
-        return crc
-

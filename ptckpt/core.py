@@ -20,9 +20,10 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from . import procfs
 from .errors import OutputError
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, ProcessImage, Vma, VmaKind
+from .formats.model import PAGE_SIZE, PageRun, ProcessImage, Vma, VmaKind
 
 EM_X86_64 = 62
 ET_CORE = 4
@@ -188,47 +189,35 @@ def _write_mapping(fd: int, image: ImageReader, v: Vma, saved, at: int) -> None:
             src = -1
         if src >= 0:
             try:
-                size = v.end - v.start
-                done = 0
-                while done < size:
-                    chunk = os.pread(src, min(size - done, 8 << 20), v.pgoff + done)
-                    if not chunk:
-                        break                                # past its end: zeros (a hole)
-                    os.pwrite(fd, chunk, at + done)
-                    done += len(chunk)
+                _copy(src, v.pgoff, fd, at, v.end - v.start)    # past the file's end: a hole
             finally:
                 os.close(src)
     for pid, vaddr, npages, offset in saved:
-        src, base = image.pages_location(pid, _Run(vaddr, npages, offset))
-        done = 0
-        size = npages * PAGE_SIZE
-        while done < size:
-            chunk = os.pread(src, min(size - done, 8 << 20), base + done)
-            if not chunk:
-                raise OSError(f"page data of process {pid} ends early")
-            os.pwrite(fd, chunk, at + (vaddr - v.start) + done)
-            done += len(chunk)
+        src, base = image.pages_location(pid, PageRun(vaddr, npages, offset))
+        if _copy(src, base, fd, at + (vaddr - v.start), npages * PAGE_SIZE) < npages * PAGE_SIZE:
+            raise OSError(f"page data of process {pid} ends early")
+
+
+def _copy(src: int, src_at: int, dst: int, dst_at: int, size: int) -> int:
+    """pread/pwrite `size` bytes (less at the source's end); the bytes copied."""
+    done = 0
+    while done < size:
+        chunk = os.pread(src, min(size - done, 8 << 20), src_at + done)
+        if not chunk:
+            break
+        os.pwrite(dst, chunk, dst_at + done)
+        done += len(chunk)
+    return done
 
 
 def _write_vdso(fd: int, v: Vma, at: int) -> None:
     """The vdso is the kernel's: this kernel's own (ptckpt's), when it has the same size (a
     restore refuses another one too), else a hole."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if line.rstrip().endswith("[vdso]"):
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                if hi - lo == v.end - v.start:
-                    with open("/proc/self/mem", "rb", buffering=0) as mem:
-                        mem.seek(lo)
-                        os.pwrite(fd, mem.read(hi - lo), at)
-                return
-
-
-@dataclass(frozen=True)
-class _Run:                                                  # what pages_location needs of a run
-    vaddr: int
-    npages: int
-    offset: int
+    for m in procfs.read_maps(os.getpid()):
+        if m.path == "[vdso]" and m.end - m.start == v.end - v.start:
+            with open("/proc/self/mem", "rb", buffering=0) as mem:
+                mem.seek(m.start)
+                os.pwrite(fd, mem.read(m.end - m.start), at)
 
 
 def write_cores(directory: str, out: str) -> list[CoreResult]:
