@@ -92,8 +92,8 @@ class Restored:
                 self._status = 0
                 break
             if got == self.waited:
-                self._status = (128 + os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                else os.WEXITSTATUS(status))
+                from .restore import shell_status
+                self._status = shell_status(status)
                 break
             if time.monotonic() >= deadline:
                 return None
@@ -128,7 +128,7 @@ def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = 
     once they run.  `file_policy` takes a FilePolicy or what ``--file-policy`` takes (e.g.
     ``["warn"]`` or ``["/slot3/=ignore"]``)."""
     from .resources.pids import become_subreaper
-    from .restore import restore as _restore
+    from .restore import restore as _restore, shell_status
     if not isinstance(file_policy, FilePolicy):
         try:
             file_policy = parse_policy(list(file_policy))
@@ -140,6 +140,5 @@ def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = 
     restored = Restored(pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, pids=dict(result.pids),
                         seconds=result.seconds, warnings=list(result.warnings))
     if result.exit_status is not None and not result.init_pid:
-        status = result.exit_status
-        restored._status = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        restored._status = shell_status(result.exit_status)
     return restored

@@ -1110,9 +1110,12 @@ def wait_restored(result: RestoreResult) -> int:
             return 0
         if got == target:
             break
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
+    return shell_status(status)
+
+
+def shell_status(status: int) -> int:
+    """A wait(2) status as a shell shows it: the exit code, or 128+N after signal N."""
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 make_callable(__name__, "restore")     # ptckpt.restore(directory, **options): ptckpt.api.restore
