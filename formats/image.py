@@ -18,6 +18,8 @@ checksum, entries) in open() and never writes.
 
 from __future__ import annotations
 
+import dataclasses
+import bisect
 import errno
 import ctypes
 import fcntl
@@ -29,6 +31,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,9 +43,10 @@ from ptckpt.errors import (
     ImageAccessDenied,
     ImageWriteError,
     NotAnImage,
+    ParentMissing,
     UnsupportedVersion,
 )
-from ptckpt.formats import pagesums, validate
+from ptckpt.formats import compression, pagesums, validate
 from ptckpt.formats.model import (
     AioRing,
     FD_STATE_TYPES,
@@ -58,8 +62,10 @@ from ptckpt.formats.model import (
     Mm,
     MsgImage,
     NetlinkSocket,
+    PageFrames,
     PageRun,
     PageSums,
+    ParentPages,
     PendingSignal,
     PosixTimer,
     PipeBuffer,
@@ -189,11 +195,15 @@ class ImageWriter:
     Every OSError becomes ImageWriteError; misuse (a missing process, a
     PagesWriter left open) raises ValueError at commit().
     `durable=True` fsyncs every file and both directories at commit.
+    `compress=("zstd", LEVEL)` compresses the page data (PagesWriter).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, durable: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, durable: bool = False,
+                 compress: tuple[str, int] | None = None):
         self.path = os.path.abspath(os.fspath(directory))
         self.durable = durable
+        self.compress = compress
+        self.image_id = uuid.uuid4().hex
         self.temp_path: str | None = None
         self._temp_lock = -1            # the temporary directory, flock'ed while we write it
         self._inventory: Inventory | None = None
@@ -280,6 +290,8 @@ class ImageWriter:
         self._require_open()
         if self._inventory is not None:
             raise ValueError("inventory already written")
+        if not inventory.image_id:
+            inventory = dataclasses.replace(inventory, image_id=self.image_id)
         self._write_file(INVENTORY_NAME, build_file(FileKind.INVENTORY, [inventory, *shared]))
         self._inventory = inventory
 
@@ -448,6 +460,10 @@ class PagesWriter:
 
     Behind both, one thread computes the running zlib.crc32 and another
     pwrite()s, each processing buffers in submission order; both release the GIL.
+    With the image's `compress`, a thread before them cuts the data into frames of
+    FRAME bytes and compresses them (zstd, on every CPU); offsets stay those of the
+    raw data, and the frame sizes go into the pagemap (PAGE_FRAMES).
+    add_parent() records ranges an incremental image leaves to its parent.
     A write error (ENOSPC ...) is raised as ImageWriteError from the next call.
     close() waits for everything in flight, pwrite()s the final header (payload
     length + crc) at offset 0 and writes pagemap-PID.img.  Use it as a context
@@ -473,6 +489,9 @@ class PagesWriter:
         self._crc = 0
         self._sums = pagesums.BlockHasher()        # fed by the checksum thread
         self._runs: list[tuple[int, int, int]] = []
+        self._parent: list[ParentPages] = []
+        self._stored = 0                           # bytes of the file's data (compressed)
+        self._frames: list[tuple[int, int]] = []   # (raw, stored) per compressed frame
         self._error: BaseException | None = None
         self._closed = False
         with image._write_errors(self.path):
@@ -484,6 +503,12 @@ class PagesWriter:
             threading.Thread(target=self._crc_loop, name=f"pages-{pid}-crc", daemon=True),
             threading.Thread(target=self._write_loop, name=f"pages-{pid}-write", daemon=True),
         ]
+        self._zip = None
+        if image.compress is not None:
+            self._zip = compression.FrameCompressor(*image.compress)
+            self._zip_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+            self._threads.insert(0, threading.Thread(target=self._compress_loop, name=f"pages-{pid}-zip",
+                                                     daemon=True))
         for t in self._threads:
             t.start()
 
@@ -544,6 +569,11 @@ class PagesWriter:
         self._check_usable()
         self._runs.append((vaddr, npages, offset))
 
+    def add_parent(self, vaddr: int, npages: int) -> None:
+        """Record that `npages` pages at `vaddr` are unchanged since the parent image."""
+        self._check_usable()
+        self._parent.append(ParentPages(vaddr, npages))
+
     def close(self) -> None:
         """Finish pages-PID.img (header) and write pagemap-PID.img."""
         if self._closed:
@@ -554,12 +584,15 @@ class PagesWriter:
             self._raise_pending_error()
             self._check_runs()
             with self._image._write_errors(self.path):
-                header = build_header(FileKind.PAGES, self._length, self._crc)
+                header = build_header(FileKind.PAGES, self._stored, self._crc)
                 _pwrite_all(self._fd, header.ljust(PAGES_DATA_OFFSET, b"\0"), 0)
                 if self._image.durable:
                     os.fsync(self._fd)
+            extra: list = list(self._parent)
+            if self._zip is not None:
+                extra.append(PageFrames(self._zip.codec, self._zip.level, compression.pack_sizes(self._frames)))
             self._image._write_file(pagemap_name(self.pid), build_file_from_runs(
-                self._runs, PageSums(self._sums.block, self._sums.sums())))
+                self._runs, PageSums(self._sums.block, self._sums.sums()), extra))
         finally:
             self._release()
             self._image._open_pages.pop(self.pid, None)
@@ -590,17 +623,40 @@ class PagesWriter:
         raise err
 
     def _enqueue(self, view: memoryview, on_done) -> int:
-        # Both threads work through the same chunk at about the same time, so
-        # a big buffer is read from memory once, not twice.
         offset = self._length
         self._length += len(view)
+        if self._zip is not None:
+            self._zip_q.put((view, on_done))
+        else:
+            self._enqueue_stored(view, on_done)
+        return offset
+
+    def _enqueue_stored(self, view: memoryview, on_done) -> None:
+        # Both threads work through the same chunk at about the same time, so
+        # a big buffer is read from memory once, not twice.
+        offset = self._stored
+        self._stored += len(view)
         starts = range(0, len(view), _CHUNK)
         ticket = _Ticket(2 * len(starts), on_done)
         for start in starts:
             job = (ticket, view[start:start + _CHUNK], offset + start)
             self._crc_q.put(job)
             self._write_q.put(job)
-        return offset
+
+    def _compress_loop(self) -> None:
+        while (job := self._zip_q.get()) is not None:
+            view, on_done = job
+            data = None
+            try:
+                if self._error is None:
+                    sizes, data = self._zip.compress(view)
+                    self._frames.extend(sizes)
+            except BaseException as err:      # noqa: BLE001 - handed to the caller's thread
+                self._error = self._error or err
+            finally:
+                on_done()                     # the caller's buffer is free once compressed
+            if data:
+                self._enqueue_stored(memoryview(data), lambda: None)
 
     def _crc_loop(self) -> None:
         crc = 0
@@ -634,6 +690,10 @@ class PagesWriter:
     def _stop_threads(self) -> None:
         if not self._threads:
             return
+        if self._zip is not None:
+            self._zip_q.put(None)
+            self._threads[0].join()
+            self._zip.close()
         self._crc_q.put(None)
         self._write_q.put(None)
         for t in self._threads:
@@ -674,10 +734,11 @@ class PagesWriter:
         self._image._open_pages.pop(self.pid, None)
 
 
-def build_file_from_runs(runs, sums: PageSums | None = None) -> bytes:
+def build_file_from_runs(runs, sums: PageSums | None = None, extra: Sequence = ()) -> bytes:
     """A whole PAGEMAP file from (vaddr, npages, offset) runs (fast path of build_file),
-    and the page data's block sums."""
-    payload = encode_page_runs(runs) + (encode_entry(sums) if sums is not None else b"")
+    the page data's block sums and `extra` records (PAGE_PARENT, PAGE_FRAMES)."""
+    payload = encode_page_runs(runs) + (encode_entry(sums) if sums is not None else b"") \
+        + b"".join(encode_entry(e) for e in extra)
     return build_header(FileKind.PAGEMAP, len(payload), zlib.crc32(payload)) + payload
 
 
@@ -726,6 +787,13 @@ class ImageReader:
         self._runs: dict[int, list[PageRun]] = {}
         self._pages: dict[int, tuple[int, FileHeader]] = {}     # pid -> (fd, header)
         self._sums: dict[int, PageSums] = {}                    # pid -> block sums (format 10)
+        self._parent_pages: dict[int, list[ParentPages]] = {}   # pid -> ranges the parent holds
+        self._frames: dict[int, list[tuple[int, int]]] = {}     # pid -> (raw, stored) per frame
+        self._raw_length: dict[int, int] = {}                   # pid -> bytes of raw page data
+        self._frames_entry: dict[int, PageFrames] = {}
+        self._unpacked: dict[int, int] = {}                     # pid -> memfd of decompressed data
+        self._resolved: dict[int, tuple[list[PageRun], list[tuple[int, ImageReader]]]] = {}
+        self.parent: ImageReader | None = None                  # an incremental image's parent
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -741,6 +809,11 @@ class ImageReader:
         for fd, _header in self._pages.values():
             os.close(fd)
         self._pages.clear()
+        for fd in self._unpacked.values():
+            os.close(fd)
+        self._unpacked.clear()
+        if self.parent is not None:
+            self.parent.close()
 
     def __enter__(self) -> ImageReader:
         return self.open()
@@ -762,22 +835,107 @@ class ImageReader:
         return self._unknown[pid]
 
     def page_runs(self, pid: int) -> list[PageRun]:
+        """Every saved page of the process, by run.  In an incremental image these are its own
+        runs and those its parents hold for it; offsets are then in a space spanning the
+        chain's page data (pages_location() and page_sources() find the file)."""
+        return list(self._resolve(pid)[0])
+
+    def own_page_runs(self, pid: int) -> list[PageRun]:
+        """The runs of pages this image itself stores (offsets: its own raw page data)."""
         return list(self._runs[pid])
 
+    def parent_pages(self, pid: int) -> list[ParentPages]:
+        return list(self._parent_pages.get(pid, ()))
+
     def pages_length(self, pid: int) -> int:
-        """Bytes of page data in pages-PID.img."""
+        """Bytes of page data this image holds for the process (before compression)."""
+        return self._raw_length[pid]
+
+    def stored_length(self, pid: int) -> int:
+        """Bytes of page data in pages-PID.img, as stored (compressed or not)."""
         return self._pages[pid][1].payload_length
+
+    def compression(self, pid: int) -> str:
+        """"zstd:LEVEL" for compressed page data, "" for raw."""
+        frames = self._frames_entry.get(pid)
+        return f"{frames.codec}:{frames.level}" if frames is not None else ""
+
+    def chain(self) -> list[str]:
+        """This image's directory and its parents', newest first."""
+        out, image = [], self
+        while image is not None:
+            out.append(image.path)
+            image = image.parent
+        return out
+
+    def page_sources(self, pid: int) -> list[tuple[int, int, list[PageRun]]]:
+        """(fd, base, runs) per file holding pages of the process: a run's bytes are at file
+        offset base + run.offset of fd (the reader's own fd, valid until close())."""
+        runs, bases = self._resolve(pid)
+        out = []
+        for i, (vbase, image) in enumerate(bases):
+            vend = bases[i + 1][0] if i + 1 < len(bases) else 2**63
+            mine = [r for r in runs if vbase <= r.offset < vend]
+            if mine:
+                fd, data_offset = image._raw_data(pid)
+                out.append((fd, data_offset - vbase, mine))
+        return out
 
     def pages_crc32(self, pid: int) -> int:
         """The checksum pages-PID.img's header records for its data."""
         return self._pages[pid][1].crc32
 
     def pages_location(self, pid: int, run: PageRun) -> tuple[int, int]:
-        """(fd, file offset) of a run's data, for bulk reads (pread/preadv/mmap/splice).
+        """(fd, file offset) of a run's data (a run of page_runs()), for bulk reads
+        (pread/preadv/mmap/splice).
 
         The fd is the reader's own, read-only; it stays valid until close().
         """
-        return self._pages[pid][0], PAGES_DATA_OFFSET + run.offset
+        _runs, bases = self._resolve(pid)
+        i = max(0, bisect.bisect_right([b for b, _ in bases], run.offset) - 1)
+        vbase, image = bases[i]
+        fd, data_offset = image._raw_data(pid)
+        return fd, data_offset + run.offset - vbase
+
+    def _raw_data(self, pid: int) -> tuple[int, int]:
+        """(fd, offset of the raw page data) of this image's own pages: pages-PID.img, or
+        a memfd its compressed frames were decompressed into (on first use)."""
+        if pid not in self._frames:
+            return self._pages[pid][0], PAGES_DATA_OFFSET
+        if pid not in self._unpacked:
+            fd = os.memfd_create(f"ptckpt-pages-{pid}", os.MFD_CLOEXEC)
+            try:
+                compression.decompress_to_fd(self._pages[pid][0], PAGES_DATA_OFFSET, self._frames[pid], fd,
+                                             self._file(pages_name(pid)))
+            except BaseException:
+                os.close(fd)
+                raise
+            self._unpacked[pid] = fd
+        return self._unpacked[pid], 0
+
+    def _resolve(self, pid: int) -> tuple[list[PageRun], list[tuple[int, ImageReader]]]:
+        """(runs, [(virtual base, image)]): every page of the process along the chain,
+        offsets shifted so that each image's data has a range of its own."""
+        if pid in self._resolved:
+            return self._resolved[pid]
+        runs = list(self._runs[pid])
+        bases: list[tuple[int, ImageReader]] = [(0, self)]
+        ranges = sorted((p.vaddr, p.vaddr + p.npages * PAGE_SIZE) for p in self._parent_pages.get(pid, ()))
+        if ranges:
+            shift = self._raw_length[pid]
+            parent_runs, parent_bases = self.parent._resolve(pid)
+            bases += [(b + shift, image) for b, image in parent_bases]
+            starts = [s for s, _ in ranges]
+            for r in sorted(parent_runs, key=lambda r: r.vaddr):
+                end = r.vaddr + r.npages * PAGE_SIZE
+                i = max(0, bisect.bisect_right(starts, r.vaddr) - 1)
+                while i < len(ranges) and ranges[i][0] < end:
+                    a, b = max(ranges[i][0], r.vaddr), min(ranges[i][1], end)
+                    if a < b:
+                        runs.append(PageRun(a, (b - a) // PAGE_SIZE, shift + r.offset + a - r.vaddr))
+                    i += 1
+        self._resolved[pid] = (runs, bases)
+        return self._resolved[pid]
 
     def read_pages(self, pid: int, run: PageRun) -> bytes:
         fd, offset = self.pages_location(pid, run)
@@ -787,7 +945,7 @@ class ImageReader:
             raise CorruptImage(self._file(pages_name(pid)), f"truncated page data at offset {run.offset}")
         return data
 
-    def pages_crc_ok(self, pid: int) -> bool:
+    def pages_crc_ok(self, pid: int) -> bool:  # (this image's own file)
         """Whether the page data matches the crc32 its PAGES header records."""
         fd, header = self._pages[pid]
         try:
@@ -801,8 +959,11 @@ class ImageReader:
         """Check every process's page data in a thread, started now: by block where the
         image has block sums, else its crc32.  Its wait() raises CorruptImage naming the
         file (and the offset)."""
-        return pagesums.PageCheck([self._pages_to_check(pid, os.dup(self._pages[pid][0]))
-                                   for pid in self.inventory.pids])
+        return pagesums.PageCheck(self._all_to_check())
+
+    def _all_to_check(self) -> list[pagesums.PagesToCheck]:
+        own = [self._pages_to_check(pid, os.dup(self._pages[pid][0])) for pid in self.inventory.pids]
+        return own + (self.parent._all_to_check() if self.parent is not None else [])
 
     def _pages_to_check(self, pid: int, fd: int) -> pagesums.PagesToCheck:
         header = self._pages[pid][1]
@@ -856,6 +1017,8 @@ class ImageReader:
         validate.refuse(self._file, validate.check_inventory, INVENTORY_NAME, self.inventory)
         for pid in self.inventory.pids:
             self._load_process(pid)
+        if self.inventory.parent:
+            self._open_parent()
         descs = {f.desc for p in self._processes.values() for f in p.fds}
         validate.refuse(self._file, validate.check_shared, INVENTORY_NAME, entries, set(self.inventory.pids), descs)
 
@@ -870,21 +1033,70 @@ class ImageReader:
         _header, entries = self._read_entries(name, FileKind.PAGEMAP)
         self._runs[pid] = [e for e in entries if isinstance(e, PageRun)]
         sums = [e for e in entries if isinstance(e, PageSums)]
+        parents = [e for e in entries if isinstance(e, ParentPages)]
+        frames = [e for e in entries if isinstance(e, PageFrames)]
 
         name = pages_name(pid)
         fd, header = self._open_file(name, FileKind.PAGES)
         self._pages[pid] = (fd, header)
+        raw_length = self._check_frames(pid, frames, header.payload_length)
+        self._raw_length[pid] = raw_length
         for run in self._runs[pid]:
             if (run.npages <= 0 or run.vaddr % PAGE_SIZE or run.offset % PAGE_SIZE
-                    or run.offset + run.npages * PAGE_SIZE > header.payload_length):
+                    or run.offset + run.npages * PAGE_SIZE > raw_length):
                 raise CorruptImage(self._file(pagemap_name(pid)),
                                    f"page run vaddr={run.vaddr:#x} npages={run.npages} offset={run.offset} "
-                                   f"does not fit {name} ({header.payload_length} data bytes)")
-        validate.refuse(self._file, validate.check_page_runs, pagemap_name(pid), self._runs[pid], spans)
+                                   f"does not fit {name} ({raw_length} data bytes)")
+        if parents and not self.inventory.parent:
+            raise CorruptImage(self._file(pagemap_name(pid)), "PAGE_PARENT entries in an image without a parent")
+        for p in parents:
+            if p.npages <= 0 or p.vaddr % PAGE_SIZE or p.vaddr < 0:
+                raise CorruptImage(self._file(pagemap_name(pid)), f"PAGE_PARENT {p.vaddr:#x}+{p.npages}")
+        self._parent_pages[pid] = parents
+        validate.refuse(self._file, validate.check_page_runs, pagemap_name(pid),
+                        self._runs[pid] + [PageRun(p.vaddr, p.npages, 0) for p in parents], spans)
         if sums or self.version >= PAGE_SUMS_SINCE:
             self._sums[pid] = self._check_sums(pid, sums, header.payload_length)
         if self.verify_pages:
             pagesums.verify(self._pages_to_check(pid, fd))
+
+    def _check_frames(self, pid: int, frames: list[PageFrames], stored: int) -> int:
+        """The raw length of the page data: its stored length, or what the frames add up to."""
+        if not frames:
+            return stored
+        path = self._file(pagemap_name(pid))
+        if len(frames) > 1:
+            raise CorruptImage(path, f"{len(frames)} PAGE_FRAMES entries")
+        f = frames[0]
+        try:
+            compression.parse_spec(f"{f.codec}:{f.level}")
+            sizes = compression.unpack_sizes(f.sizes)
+        except ValueError as err:
+            raise CorruptImage(path, f"PAGE_FRAMES: {err}") from None
+        if sum(s for _r, s in sizes) != stored or any(r <= 0 or r > compression.FRAME or s <= 0 for r, s in sizes):
+            raise CorruptImage(path, f"PAGE_FRAMES sizes do not match {stored} stored bytes")
+        self._frames[pid] = sizes
+        self._frames_entry[pid] = f
+        return sum(r for r, _s in sizes)
+
+    def _open_parent(self) -> None:
+        """An incremental image's parent, which must be the very image it was dumped against."""
+        inv = self.inventory
+        where = os.path.normpath(os.path.join(self.path, inv.parent))
+        if inv.parent_id == inv.image_id or not inv.parent_id:
+            raise CorruptImage(self._file(INVENTORY_NAME), f"parent image id {inv.parent_id!r}")
+        try:
+            parent = ImageReader(where, verify_pages=self.verify_pages).open()
+        except NotAnImage as err:
+            raise ParentMissing(self.path, where, str(err)) from None
+        self.parent = parent
+        if parent.inventory.image_id != inv.parent_id:
+            raise ParentMissing(self.path, where, f"it is another image than the one this image was dumped "
+                                                  f"against (id {parent.inventory.image_id or 'none'}, "
+                                                  f"expected {inv.parent_id})")
+        for pid in inv.pids:
+            if self._parent_pages.get(pid) and pid not in parent.inventory.pids:
+                raise ParentMissing(self.path, where, f"it has no process {pid}")
 
     def _check_sums(self, pid: int, sums: list[PageSums], length: int) -> PageSums:
         path = self._file(pagemap_name(pid))

@@ -101,6 +101,11 @@ class Inventory:
                               # pid_level > 0, real: as the dumper saw it (since format 5)
     netlock: str = ""         # the network lock (ptckpt.netlock id) holding the dumped TCP
                               # connections until a restore releases it (since format 6)
+    image_id: str = ""        # random, unique to this image (since format 12)
+    parent: str = ""          # incremental: the parent image's directory, relative to this
+                              # one's, whose pages the PAGE_PARENT ranges are (since 12)
+    parent_id: str = ""       # and the parent's image_id, checked when the chain is read
+    memory_only: bool = False  # a pre-dump: memory to be a parent, nothing to restore (since 12)
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,26 @@ class PageSums:
 
     block_size: int
     sums: bytes
+
+
+@dataclass(frozen=True)
+class ParentPages:
+    """Incremental image: npages pages at vaddr are unchanged since the parent image, which
+    holds them (or, where the parent has no page, they were zero) (format 12)."""
+
+    vaddr: int
+    npages: int
+
+
+@dataclass(frozen=True)
+class PageFrames:
+    """Compressed page data (format 12): pages-PID.img's data is a sequence of frames, each
+    the zstd compression of `raw` bytes of page data into `stored` bytes; PageRun offsets
+    count raw bytes.  `sizes` packs (raw u32, stored u32) little-endian per frame."""
+
+    codec: str                # "zstd"
+    level: int
+    sizes: bytes
 
 
 @dataclass(frozen=True)

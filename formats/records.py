@@ -26,7 +26,9 @@ Grammar (every integer little-endian)::
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
-    PAGEMAP file   := PAGE_RUN* PAGE_SUMS          (PAGE_SUMS from format 10)
+    PAGEMAP file   := PAGE_RUN* PAGE_SUMS PAGE_PARENT* PAGE_FRAMES?
+                                                 (PAGE_SUMS from format 10, the rest from 12;
+                                                 PAGE_SUMS hash the data as stored)
     PAGES file     := (no entries: the payload is the page data)
 
 Evolution rules:
@@ -118,6 +120,8 @@ from ptckpt.formats.model import (
     MsgImage,
     PageRun,
     PageSums,
+    ParentPages,
+    PageFrames,
     PendingSignal,
     PosixTimer,
     Pty,
@@ -138,7 +142,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 11                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 12                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -149,6 +153,8 @@ FORMAT_VERSION = 11                # 2: trees (desc, zombies, pipes, unix socket
                                    # 9: senders' credentials queued in unix sockets
                                    # 10: page data hashed by block (PAGE_SUMS in the pagemap)
                                    # 11: files open for appending hashed up to their size
+                                   # 12: incremental images (parent, PAGE_PARENT), compressed
+                                   #     page data (PAGE_FRAMES), image ids, pre-dumps
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -204,6 +210,8 @@ class EntryKind(enum.IntEnum):
     FILE_LOCK = 19
     PAGE_RUN = 20
     PAGE_SUMS = 23
+    PAGE_PARENT = 24
+    PAGE_FRAMES = 25
     POSIX_TIMER = 21
     ITIMER = 22
     FD_OWNER = 26
@@ -344,6 +352,10 @@ InventoryRecord = Record(Inventory, Struct(
     "pid_level" / Since(5, VarInt),
     "real_pids" / Since(5, PrefixedArray(VarInt, CSequence(Int32ul, Int32ul))),
     "netlock" / Since(6, Utf8),
+    "image_id" / Since(12, Utf8),
+    "parent" / Since(12, Text),
+    "parent_id" / Since(12, Utf8),
+    "memory_only" / Since(12, Flag),
 ))
 
 # --- TASK --------------------------------------------------------------------
@@ -688,6 +700,20 @@ PageSumsRecord = Record(PageSums, Struct(
 ))
 
 
+# --- PAGE_PARENT, PAGE_FRAMES ---------------------------------------------------
+# Incremental images: pages unchanged since the parent image (the Inventory names it).
+ParentPagesRecord = Record(ParentPages, Struct(
+    "vaddr" / Int64ul,
+    "npages" / Int64ul,
+))
+# Compressed page data: (raw u32, stored u32) per zstd frame, in file order.
+PageFramesRecord = Record(PageFrames, Struct(
+    "codec" / Utf8,
+    "level" / Int32sl,
+    "sizes" / Blob,
+))
+
+
 # --- SYSV_SHM, SYSV_SEM, SYSV_MSG -------------------------------------------------
 # svipc(7); shmctl(2)/semctl(2)/msgctl(2) IPC_STAT (struct ipc64_perm, shmid64_ds,
 # semid64_ds, msqid64_ds), /proc/sysvipc/{shm,sem,msg}; segment bytes read through
@@ -1021,6 +1047,8 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.FILE_LOCK: HeldLockRecord,
     EntryKind.PAGE_RUN: PageRunRecord,
     EntryKind.PAGE_SUMS: PageSumsRecord,
+    EntryKind.PAGE_PARENT: ParentPagesRecord,
+    EntryKind.PAGE_FRAMES: PageFramesRecord,
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
     EntryKind.FD_OWNER: FdOwnerRecord,
@@ -1045,7 +1073,8 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
         EntryKind.PENDING_SIGNAL, EntryKind.FD, EntryKind.FILE_LOCK, EntryKind.POSIX_TIMER,
         EntryKind.ITIMER, EntryKind.FD_OWNER, EntryKind.AIO_RING,
     }),
-    FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN, EntryKind.PAGE_SUMS}),
+    FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN, EntryKind.PAGE_SUMS, EntryKind.PAGE_PARENT,
+                                 EntryKind.PAGE_FRAMES}),
     FileKind.PAGES: frozenset(),
 }
 
@@ -1071,7 +1100,7 @@ _PAGE_RUN = struct.Struct("<QQQ")
 _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
-                  PendingSignal, Fd, PageRun, PageSums, Zombie, PipeBuffer, UnixSocket, ShmImage,
+                  PendingSignal, Fd, PageRun, PageSums, ParentPages, PageFrames, Zombie, PipeBuffer, UnixSocket, ShmImage,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
                   Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,

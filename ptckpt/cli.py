@@ -20,7 +20,7 @@ import typer
 
 from . import __version__
 from .entry import forward_to, unwind_again
-from .errors import ExitCode, PtckptError, exhausted
+from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
     add_completion=False,
@@ -97,30 +97,65 @@ def dump(
     tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (TCP_REPAIR: sequence numbers, both queues, options) under a network lock; without it (or --tcp-close, --external fd:N) a tree holding one is refused.")] = False,
     tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed (the program sees a reset, then EOF); connections not yet accepted are dropped.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (schema in the README) instead of the directory and a summary line.")] = False,
+    prev: Annotated[Optional[str], typer.Option("--prev", metavar="DIR", help="Incremental: write only the pages changed since image DIR (a dump or pre-dump of this tree made with --track-mem, --prev or pre-dump); the image refers to DIR for the rest, and tracks on.")] = None,
+    track_mem: Annotated[bool, typer.Option("--track-mem", help="Leave the memory write-protected (userfaultfd, asynchronous) so that a later dump --prev of this image writes only the pages changed since.")] = False,
+    compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the page data (zstd, on every CPU; level 3 unless given, negative levels are faster).")] = None,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
     Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
     """
+    _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
+                  tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False)
+
+
+@app.command("pre-dump")
+def pre_dump(
+    pid: Annotated[int, typer.Argument(help="Process to pre-dump (with all its threads and children).")],
+    directory: Annotated[Optional[str], typer.Option("-D", "--directory", help="Image directory (default ./ckpt-PID); must not exist or be empty.")] = None,
+    prev: Annotated[Optional[str], typer.Option("--prev", metavar="DIR", help="Write only the pages changed since image DIR.")] = None,
+    compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the page data.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Write the memory of PID while it runs (frozen only to scan and write-protect it), as
+    the parent of a later `ptckpt dump --prev DIR`, which then writes only what changed.
+
+    Example: ptckpt pre-dump 1234 -D pre && ptckpt dump 1234 -D final --prev pre --kill
+    """
+    _dump_command(pid, directory, True, None, None, None, None, "10s", False, False, as_json, prev, True,
+                  compress, pre_dump=True)
+
+
+def _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
+                  tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool) -> None:
     from .dump import DumpMode, dump as _dump
     from .plugins import load_plugin
     try:
         from .builtins import External
+        from .formats.compression import parse_spec
         from .units import parse_duration
         loaded = [load_plugin(spec) for spec in plugin or ()]
         if external:
             loaded.append(External(external))
+        try:
+            codec = parse_spec(compress) if compress else None
+        except ValueError as err:
+            raise UsageError(f"--compress: {err}") from None
         result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                        save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
                        critical_timeout=parse_duration(critical_timeout),
-                       tcp_established=tcp_established, tcp_close=tcp_close)
+                       tcp_established=tcp_established, tcp_close=tcp_close,
+                       prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec)
     except PtckptError as err:
         raise _fail(err) from None
+    for warning in result.warnings:
+        typer.echo(f"ptckpt: warning: {one_line(warning)}", err=True)
     if as_json:
         typer.echo(json.dumps({"directory": result.directory, "pids": result.pids, "threads": result.threads,
                                "vmas": result.vmas, "pages": result.pages, "bytes": result.bytes,
                                "seconds": round(result.seconds, 6),
-                               "frozen_seconds": round(result.frozen_seconds, 6)}))
+                               "frozen_seconds": round(result.frozen_seconds, 6),
+                               "warnings": result.warnings}))
         return
     typer.echo(result.directory)
     _summary(result.summary())

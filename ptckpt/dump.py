@@ -35,6 +35,7 @@ from . import __version__, appblock, claims, entry, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
+from .increment import MemoryPlan
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
@@ -64,6 +65,7 @@ class DumpResult:
     bytes: int = 0
     seconds: float = 0.0
     frozen_seconds: float = 0.0
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         procs = f"{len(self.pids)} processes, " if len(self.pids) > 1 else ""
@@ -105,7 +107,9 @@ def dump(pid: int, directory: str | None = None, *,
          mode: DumpMode = DumpMode.LEAVE_RUNNING,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
          plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
-         tcp_established: bool = False, tcp_close: bool = False) -> DumpResult:
+         tcp_established: bool = False, tcp_close: bool = False,
+         prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
+         compress: tuple[str, int] | None = None) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
@@ -122,6 +126,11 @@ def dump(pid: int, directory: str | None = None, *,
     one: the dump waits up to `critical_timeout` seconds, then fails (CriticalSection,
     naming it) and the program runs on.  After a leave-running dump such a program
     reads CONTINUED in its app block.
+
+    Memory (ptckpt.increment): `track_mem` leaves the memory write-protected so that a
+    later dump with `prev` (a parent image directory) writes only the pages changed
+    since; `pre_dump` writes memory only, while the tree runs, as a parent for the real
+    dump.  `compress` = ("zstd", LEVEL) compresses the page data.
     """
     if tcp_established and tcp_close:
         raise UsageError("--tcp-established and --tcp-close exclude each other")
@@ -137,7 +146,9 @@ def dump(pid: int, directory: str | None = None, *,
     directory = directory or f"ckpt-{pid}"
     log.info("check %d", pid)
     check_target(pid)
-    writer = ImageWriter(directory)
+    plan = MemoryPlan(directory, prev=prev, track_mem=track_mem, pre_dump=pre_dump,
+                      killing=mode is DumpMode.KILL)
+    writer = ImageWriter(directory, compress=compress)
     writer.create()
     session = Session()
     flight = sockets.InFlight()
@@ -177,7 +188,7 @@ def dump(pid: int, directory: str | None = None, *,
             lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
         for member in pids:
             log.info("capture %d", member)
-            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member),
+            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member), plan,
                                                                 images.get(parents[member]), cow.get(member),
                                                                 lent.get(member, ()))
             result.threads += len(image.threads)
@@ -221,9 +232,16 @@ def dump(pid: int, directory: str | None = None, *,
             pid_level=view.level,
             real_pids=view.pairs(),
             netlock=net.lock.id if net.lock is not None and mode is DumpMode.KILL else "",
+            **plan.inventory_fields(),
         ), shared)
         for member in pids:                      # a completion while frozen: requests in flight
             aio.check_rings_quiet(member, images[member].aio_rings)
+        if pre_dump:                             # the memory is written while the tree runs
+            net.release(killed=False)
+            session.resume_all()
+            result.frozen_seconds = time.monotonic() - frozen_at
+            log.info("write the memory of %s, running", " ".join(map(str, result.pids)))
+            plan.run_deferred(result)
         entry.committed()                        # SIGINT & co from here: noted, not unwinding
         try:
             writer.commit()
@@ -233,11 +251,16 @@ def dump(pid: int, directory: str | None = None, *,
     except BaseException:
         flight.close()
         writer.abort()
+        plan.failed()
+        plan.close()
         with contextlib.suppress(PtckptError):   # the original error is the one to report
             net.abort()
         with contextlib.suppress(PtckptError):
             session.resume_all()
         raise
+    plan.committed(writer.image_id)
+    plan.close()
+    result.warnings = plan.untracked
     flight.close()
     log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
     if mode is DumpMode.LEAVE_RUNNING:
@@ -250,7 +273,7 @@ def dump(pid: int, directory: str | None = None, *,
         net.release(killed=True)                 # silently: the connections were in repair mode
         result.frozen_seconds = time.monotonic() - frozen_at
         _wait_gone(pid)
-    else:
+    elif not pre_dump:
         net.release(killed=False)                # repair mode off, the lock gone, then it runs
         session.resume_all()
         result.frozen_seconds = time.monotonic() - frozen_at
@@ -580,7 +603,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int,
+def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int, plan: MemoryPlan,
                             parent: ProcessImage | None = None, cow: dict | None = None,
                             lent: Sequence[tuple[int, int]] = ()):
     """One frozen member; `parent`: its parent's image, when a member too, and `cow` the
@@ -591,7 +614,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
     # shows in how the freeze found it.
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
-    vmas = memory.dump_vmas(pid, _BUILD_IDS)
+    vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, _BUILD_IDS))
     memory.check_vmas(pid, vmas)
     if parent is not None and cow:
         vmas = memory.with_cow(vmas, parent.vmas, cow)
@@ -621,7 +644,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     claims.check_label(pid)
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
-        fds = files.dump_fds(pid)
+                    plan.prepare(pid, vpid, remote)
+        fds = plan.visible_fds(pid, files.dump_fds(pid))
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)
@@ -643,11 +667,8 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             owners=tuple(files.dump_owners(pid, fds)),
             aio_rings=tuple(aio_rings),
         )
-        pages = writer.pages_writer(vpid)
-        runs, stats = memory.dump_pages_frozen(mem, vmas, pages, _merged(lent))
-        for run in runs:
-            pages.add_run(run.vaddr, run.npages, run.offset)
-        pages.close()
+        saved = plan.save_pages(pid, vpid, vmas, writer.pages_writer(vpid), mem, _merged(lent))
+        stats = saved[1] if saved is not None else memory.PageStats()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)
 

@@ -184,6 +184,15 @@ class CorruptImage(ImageError):
         self.reason = reason
 
 
+class ParentMissing(CorruptImage):
+    """An incremental image whose parent image is gone or is another image."""
+
+    def __init__(self, path: str, parent: str, why: str):
+        ImageError.__init__(self, path, f"{path}: an incremental image whose parent {parent} "
+                                        f"cannot be used: {why}")
+        self.reason, self.parent = why, parent
+
+
 class UnsupportedVersion(ImageError):
     exit_code = ExitCode.UNSUPPORTED_VERSION
 

@@ -869,7 +869,7 @@ def _append_runs(runs: list[PageRun], new) -> None:
 
 
 def _scan_ioctl(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
-                max_regions: int, pid: int, path: str) -> list[PageRun]:
+                max_regions: int, pid: int, path: str, flags: int = 0) -> list[PageRun]:
     """Walk [start, end) with PAGEMAP_SCAN, looping while the buffer fills up.
 
     The kernel merges adjacent pages of equal (masked) categories into one
@@ -883,7 +883,7 @@ def _scan_ioctl(fd: int, start: int, end: int, masks: tuple[int, int, int, int],
     vec = (ctypes.c_uint64 * (3 * max_regions))()
     view = memoryview(vec).cast("B").cast("Q")
     arg = _PmScanArg(
-        size=ctypes.sizeof(_PmScanArg), vec=ctypes.addressof(vec), vec_len=max_regions,
+        size=ctypes.sizeof(_PmScanArg), flags=flags, vec=ctypes.addressof(vec), vec_len=max_regions,
         category_inverted=inverted, category_mask=mask,
         category_anyof_mask=anyof, return_mask=ret,
     )
@@ -1067,6 +1067,34 @@ def scan_pages(pid: int, start: int, end: int, *,
                     raise
         zero_pfn = zero_page_pfn() if skip_zero or masks[3] & PAGE_IS_PFNZERO else None
         return _scan_pagemap_fd(fd, start, end, masks, zero_pfn, pid, procfs, path)
+    finally:
+        os.close(fd)
+
+
+PM_SCAN_WP_MATCHING = 1 << 0
+
+
+@_wrap_exceptions
+def scan_written(pid: int, start: int, end: int, *, protect: bool = False,
+                 procfs: str = "/proc") -> list[PageRun]:
+    """Runs of pages in [start, end) written since they were write-protected (uffd-wp):
+    present or swapped, without the uffd-wp bit.  A page of a mapping no userfaultfd
+    write-protects never has the bit, so it always counts as written.
+
+    ``protect``: write-protect every present or swapped page of the range instead
+    (PM_SCAN_WP_MATCHING; the range must be registered for asynchronous uffd-wp,
+    the kernel skips mappings that are not) and return them.
+    """
+    start, end = _check_range(start, end)
+    if start == end:
+        return []
+    anyof = PAGE_IS_PRESENT | PAGE_IS_SWAPPED
+    masks = (0, 0, anyof, 0) if protect else (0, PAGE_IS_WRITTEN, anyof, PAGE_IS_WRITTEN)
+    path = f"{procfs}/{pid}/pagemap"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _scan_ioctl(fd, start, end, masks, 16384, pid, path,
+                           flags=PM_SCAN_WP_MATCHING if protect else 0)
     finally:
         os.close(fd)
 

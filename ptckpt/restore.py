@@ -45,11 +45,11 @@ from .callable import make_callable
 from . import appblock, breakpoints, entry, procfs, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
-from .errors import CorruptImage, Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource
+from .errors import CorruptImage, Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource, UsageError
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
-                            InotifyState, MsgImage, PageRun, ProcessImage, SemImage, ShmImage, VmaKind)
+                            InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes,
                         process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
@@ -196,6 +196,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     with ImageReader(directory, verify_pages=False) as image, _checking_pages(image) as page_check:
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
+        if image.inventory.memory_only:
+            raise UsageError(f"{image.path} is a pre-dump, memory only: restore the dump made "
+                             f"with --prev {directory} (or a later one)")
         if image.inventory.pid_level and not pidns:
             log.info("the tree lived in a pid namespace of its own: restored in a new one")
             pidns = True
@@ -244,8 +247,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         ns_fd = netns_mod.new_netns() if netns else -1
         try:
             for p in members:
-                fd, data_offset = image.pages_location(p, PageRun(0, 0, 0))
-                pages[p] = (_open_pages(fd), data_offset)
+                pages[p] = [(_open_pages(fd), base, runs) for fd, base, runs in image.page_sources(p)]
             files.put_back_saved_files(list(image.saved_files))
             with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
                 # the tree's sockets are made in its network namespace, and it is born there
@@ -278,7 +280,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
 
                 def memory_first(p: int) -> None:
                     if p in early and p not in rebuilt:
-                        rebuild_memory(created[p], procs[p], image.page_runs(p), *pages[p], handed)
+                        rebuild_memory(created[p], procs[p], image.page_runs(p), pages[p], handed)
                         rebuilt.add(p)
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
@@ -290,7 +292,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
                 epolls = epoll_registrars(procs, image.fd_states)
                 for p in fix_up_order(procs):
-                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), *pages[p],
+                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), pages[p],
                                               handed, epolls.get(p, []), events, channel, breaks[p],
                                               memory_done=p in rebuilt)
                     result.warnings += warnings
@@ -377,8 +379,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             credentials.close()
             if ns_fd >= 0:
                 os.close(ns_fd)
-            for fd, _ in pages.values():
-                os.close(fd)
+            for sources in pages.values():
+                for fd, _base, _runs in sources:
+                    os.close(fd)
             for fd in handed.values():
                 os.close(fd)
             for _pid, _number, fd in events.installs() if events else ():
@@ -862,20 +865,19 @@ def _injection(task, mem: AddressSpace):
                            scratch_top=memory.gadget_scratch_top(task.gadget))
 
 
-def rebuild_memory(task, proc: ProcessImage, runs, pages_fd: int, data_offset: int, handed: dict) -> None:
+def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> None:
     """A stub's address space becomes the image's (before its children are cloned, when they
     inherit pages copy-on-write from it); its gadget moves, and the task remembers where."""
     with AddressSpace(task.tgid) as mem:
         with _injection(task, mem) as remote:
-            _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
+            _rebuild_memory_frozen(remote, mem, proc, runs, sources, handed)
             task.gadget = int(remote.gadget)
 
 
-def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
-                           handed: dict) -> None:
+def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict) -> None:
     log.info("fix up %d: address space", proc.task.pid)
     memory.prepare_address_space_frozen(remote, mem, proc.vmas)
-    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, pages_fd, data_offset, handed)
+    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed)
 
 
 def _restore_session(task, record) -> None:
@@ -961,7 +963,7 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
     return out
 
 
-def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_offset: int,
+def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
             channel: int = -1, breaks: list | None = None, memory_done: bool = False):
     """Rebuild one process from its stub (its memory first, unless `memory_done`); returns
@@ -971,7 +973,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, pages_fd: int, data_off
     with AddressSpace(leader.tgid) as mem:
         with _injection(leader, mem) as remote:
             if not memory_done:
-                _rebuild_memory_frozen(remote, mem, proc, runs, pages_fd, data_offset, handed)
+                _rebuild_memory_frozen(remote, mem, proc, runs, sources, handed)
             aio.restore_aio_rings_frozen(remote, proc.aio_rings)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)

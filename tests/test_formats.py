@@ -71,6 +71,8 @@ from ptckpt.formats.model import (
     Task,
     Thread,
     PageSums,
+    ParentPages,
+    PageFrames,
     UnixSocket,
     Vma,
     VmaKind,
@@ -181,6 +183,7 @@ def sample_records() -> list:
     return [make_inventory(), proc.task, proc.creds, proc.mm, *proc.rlimits, *proc.vmas, *proc.threads,
             *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
             *proc.owners, *proc.aio_rings, PageRun(0x7f0000000000, 4, 8192), PageSums(1 << 20, bytes(range(16))),
+            ParentPages(0x7f0000010000, 3), PageFrames("zstd", 3, bytes(range(16))),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -361,7 +364,7 @@ def test_page_run_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0b00" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0c00" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
@@ -403,18 +406,29 @@ def test_inventory_pid_namespace_fields_since_format_5():
     inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5, 6), 1, 2, 3, "h",
                     pid_level=1, real_pids=((5, 4005), (6, 4006)))
     raw = build_record(inv)
-    assert raw.endswith(bytes.fromhex("01" "02" "05000000a50f0000" "06000000a60f0000" "00"))
+    assert raw.endswith(bytes.fromhex("01" "02" "05000000a50f0000" "06000000a60f0000" "00" "00000000"))
     assert parse_record(EntryKind.INVENTORY, raw) == inv
-    old = parse_record(EntryKind.INVENTORY, raw[:-19], version=4)     # a format-4 image
+    old = parse_record(EntryKind.INVENTORY, raw[:-23], version=4)     # a format-4 image
     assert (old.pid_level, old.real_pids) == (0, ())
 
 
 def test_inventory_netlock_since_format_6():
     inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5,), 1, 2, 3, "h", netlock="ab12")
     raw = build_record(inv)
-    assert raw.endswith(b"\x04ab12") and parse_record(EntryKind.INVENTORY, raw) == inv
-    old = parse_record(EntryKind.INVENTORY, raw[:-5], version=5)      # a format-5 image
+    assert raw.endswith(b"\x04ab12" + bytes(4)) and parse_record(EntryKind.INVENTORY, raw) == inv
+    old = parse_record(EntryKind.INVENTORY, raw[:-9], version=5)      # a format-5 image
     assert old.netlock == "" and old.pid_level == 0
+
+
+def test_inventory_chain_fields_since_format_12():
+    inv = Inventory("0.1", "6.18", "x86_64", 4096, 7, 2696, 5, (5,), 1, 2, 3, "h", image_id="c0ffee",
+                    parent="../p", parent_id="beef", memory_only=True)
+    raw = build_record(inv)
+    assert raw.endswith(b"\x06c0ffee\x04../p\x04beef\x01") and parse_record(EntryKind.INVENTORY, raw) == inv
+    old = parse_record(EntryKind.INVENTORY, raw[:-18], version=11)    # a format-11 image
+    assert (old.image_id, old.parent, old.parent_id, old.memory_only) == ("", "", "", False)
+    assert encode_entry(ParentPages(0x7f0000001000, 3)) == bytes.fromhex(
+        "1800" "0000" "10000000" "00100000007f0000" "0300000000000000")
 
 
 def test_header_parse_round_trip():
@@ -458,7 +472,8 @@ def image_dir(tmp_path):
 
 def test_golden_image_reads_back(image_dir):
     with ImageReader(image_dir) as image:
-        assert image.inventory == make_inventory((100, 200))
+        assert image.inventory == dataclasses.replace(make_inventory((100, 200)), image_id=image.inventory.image_id)
+        assert len(image.inventory.image_id) == 32      # the writer gives every image an id
         assert image.version == FORMAT_VERSION
         for pid in (100, 200):
             assert image.process(pid) == make_process(pid)
@@ -485,7 +500,7 @@ def test_read_inventory_alone(tmp_path):
         image.write_process(make_process(100))
         with image.pages_writer(100) as pages:
             pages.add_run(0x7f0000000000, 1, pages.write(PAGE_A))
-    assert ImageReader.read_inventory(target) == make_inventory((100,))
+    assert ImageReader.read_inventory(target) == dataclasses.replace(make_inventory((100,)), image_id=image.image_id)
     raw = bytearray((target / "inventory.img").read_bytes())
     raw[-1] ^= 0xFF                                  # in the ZOMBIE record, after the INVENTORY
     (target / "inventory.img").write_bytes(raw)

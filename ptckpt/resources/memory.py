@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import mmap
 import os
 import stat as _stat
@@ -414,22 +415,58 @@ def _batches(ranges: Iterable[tuple[int, int, bool]], limit: int) -> Iterable[li
         yield batch
 
 
-def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
-                      shared: Sequence[tuple[int, int]] = ()) -> tuple[list[PageRun], PageStats]:
-    """Copy the pages a restore needs into the image's pages file.
-
-    `pages` is the image's PagesWriter (double-buffered: we fill one buffer
-    with process_vm_readv while the writer thread checksums and writes the
-    other).  Returns the page index and the totals.  The `shared` ranges (pages a
-    child shares with this process copy-on-write) are read without pinning them,
-    so they stay shared in a tree that goes on running.
-    """
+def plan_pages(pid: int, vmas: Sequence[Vma], written: Sequence[tuple[int, int]] | None = None):
+    """What a dump saves: ([(start, end, zero-droppable)] ranges to read, [(start, end)]
+    ranges left to the parent image).  With `written` (an incremental dump: the pages
+    written since the parent image, memtrack), only those are read, and the other pages
+    that hold data are the parent's."""
     ranges: list[tuple[int, int, bool]] = []
     for vma in vmas:
         # Zero pages can be left out where the restore maps fresh anonymous memory;
         # in a file mapping the file's own bytes would show through instead.
         droppable = vma.kind in ZERO_DROPPABLE
-        ranges.extend((s, e, droppable) for s, e in ranges_to_save(mem.pid, vma))
+        ranges.extend((s, e, droppable) for s, e in ranges_to_save(pid, vma))
+    if written is None:
+        return ranges, []
+    marks = sorted(written)
+    read = [(a, b, d) for s, e, d in ranges for a, b in _intersect(s, e, marks)]
+    unchanged = _without([(s, e) for s, e, _d in ranges], marks)
+    return read, unchanged
+
+
+def _intersect(s: int, e: int, marks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    i = max(0, bisect.bisect_right(marks, (s, 2**64)) - 1)
+    out = []
+    while i < len(marks) and marks[i][0] < e:
+        a, b = max(s, marks[i][0]), min(e, marks[i][1])
+        if a < b:
+            out.append((a, b))
+        i += 1
+    return out
+
+
+def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
+                      shared: Sequence[tuple[int, int]] = (),
+                      written: Sequence[tuple[int, int]] | None = None) -> tuple[list[PageRun], PageStats]:
+    """Copy the pages a restore needs into the image's pages file (plan_pages, write_pages);
+    with `written`, only those, and the rest of the pages is recorded as the parent's."""
+    ranges, unchanged = plan_pages(mem.pid, vmas, written)
+    for s, e in unchanged:
+        pages.add_parent(s, (e - s) // PAGE_SIZE)
+    return write_pages(mem, ranges, pages, shared)
+
+
+def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, int]] = (),
+                lost: list | None = None) -> tuple[list[PageRun], PageStats]:
+    """Read (start, end, droppable) ranges into the image's pages file.
+
+    `pages` is the image's PagesWriter (double-buffered: we fill one buffer
+    with process_vm_readv while the writer thread checksums and writes the
+    other).  Returns the page index and the totals.  The `shared` ranges (pages a
+    child shares with this process copy-on-write) are read without pinning them,
+    so they stay shared in a tree that goes on running.  `lost`: the process runs
+    (a pre-dump): ranges it unmapped meanwhile are left out and listed there.
+    """
     if shared:
         ranges = list(_pieces(ranges, sorted(shared)))
     stats = PageStats()
@@ -437,7 +474,11 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
     for batch in _batches(ranges, pages.buffer_size):
         nbytes = sum(e - s for s, e, _ in batch)
         buf = pages.get_buffer()
-        _read_batch(mem, buf, batch, sorted(shared))
+        if lost is None:
+            _read_batch(mem, buf, batch, sorted(shared))
+        else:
+            batch = _read_running(mem, buf, batch, lost)
+            nbytes = sum(e - s for s, e, _ in batch)
         nbytes, kept = drop_zero_pages(buf, nbytes, batch)
         offset = pages.submit(buf, nbytes)
         for s, e in kept:
@@ -446,6 +487,26 @@ def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
         stats.pages += nbytes // PAGE_SIZE
         stats.bytes += nbytes
     return _merge_runs(index), stats
+
+
+def _read_running(mem: AddressSpace, buf, batch, lost: list):
+    """_read_batch for a process that runs: a range it unmapped meanwhile is dropped from
+    the batch (the rest moves up in `buf`) and added to `lost`."""
+    try:
+        _read_batch(mem, buf, batch, ())
+        return batch
+    except PtckptError:
+        pass
+    kept, done = [], 0
+    for s, e, d in batch:
+        try:
+            mem.read_unpinned(buf[done:done + e - s], s)
+        except PtckptError:
+            lost.append((s, e))
+            continue
+        kept.append((s, e, d))
+        done += e - s
+    return kept
 
 
 def _pieces(ranges, holes):
@@ -762,10 +823,11 @@ def _new_object(path: str, size: int) -> int:
 
 
 def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
-                        pages_fd: int, data_offset: int, shared: dict | None = None) -> None:
+                        sources, shared: dict | None = None) -> None:
     """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
 
-    `pages_fd` reads the image's pages file, whose page data starts at `data_offset`.
+    `runs` are all the saved pages; `sources` says where they are: (fd, base, runs) per
+    file (ImageReader.page_sources: an incremental image's pages are in several).
     `shared` maps shared_object_key()s to the fd (in the tracee) of the object to map.
     """
     shared = shared or {}
@@ -812,8 +874,9 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
     files.close_all()
-    if not fill_pages_in_target(remote, runs, pages_fd, data_offset):
-        fill_pages(mem, runs, pages_fd, data_offset)
+    for pages_fd, data_offset, part in sources:
+        if not fill_pages_in_target(remote, part, pages_fd, data_offset):
+            fill_pages(mem, part, pages_fd, data_offset)
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
@@ -865,27 +928,21 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
     injected preadv()s straight into its memory, one per run of pages consecutive in the
     file (up to _IOV_BATCH mappings each).  One copy, page cache to memory, and the page
     faults are the tracee's own: a memory limit ends it, not ptckpt.  False when the
-    tracee cannot open the file (then ptckpt copies, fill_pages)."""
+    tracee cannot open the file, or the pages lie in more pieces of the file than
+    injected calls pay for (an incremental chain's): then ptckpt copies (fill_pages)."""
     if not runs:
         return True
+    groups = _file_groups(runs)
+    if len(groups) > _INJECT_MAX_CALLS:
+        return False
     path = os.readlink(f"/proc/self/fd/{pages_fd}")
+    if not path.startswith("/") or path.endswith(" (deleted)"):
+        path = f"/proc/{os.getpid()}/fd/{pages_fd}"     # a memfd (decompressed page data)
     with remote.scratch(os.fsencode(path) + b"\0") as p:
         fd = remote.syscall("openat", -100, int(p), os.O_RDONLY | os.O_CLOEXEC, 0)
     if fd < 0:
         return False
     try:
-        groups: list[list[tuple[int, int, int]]] = []      # [(file offset, vaddr, length)], consecutive
-        for r in sorted(runs, key=lambda r: r.offset):
-            pos, left, vaddr = r.offset, r.npages * PAGE_SIZE, r.vaddr
-            while left:
-                take = min(left, _READ_MAX // PAGE_SIZE * PAGE_SIZE)
-                g = groups[-1] if groups else None
-                if (g is None or len(g) == _IOV_BATCH or g[-1][0] + g[-1][2] != pos
-                        or sum(n for _o, _v, n in g) + take > _READ_MAX):
-                    g = []
-                    groups.append(g)
-                g.append((pos, vaddr, take))
-                pos, vaddr, left = pos + take, vaddr + take, left - take
         for g in groups:
             iov = b"".join(struct.pack("<QQ", vaddr, n) for _o, vaddr, n in g)
             want, offset = sum(n for _o, _v, n in g), data_offset + g[0][0]
@@ -900,11 +957,38 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
     return True
 
 
+_INJECT_MAX_CALLS = 256       # ~0.2 ms each; ptckpt's own preadv + process_vm_writev are µs
+
+
+def _file_groups(runs: Sequence[PageRun]) -> list[list[tuple[int, int, int]]]:
+    """[(file offset, vaddr, length)] groups, each consecutive in the file: one preadv each."""
+    groups: list[list[tuple[int, int, int]]] = []
+    size = 0                                  # bytes of the last group
+    for r in sorted(runs, key=lambda r: r.offset):
+        pos, left, vaddr = r.offset, r.npages * PAGE_SIZE, r.vaddr
+        while left:
+            take = min(left, _READ_MAX // PAGE_SIZE * PAGE_SIZE)
+            g = groups[-1] if groups else None
+            if (g is None or len(g) == _IOV_BATCH or g[-1][0] + g[-1][2] != pos
+                    or size + take > _READ_MAX):
+                g = []
+                groups.append(g)
+                size = 0
+            g.append((pos, vaddr, take))
+            size += take
+            pos, vaddr, left = pos + take, vaddr + take, left - take
+    return groups
+
+
 def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> None:
     """Copy the saved pages into the tracee: big preadv()s from the image into one reused
     buffer, each followed by one process_vm_writev chain over the runs it holds."""
     buf = mmap.mmap(-1, FILL_BUFFER)
     view = memoryview(buf)
+    own = -1
+    if fcntl.fcntl(pages_fd, fcntl.F_GETFL) & os.O_DIRECT and len(runs) > _INJECT_MAX_CALLS:
+        # pieces scattered over the file (an incremental chain's): through the page cache
+        pages_fd = own = os.open(f"/proc/self/fd/{pages_fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         batch: list[tuple[int, int]] = []     # (vaddr, length), consecutive in the file
         start = size = 0
@@ -927,6 +1011,8 @@ def fill_pages(mem: AddressSpace, runs: Sequence[PageRun], pages_fd: int, data_o
     finally:
         # After an error, slices of the view may live on in its traceback: the buffer then
         # goes with them, and the error itself is what is reported.
+        if own >= 0:
+            os.close(own)
         with contextlib.suppress(BufferError):
             view.release()
             buf.close()
