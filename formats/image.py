@@ -860,6 +860,10 @@ class ImageReader:
         frames = self._frames_entry.get(pid)
         return f"{frames.codec}:{frames.level}" if frames is not None else ""
 
+    def shared_records(self) -> list:
+        """The image-wide records of inventory.img, in order (everything after the INVENTORY)."""
+        return self._read_entries(INVENTORY_NAME, FileKind.INVENTORY)[1][1:]
+
     def chain(self) -> list[str]:
         """This image's directory and its parents', newest first."""
         out, image = [], self

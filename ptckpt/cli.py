@@ -332,6 +332,9 @@ def run(
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long a checkpoint waits for a critical section (ptckpt.app) to end.")] = "10s",
     tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Checkpoints take established TCP connections (as dump --tcp-established).")] = False,
     tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Checkpoints record established TCP connections as closed (as dump --tcp-close).")] = False,
+    incremental: Annotated[bool, typer.Option("--incremental/--full", help="Each checkpoint after the first writes only the pages changed since the one before (dump --prev), or every checkpoint writes all memory.")] = True,
+    keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the last N checkpoints (0: all); an older one is folded into the next (ptckpt compact) before it goes.")] = 0,
+    compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the checkpoints' page data.")] = None,
 ) -> None:
     """Run COMMAND under ptckpt: checkpoints at intervals, on the program's request
     (ptckpt.app / ptckpt.h) and on `ptckpt control`; ends with COMMAND's exit status.
@@ -343,9 +346,17 @@ def run(
     from .run import Supervisor
     try:
         every = parse_duration(interval) if interval else 0.0
+        from .formats.compression import parse_spec
+        try:
+            codec = parse_spec(compress) if compress else None
+        except ValueError as err:
+            raise UsageError(f"--compress: {err}") from None
+        if keep < 0:
+            raise UsageError("--keep takes a count >= 0")
         sup = Supervisor(command, directory or f"ptckpt-run-{os.getpid()}", interval=every,
                          critical_timeout=parse_duration(critical_timeout),
-                         tcp_established=tcp_established, tcp_close=tcp_close)
+                         tcp_established=tcp_established, tcp_close=tcp_close,
+                         incremental=incremental, keep=keep, compress=codec)
         become_subreaper()
         status = sup.run()
     except PtckptError as err:
@@ -383,6 +394,28 @@ def control(
         typer.echo(json.dumps(reply, indent=2))
     else:
         typer.echo(f"stopped {reply['stopped']}")
+
+
+@app.command()
+def compact(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="The image to fold: the newest of an incremental chain.")],
+    out: Annotated[Optional[str], typer.Option("-o", "--out", help="Write the folded image here; without it, DIRECTORY is replaced (same image id: images made on it still find it) and its parents may be removed.")] = None,
+    compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the folded image's page data (default: as the image's).")] = None,
+) -> None:
+    """Fold an incremental chain (dump --prev, pre-dump) into one image that needs no parent.
+
+    Example: ptckpt compact -D ckpt-0005 -o ckpt-full
+    """
+    from .compact import compact as _compact
+    from .formats.compression import parse_spec
+    try:
+        try:
+            codec = parse_spec(compress) if compress else None
+        except ValueError as err:
+            raise UsageError(f"--compress: {err}") from None
+        typer.echo(_compact(directory, out, compress=codec))
+    except PtckptError as err:
+        raise _fail(err) from None
 
 
 @app.command()

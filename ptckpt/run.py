@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,7 +61,8 @@ class RunState:
 
 class Supervisor:
     def __init__(self, argv: Sequence[str], directory: str, *, interval: float = 0.0,
-                 critical_timeout: float = 10.0, tcp_established: bool = False, tcp_close: bool = False):
+                 critical_timeout: float = 10.0, tcp_established: bool = False, tcp_close: bool = False,
+                 incremental: bool = True, keep: int = 0, compress: tuple[str, int] | None = None):
         if not argv:
             raise UsageError("ptckpt run needs a command (after --)")
         self.argv = list(argv)
@@ -68,6 +70,7 @@ class Supervisor:
         self.interval = interval
         self.critical_timeout = critical_timeout
         self.tcp = dict(tcp_established=tcp_established, tcp_close=tcp_close)   # dump's TCP policy
+        self.incremental, self.keep, self.compress = incremental, keep, compress
         self.child: subprocess.Popen | None = None
         self.listener: socket.socket | None = None
         self.clients: list[socket.socket] = []
@@ -166,9 +169,11 @@ class Supervisor:
         n = len(self.state.checkpoints) + len(self.state.failures) + 1
         directory = os.path.join(self.directory, f"ckpt-{n:04d}")
         log.info("checkpoint %d (%s) -> %s", n, reason, directory)
+        last = self.state.checkpoints[-1].image if self.state.checkpoints else None
         try:
             result = dump(self.child.pid, directory, mode=DumpMode.LEAVE_RUNNING,
-                          critical_timeout=self.critical_timeout, **self.tcp)
+                          critical_timeout=self.critical_timeout, **self.tcp, compress=self.compress,
+                          track_mem=self.incremental, prev=last if self.incremental else None)
         except PtckptError as err:
             self.state.failures.append({"reason": reason, "error": str(err), "at": time.time()})
             log.warning("checkpoint %d failed: %s", n, err)
@@ -179,7 +184,24 @@ class Supervisor:
             return {"ok": False, "error": str(err)}
         self.state.checkpoints.append(Checkpoint(result.directory, reason, round(result.seconds, 3),
                                                  round(result.frozen_seconds, 3), time.time()))
+        self._retire()
         return {"ok": True, "image": result.directory}
+
+    def _retire(self) -> None:
+        """--keep N: the oldest checkpoints go, each folded into the next one first
+        (in place: the next keeps its id, so the chain after it still holds)."""
+        from .compact import compact
+        while self.keep and len(self.state.checkpoints) > self.keep:
+            oldest, nxt = self.state.checkpoints[0], self.state.checkpoints[1]
+            try:
+                if self.incremental:
+                    compact(nxt.image)
+                shutil.rmtree(oldest.image)
+            except (PtckptError, OSError) as err:
+                log.warning("cannot retire checkpoint %s: %s", oldest.image, err)
+                return
+            log.info("retired %s", oldest.image)
+            self.state.checkpoints.pop(0)
 
     # --- control ---------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> str:

@@ -102,10 +102,30 @@ def _pages_json(reader: ImageReader, pid: int) -> dict[str, Any]:
         "run_count": len(runs),
         "total_pages": total,
         "total_bytes": total * PAGE_SIZE,
-        "data_bytes": reader.pages_length(pid),
+        "data_bytes": reader.pages_length(pid),       # this image's own, uncompressed
+        "stored_bytes": reader.stored_length(pid),    # as in pages-PID.img
+        "compression": reader.compression(pid),       # "zstd:LEVEL" or ""
+        "parent_pages": sum(p.npages for p in reader.parent_pages(pid)),
         "crc32": reader.pages_crc32(pid),
         "runs": [record_to_json(r) for r in runs],
     }
+
+
+def _storage_lines(reader: ImageReader) -> str:
+    """How the page data is kept: per process raw and stored bytes, the chain of parents."""
+    inv = reader.inventory
+    lines = []
+    if inv.memory_only:
+        lines.append("a pre-dump: memory only, the parent of a later dump --prev")
+    if inv.parent:
+        lines.append("incremental, on " + " <- ".join(_printable(p) for p in reader.chain()[1:]))
+    for pid in reader.pids:
+        raw, stored, how = reader.pages_length(pid), reader.stored_length(pid), reader.compression(pid)
+        inherited = sum(p.npages for p in reader.parent_pages(pid)) * PAGE_SIZE
+        lines.append(f"page data of {pid}: {raw} bytes, stored in {stored}"
+                     + (f" ({how}, {stored / raw:.1%})" if how and raw else "")
+                     + (f"; {inherited} bytes unchanged, in the parents" if inherited else ""))
+    return "\n".join(lines)
 
 
 def _pid_rows(reader: ImageReader) -> list[dict[str, Any]]:
@@ -149,6 +169,7 @@ def image_to_json(directory: str | os.PathLike) -> dict[str, Any]:
             "path": reader.path,
             "format_version": reader.version,
             "inventory": record_to_json(reader.inventory),
+            "chain": reader.chain(),
             "pids": _pid_rows(reader),
             "processes": [_process_json(reader, pid) for pid in reader.pids],
             "zombies": [record_to_json(z) for z in reader.zombies],
@@ -445,6 +466,7 @@ def image_summary(directory: str | os.PathLike) -> str:
         inv = reader.inventory
         procs = [reader.process(pid) for pid in reader.pids]
         runs = {pid: reader.page_runs(pid) for pid in reader.pids}
+        storage = _storage_lines(reader)
         shared = _shared_table(reader)
         sockets = _sockets_table(reader, procs)
         sockets_heading = _sockets_heading(inv, reader)
@@ -457,7 +479,7 @@ def image_summary(directory: str | os.PathLike) -> str:
         [[p.task.pid, p.task.ppid, _printable(p.task.comm), len(p.threads), _printable(p.task.exe)]
          for p in procs],
         right=(0, 1, 3))
-    parts = [head, _section("tasks:", tasks), _section(_pid_heading(inv), _pid_table(inv, procs))]
+    parts = [head, storage, _section("tasks:", tasks), _section(_pid_heading(inv), _pid_table(inv, procs))]
     if shared:
         parts.append(_section("shared by the tree:", shared))
     if sockets:

@@ -64,6 +64,8 @@ def snapshot(pid: int) -> dict[str, object]:
                         if ":" in line)
         except OSError:
             continue                                    # closed as we looked
+        if target == "anon_inode:[userfaultfd]" and int(name) >= 900:
+            continue                                    # ptckpt's memory tracking (dump --track-mem)
         fd, target = int(name), _fd_target(target)
         if fd <= 2 and (target in ("pipe", "socket") or target.startswith(("/dev/pts/", "/dev/tty"))):
             fds[fd] = STDIO                             # the root's stdio: a restore gives its own

@@ -1,0 +1,184 @@
+"""Incremental dumps (--track-mem, --prev, pre-dump), chains, compaction and compressed
+page data, on the scribbler fixture: it keeps writing pages while it is dumped, and
+its own log of writes (the count) says what every page must hold, so a restored copy
+proves the image was one consistent instant (SIGUSR1: "VERIFY n OK COUNT c")."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+
+from ptckpt.errors import ExitCode
+from ptckpt.formats.image import ImageReader
+from ptckpt.resources import memtrack
+
+from conftest import wait_pid_free, wait_until
+
+MIB = 64          # 16384 pages; RATE 2 writes a page a half-millisecond: ~1% between dumps
+
+
+def _dump(ptckpt, target, image, *extra):
+    res = ptckpt("dump", target.pid, "-D", image, *extra)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def _restore_and_verify(ptckpt, target, image) -> int:
+    """Kill the original, restore `image`, ask the copy to verify; the count it has."""
+    if target.alive():
+        os.kill(target.pid, signal.SIGKILL)
+        target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", image, "--detach", "--file-policy", "ignore")
+    assert res.returncode == 0, res.stderr
+    target.adopt(int(res.stdout.split()[-1]))
+    target.signal(signal.SIGUSR1)
+    line = target.wait_for_line(r"VERIFY 1 OK COUNT \d+").group(0)
+    target.assert_ok()
+    return int(line.split()[-1])
+
+
+def _count_in(image, pid: int, address: int) -> int:
+    """The scribbler's `count` as the image holds it (through the chain)."""
+    with ImageReader(image) as reader:
+        for run in reader.page_runs(pid):
+            if run.vaddr <= address < run.vaddr + run.npages * 4096:
+                data = reader.read_pages(pid, run)
+                off = address - run.vaddr
+                return int.from_bytes(data[off:off + 8], "little")
+    raise AssertionError(f"no page at {address:#x} in {image}")
+
+
+def test_chain_of_five_incremental_dumps_restores_the_last_exactly(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", MIB, 2)
+    images = [tmp_path / f"c{i}" for i in range(5)]
+    full = _dump(ptckpt, target, images[0], "--track-mem", "--json")
+    sizes = []
+    for prev, image in zip(images, images[1:]):
+        time.sleep(0.3)
+        res = _dump(ptckpt, target, image, "--prev", prev)
+        assert "warning" not in res.stderr, res.stderr
+        with ImageReader(image) as reader:
+            sizes.append(reader.pages_length(target.pid))
+            assert reader.inventory.parent == os.path.relpath(prev, image)
+            assert reader.parent_pages(target.pid), "unchanged pages are left to the parent"
+    full_bytes = int(re.search(r'"bytes": (\d+)', full.stdout).group(1))
+    assert full_bytes >= MIB << 20
+    assert all(s < full_bytes // 10 for s in sizes), (sizes, full_bytes)   # only what changed
+    # the tracking fd is the dumps', not the program's: in no image
+    with ImageReader(images[-1]) as reader:
+        assert all(f.fd < memtrack.TRACK_FD_FLOOR for f in reader.process(target.pid).fds)
+        assert all("uw" not in v.vmflags.split() for v in reader.process(target.pid).vmas)
+        assert len(reader.chain()) == 5
+    at_dump = _count_in(images[-1], target.pid, target.symbols["count"])
+    assert _restore_and_verify(ptckpt, target, images[-1]) >= at_dump > 0
+
+
+def test_pre_dump_then_short_final_dump(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", MIB, 2)
+    res = ptckpt("pre-dump", target.pid, "-D", tmp_path / "pre", "--json")
+    assert res.returncode == 0, res.stderr
+    time.sleep(0.2)
+    res = ptckpt("pre-dump", target.pid, "-D", tmp_path / "pre2", "--prev", tmp_path / "pre")
+    assert res.returncode == 0, res.stderr
+    # a pre-dump holds memory only
+    res = ptckpt("restore", "-D", tmp_path / "pre2", "--detach")
+    assert res.returncode == ExitCode.USAGE and "pre-dump" in res.stderr and "Traceback" not in res.stderr
+    _dump(ptckpt, target, tmp_path / "final", "--prev", tmp_path / "pre2", "--kill")
+    target.wait_exit(10)
+    with ImageReader(tmp_path / "final") as reader:
+        assert reader.pages_length(target.pid) < (MIB << 20) // 10
+    assert _restore_and_verify(ptckpt, target, tmp_path / "final") > 0
+
+
+def test_a_missing_or_changed_parent_is_refused(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 8, 2)
+    _dump(ptckpt, target, tmp_path / "a", "--track-mem")
+    _dump(ptckpt, target, tmp_path / "b", "--prev", tmp_path / "a")
+    os.rename(tmp_path / "a", tmp_path / "a-moved")
+    res = ptckpt("restore", "-D", tmp_path / "b", "--detach")
+    assert res.returncode == ExitCode.CORRUPT_IMAGE, res.stderr
+    assert "parent" in res.stderr and "no such directory" in res.stderr and len(res.stderr.splitlines()) == 1
+    _dump(ptckpt, target, tmp_path / "a")                 # another image where the parent was
+    res = ptckpt("restore", "-D", tmp_path / "b", "--detach")
+    assert res.returncode == ExitCode.CORRUPT_IMAGE, res.stderr
+    assert "another image than the one this image was dumped against" in res.stderr
+    assert target.alive()
+
+
+def test_untracked_process_is_written_in_full_with_a_warning(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 8, 2)
+    _dump(ptckpt, target, tmp_path / "plain")              # no --track-mem
+    res = _dump(ptckpt, target, tmp_path / "next", "--prev", tmp_path / "plain")
+    assert "warning" in res.stderr and "all its pages written" in res.stderr
+    with ImageReader(tmp_path / "next") as reader:
+        assert not reader.parent_pages(target.pid)
+    # the image is still right, and the tracking it set up serves the next one
+    res = _dump(ptckpt, target, tmp_path / "third", "--prev", tmp_path / "next")
+    assert "warning" not in res.stderr
+    assert _restore_and_verify(ptckpt, target, tmp_path / "third") > 0
+
+
+def test_compact_folds_a_chain_in_place(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 16, 2)
+    _dump(ptckpt, target, tmp_path / "a", "--track-mem")
+    time.sleep(0.1)
+    _dump(ptckpt, target, tmp_path / "b", "--prev", tmp_path / "a")
+    time.sleep(0.1)
+    _dump(ptckpt, target, tmp_path / "c", "--prev", tmp_path / "b")
+    res = ptckpt("compact", "-D", tmp_path / "b")            # b keeps its id: c still finds it
+    assert res.returncode == 0, res.stderr
+    shutil.rmtree(tmp_path / "a")
+    with ImageReader(tmp_path / "c") as reader:
+        assert reader.chain() == [str(tmp_path / "c"), str(tmp_path / "b")]
+    res = ptckpt("compact", "-D", tmp_path / "c", "-o", tmp_path / "whole")
+    assert res.returncode == 0, res.stderr
+    with ImageReader(tmp_path / "whole") as reader:
+        assert not reader.inventory.parent and reader.pages_length(target.pid) >= 16 << 20
+    assert _restore_and_verify(ptckpt, target, tmp_path / "whole") > 0
+
+
+def test_compressed_image_restores_and_shows_its_sizes(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 32, 2)
+    _dump(ptckpt, target, tmp_path / "z", "--compress", "zstd:1")
+    res = ptckpt("show", tmp_path / "z", "--summary")
+    m = re.search(r"page data of \d+: (\d+) bytes, stored in (\d+) \(zstd:1", res.stdout)
+    assert m and int(m.group(2)) < int(m.group(1)) // 2, res.stdout
+    assert _restore_and_verify(ptckpt, target, tmp_path / "z") > 0
+
+
+def test_damaged_compressed_frame_is_refused(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 8, 0)
+    _dump(ptckpt, target, tmp_path / "z", "--compress", "zstd", "--kill")
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    pages = tmp_path / "z" / f"pages-{target.pid}.img"
+    raw = bytearray(pages.read_bytes())
+    raw[4096 + 200] ^= 0x55                                  # inside the first frame
+    pages.write_bytes(bytes(raw))
+    res = ptckpt("restore", "-D", tmp_path / "z", "--detach")
+    assert res.returncode == ExitCode.CORRUPT_IMAGE and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    wait_until(lambda: not os.path.exists(f"/proc/{target.pid}"), 5, message="nothing left running")
+
+
+def test_bad_compress_spec_is_a_usage_error(ptckpt, tmp_path):
+    res = ptckpt("dump", os.getpid(), "-D", tmp_path / "x", "--compress", "lz4")
+    assert res.returncode == ExitCode.USAGE and "unknown compression" in res.stderr
+
+
+def test_run_keeps_a_chain_of_incremental_checkpoints(ptckpt, fixture_bins, tmp_path):
+    out = tmp_path / "out"
+    run_dir = tmp_path / "run"
+    res = ptckpt("run", "-D", run_dir, "--interval", "0.3s", "--keep", "2", "--",
+                 "timeout", "3", fixture_bins["scribbler"], out, 8, 2, timeout=60)
+    assert res.returncode == 124, res.stderr                  # timeout(1) ended it
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("ckpt-"))
+    assert len(kept) == 2, kept
+    with ImageReader(run_dir / kept[-1]) as reader:
+        assert reader.chain() == [str(run_dir / kept[-1]), str(run_dir / kept[0])]
+    with ImageReader(run_dir / kept[0]) as reader:
+        assert not reader.inventory.parent                    # folded: stands alone
