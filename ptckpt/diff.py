@@ -96,6 +96,9 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(Inventory, _fs("real_pids"), "real pids of a tree in a pid namespace of its own: "
                                           "each restore's namespace is another"),
     Expected(Inventory, _fs("netlock"), "each dump takes a network lock of its own"),
+    Expected(Inventory, _fs("image_id", "parent", "parent_id", "memory_only"),
+             "every image has an id of its own; an incremental one names its parent (memory is compared "
+             "through the chain)"),
     Expected(Inventory, _fs("pids"), "the order the tree was walked in (processes are compared by pid)"),
     Expected(Task, _fs("state"), "running or sleeping at the moment of the freeze",
              lambda a, b, s: a.state in _SCHEDULED and b.state in _SCHEDULED),
