@@ -43,12 +43,15 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *, leave_running:
          tcp_established: bool = False, tcp_close: bool = False,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
          plugins: Sequence[Plugin | str] = (), external: Sequence[str] = (),
-         critical_timeout: float = 10.0) -> DumpResult:
+         critical_timeout: float = 10.0, prev: str | os.PathLike | None = None, track_mem: bool = False,
+         compress: str | None = None, background: bool | None = None) -> DumpResult:
     """``ptckpt dump PID -D DIRECTORY``: checkpoint `pid` and all its descendants.
 
     `leave_running=False` is ``--kill``.  `save_files`, `skip_files` and `external` take
-    what ``--save-file``, ``--skip-file`` and ``--external`` take, one item each.  Returns
-    the result the command summarises (directory, pids, threads, pages, bytes, seconds)."""
+    what ``--save-file``, ``--skip-file`` and ``--external`` take, one item each.  `prev`,
+    `track_mem`, `compress` ("zstd[:LEVEL]") and `background` (None: by size; False is
+    ``--freeze-all``) are the options of the same names.  Returns the result the command
+    summarises (directory, pids, threads, pages, bytes, seconds, warnings)."""
     loaded = _plugins(plugins)
     if external:
         from .builtins import External
@@ -56,7 +59,20 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *, leave_running:
     return _dump(pid, os.fspath(directory) if directory is not None else None,
                  mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                  save_files=save_files, skip_files=skip_files, plugins=loaded,
-                 critical_timeout=critical_timeout, tcp_established=tcp_established, tcp_close=tcp_close)
+                 critical_timeout=critical_timeout, tcp_established=tcp_established, tcp_close=tcp_close,
+                 prev=os.fspath(prev) if prev is not None else None, track_mem=track_mem,
+                 compress=_compression(compress),
+                 background=background if leave_running or background else False)
+
+
+def _compression(spec: str | None) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    from .formats.compression import parse_spec
+    try:
+        return parse_spec(spec)
+    except ValueError as err:
+        raise UsageError(f"compress: {err}") from None
 
 
 @dataclass

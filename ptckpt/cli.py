@@ -100,13 +100,15 @@ def dump(
     prev: Annotated[Optional[str], typer.Option("--prev", metavar="DIR", help="Incremental: write only the pages changed since image DIR (a dump or pre-dump of this tree made with --track-mem, --prev or pre-dump); the image refers to DIR for the rest, and tracks on.")] = None,
     track_mem: Annotated[bool, typer.Option("--track-mem", help="Leave the memory write-protected (userfaultfd, asynchronous) so that a later dump --prev of this image writes only the pages changed since.")] = False,
     compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the page data (zstd, on every CPU; level 3 unless given, negative levels are faster).")] = None,
+    background: Annotated[Optional[bool], typer.Option("--background/--freeze-all", help="Copy the memory while the tree runs (write-protected, without faults), then freeze it only to copy what it wrote meanwhile; --freeze-all keeps it frozen for the whole copy. Default: --background for a leave-running dump of more than 64 MiB.", show_default=False)] = None,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
     Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
     """
     _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
-                  tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False)
+                  tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False,
+                  background=False if not leave_running and background is None else background)
 
 
 @app.command("pre-dump")
@@ -127,7 +129,8 @@ def pre_dump(
 
 
 def _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
-                  tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool) -> None:
+                  tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool,
+                  background: bool | None = False) -> None:
     from .dump import DumpMode, dump as _dump
     from .plugins import load_plugin
     try:
@@ -145,7 +148,8 @@ def _dump_command(pid, directory, leave_running, save_file, external, plugin, sk
                        save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
                        critical_timeout=parse_duration(critical_timeout),
                        tcp_established=tcp_established, tcp_close=tcp_close,
-                       prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec)
+                       prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec,
+                       background=background)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:

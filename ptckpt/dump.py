@@ -109,7 +109,7 @@ def dump(pid: int, directory: str | None = None, *,
          plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
          tcp_established: bool = False, tcp_close: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
-         compress: tuple[str, int] | None = None) -> DumpResult:
+         compress: tuple[str, int] | None = None, background: bool | None = False) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
@@ -130,7 +130,9 @@ def dump(pid: int, directory: str | None = None, *,
     Memory (ptckpt.increment): `track_mem` leaves the memory write-protected so that a
     later dump with `prev` (a parent image directory) writes only the pages changed
     since; `pre_dump` writes memory only, while the tree runs, as a parent for the real
-    dump.  `compress` = ("zstd", LEVEL) compresses the page data.
+    dump; `background` copies the memory while the tree runs and freezes it only for
+    the pages written meanwhile (None: when it has more than increment.BACKGROUND_MIN
+    bytes of memory).  `compress` = ("zstd", LEVEL) compresses the page data.
     """
     if tcp_established and tcp_close:
         raise UsageError("--tcp-established and --tcp-close exclude each other")
@@ -147,7 +149,7 @@ def dump(pid: int, directory: str | None = None, *,
     log.info("check %d", pid)
     check_target(pid)
     plan = MemoryPlan(directory, prev=prev, track_mem=track_mem, pre_dump=pre_dump,
-                      killing=mode is DumpMode.KILL)
+                      killing=mode is DumpMode.KILL, background=background)
     writer = ImageWriter(directory, compress=compress)
     writer.create()
     session = Session()
@@ -167,6 +169,10 @@ def dump(pid: int, directory: str | None = None, *,
             writer.abort()
             raise
     try:
+        running = running_tree(pid)
+        if plan.wants_background(running):
+            log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
+            plan.precopy(running, pidns.pid_view(pid, running).of, writer)
         log.info("freeze the tree of %d", pid)
         pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout)
         result.pids = pids
@@ -196,6 +202,7 @@ def dump(pid: int, directory: str | None = None, *,
             result.pages += stats.pages
             result.bytes += stats.bytes
             images[member] = image
+        plan.drop_precopies()                    # ended before the freeze
         log.info("capture what the tree shares")
         images = process.dump_sharing(images, pid)
         images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
@@ -667,7 +674,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             owners=tuple(files.dump_owners(pid, fds)),
             aio_rings=tuple(aio_rings),
         )
-        saved = plan.save_pages(pid, vpid, vmas, writer.pages_writer(vpid), mem, _merged(lent))
+        saved = plan.save_pages(pid, vpid, vmas, writer, mem, _merged(lent))
         stats = saved[1] if saved is not None else memory.PageStats()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)

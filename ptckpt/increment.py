@@ -1,4 +1,5 @@
-"""How a dump writes memory: in full, as an increment on a parent image, or as a pre-dump.
+"""How a dump writes memory: in full, as an increment on a parent image, as a pre-dump,
+or copied while the tree runs (background).
 
 * ``--track-mem``: after the pages are read, every private mapping is write-protected
   (resources.memtrack) so that the next dump can tell which pages changed.
@@ -6,33 +7,58 @@
   was dumped are read, the others are recorded as DIR's (PAGE_PARENT).  A process
   whose memory was not tracked since DIR is written in full, and a line says why.
   It tracks on from this image, unless the process is killed.
-* pre-dump: the process is frozen only to scan and protect; its memory is written
-  while it runs.  The image holds memory only, to be the parent of the real dump.
+* pre-dump: the memory is written while the tree runs; the image holds memory
+  only, to be the parent of the real dump.
+* background (``--background``; by default for a leave-running dump of more than
+  BACKGROUND_MIN bytes of memory): a pre-copy.  The tree is frozen a first time only
+  to write-protect its private memory (asynchronously: the program never waits on a
+  fault), which is then copied while it runs; the real freeze copies only the pages
+  written meanwhile, and those copied before but written since are dropped from the
+  index.  The image is the same as a frozen dump's: one instant, the second freeze.
+  Without --track-mem the write-protection is ptckpt's alone (the userfaultfd is
+  closed in the process at once, ptckpt holds the only copy): it ends with the dump,
+  or with ptckpt if ptckpt is killed, and the process is left as it was.
 
 :class:`MemoryPlan` carries these choices through one dump; dump.py calls it.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from .errors import UsageError
-from .formats.image import ImageReader
-from .formats.model import Fd, FdKind, Vma, VmaKind
+from . import procfs
+from .errors import PtckptError, UsageError
+from .formats.image import ImageReader, ImageWriter
+from .formats.model import PAGE_SIZE, Fd, FdKind, Vma, VmaKind
 from .resources import memory, memtrack
-from .tracee import AddressSpace
+from .tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
 
 log = logging.getLogger("ptckpt.dump")
+
+BACKGROUND_MIN = 64 << 20      # private memory (Rss) from which a leave-running dump pre-copies
+
+
+@dataclass
+class _Precopy:
+    """What the background pass wrote of one process while it ran."""
+
+    pages: object                              # its PagesWriter, still open
+    runs: list[tuple[int, int, int]] = field(default_factory=list)   # (start, end, data offset)
+    parent: list[tuple[int, int]] = field(default_factory=list)      # unchanged since the parent
 
 
 class MemoryPlan:
     def __init__(self, directory: str, *, prev: str | None = None, track_mem: bool = False,
-                 pre_dump: bool = False, killing: bool = False):
+                 pre_dump: bool = False, killing: bool = False, background: bool | None = False):
         if killing and (track_mem or pre_dump):
             raise UsageError("--track-mem and pre-dump need the process to go on running (not --kill)")
+        if killing and background:
+            raise UsageError("--background copies memory while the tree runs: not with --kill")
         self.pre_dump = pre_dump
         self.parent_id = self.parent = ""
         self.prev = prev
@@ -42,27 +68,89 @@ class MemoryPlan:
                 raise UsageError(f"{prev} was written by an older ptckpt (no image id): it cannot be a parent")
             self.parent_id = inv.image_id
             self.parent = os.path.relpath(os.path.abspath(prev), os.path.abspath(directory))
-        self.protect = (track_mem or pre_dump or prev is not None) and not killing
+        self.track = (track_mem or pre_dump or prev is not None) and not killing
+        self.background = background if not (killing or pre_dump) else False    # None: decide by size
         self.trackers: dict[int, tuple[memtrack.Tracker, int]] = {}   # pid -> (tracker, vpid)
+        self._precopied: dict[int, _Precopy] = {}
         self._deferred: list = []
         self.untracked: list[str] = []     # why processes were written in full
+        self.precopy_frozen = 0.0          # seconds the background pass kept the tree frozen
 
     def inventory_fields(self) -> dict:
         return {"parent": self.parent, "parent_id": self.parent_id, "memory_only": self.pre_dump}
+
+    # --- the background pass, before the freeze ------------------------------------------
+
+    def wants_background(self, pids: Sequence[int]) -> bool:
+        """Whether to pre-copy: as asked, or (None) when the tree's private memory is big
+        enough that copying it frozen would cost more than the second freeze."""
+        if self.background is not None:
+            return self.background
+        total = 0
+        for p in pids:
+            try:
+                total += int(procfs.read_status(p).raw.get("RssAnon", "0 kB").split()[0]) * 1024
+            except (PtckptError, ValueError, IndexError):
+                pass
+        return total >= BACKGROUND_MIN
+
+    def precopy(self, pids: Sequence[int], vpid_of, writer: ImageWriter) -> None:
+        """Freeze the tree briefly to write-protect its memory, then copy it while it runs."""
+        import time
+        session = Session()
+        plans: dict[int, tuple[list, list]] = {}
+        started = time.monotonic()
+        try:
+            for pid in pids:
+                tasks = session.freeze_process(pid)
+                vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
+                leader = next(t for t in tasks if t.tid == pid)
+                with AddressSpace(pid) as mem:
+                    with remote_syscalls(leader, mem, find_syscall_insn(mem, vmas)) as remote:
+                        self.prepare(pid, vpid_of(pid), remote)
+                tracker = self.trackers[pid][0]
+                written = self._written_since_parent(pid, vpid_of(pid), tracker, vmas)
+                ranges, unchanged = memory.plan_pages(pid, vmas, written)
+                tracker.protect(vmas)
+                plans[pid] = (ranges, unchanged)
+        finally:
+            session.resume_all()
+            self.precopy_frozen = time.monotonic() - started
+        unpinned = [(0, 2**63)] if len(pids) > 1 else []   # a tree: keep pages shared copy-on-write
+        for pid, (ranges, unchanged) in plans.items():
+            pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged)
+            lost: list[tuple[int, int]] = []
+            with AddressSpace(pid) as mem:
+                runs, _stats = memory.write_pages(mem, ranges, pre.pages, unpinned, lost=lost)
+            pre.runs = [(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs]
+            for s, e in lost:
+                self.trackers[pid][0].unprotect(s, e)
+
+    def _written_since_parent(self, pid: int, vpid: int, tracker, vmas):
+        if self.prev is None:
+            return None
+        if tracker.since(self.parent_id, vpid):
+            return tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
+        why = ("no tracking since" if tracker.previous is None else "its tracking was reset after")
+        self.untracked.append(f"process {pid}: {why} {self.prev}, all its pages written")
+        return None
 
     # --- frozen, per process -----------------------------------------------------------
 
     def clean_vmas(self, pid: int, vmas: list[Vma]) -> list[Vma]:
         """The tracking's own registration ("uw") is not the program's: left out."""
-        if memtrack.find_fd(pid) is None:
+        if pid not in self.trackers and memtrack.find_fd(pid) is None:
             return vmas
         return [dataclasses.replace(v, vmflags=" ".join(f for f in v.vmflags.split() if f != "uw"))
                 if "uw" in v.vmflags.split() else v for v in vmas]
 
     def prepare(self, pid: int, vpid: int, remote) -> None:
-        """In a syscall scope of the frozen process: its tracking fd, found or made."""
-        if self.protect:
-            self.trackers[pid] = (memtrack.prepare_frozen(pid, remote), vpid)
+        """In a syscall scope of the frozen process: its tracking fd, found or made (only
+        ptckpt's, for a background pass without tracking)."""
+        if pid in self.trackers:
+            return
+        if self.track or self.background:
+            self.trackers[pid] = (memtrack.prepare_frozen(pid, remote, keep=self.track), vpid)
         elif self.prev is not None:
             found = memtrack.existing(pid)
             if found is not None:
@@ -72,23 +160,24 @@ class MemoryPlan:
         """The process's fds without the tracking userfaultfd (ours, not the program's)."""
         return [f for f in fds if not (f.kind is FdKind.USERFAULTFD and memtrack.is_ours(pid, f.fd))]
 
-    def save_pages(self, pid: int, vpid: int, vmas: Sequence[Vma], pages, mem: AddressSpace,
+    def save_pages(self, pid: int, vpid: int, vmas: Sequence[Vma], writer: ImageWriter, mem: AddressSpace,
                    lent: Sequence[tuple[int, int]]):
         """Plan and (unless a pre-dump: later, run_deferred) write the process's pages;
         returns (runs, stats) or None when deferred.  Leaves the memory protected."""
+        if pid in self._precopied:
+            return self._finish_precopy(pid, vmas, mem, lent)
+        pages = writer.pages_writer(vpid)
         tracker, _ = self.trackers.get(pid, (None, 0))
         written = None
         if self.prev is not None:
-            if tracker is not None and tracker.since(self.parent_id, vpid):
-                written = tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
+            if tracker is not None:
+                written = self._written_since_parent(pid, vpid, tracker, vmas)
             else:
-                why = ("no tracking since" if tracker is None or tracker.previous is None
-                       else "its tracking was reset after")
-                self.untracked.append(f"process {pid}: {why} {self.prev}, all its pages written")
+                self.untracked.append(f"process {pid}: no tracking since {self.prev}, all its pages written")
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         for s, e in unchanged:
-            pages.add_parent(s, (e - s) // memory.PAGE_SIZE)
-        if tracker is not None and self.protect:
+            pages.add_parent(s, (e - s) // PAGE_SIZE)
+        if tracker is not None and self.track:
             tracker.protect(vmas)
         if self.pre_dump:
             self._deferred.append((pid, ranges, pages, lent))
@@ -97,6 +186,31 @@ class MemoryPlan:
         for run in runs:
             pages.add_run(run.vaddr, run.npages, run.offset)
         pages.close()
+        return runs, stats
+
+    def _finish_precopy(self, pid: int, vmas: Sequence[Vma], mem: AddressSpace, lent):
+        """The real freeze of a pre-copied process: what it wrote since the background pass
+        is read now; what was copied then and not written since stays in the index."""
+        pre = self._precopied.pop(pid)
+        tracker = self.trackers[pid][0]
+        since = tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
+        read, unchanged = memory.plan_pages(pid, vmas, since)      # unchanged: sorted, merged
+        runs, stats = memory.write_pages(mem, read, pre.pages, lent)
+        for run in runs:
+            pre.pages.add_run(run.vaddr, run.npages, run.offset)
+        before = sorted(pre.runs)
+        starts = [s for s, _e, _o in before]
+        # each piece lies in one run of the pass before (they are disjoint): its offset follows
+        for a, b in memory.intersect_spans([(s, e) for s, e, _o in before], unchanged):
+            s, _e, off = before[bisect.bisect_right(starts, a) - 1]
+            pre.pages.add_run(a, (b - a) // PAGE_SIZE, off + a - s)
+            stats.pages += (b - a) // PAGE_SIZE
+            stats.bytes += b - a
+        for a, b in memory.intersect_spans(memory.merge_spans(pre.parent), unchanged):
+            pre.pages.add_parent(a, (b - a) // PAGE_SIZE)
+        if self.track:
+            tracker.protect(vmas)
+        pre.pages.close()
         return runs, stats
 
     # --- after the freeze ------------------------------------------------------------
@@ -119,14 +233,20 @@ class MemoryPlan:
             result.bytes += stats.bytes
         self._deferred.clear()
 
+    def drop_precopies(self) -> None:
+        """Processes pre-copied that the dump does not hold (they ended meanwhile)."""
+        for pre in self._precopied.values():
+            pre.pages._discard()
+        self._precopied.clear()
+
     def committed(self, image_id: str) -> None:
-        if self.protect:
+        if self.track:
             for tracker, vpid in self.trackers.values():
                 tracker.commit(image_id, vpid)
 
     def failed(self) -> None:
         """The dump failed after protecting: what the bits say belongs to no image."""
-        if self.protect:
+        if self.track:
             for tracker, _vpid in self.trackers.values():
                 if tracker.protected:
                     tracker.forget()

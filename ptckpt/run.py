@@ -173,7 +173,8 @@ class Supervisor:
         try:
             result = dump(self.child.pid, directory, mode=DumpMode.LEAVE_RUNNING,
                           critical_timeout=self.critical_timeout, **self.tcp, compress=self.compress,
-                          track_mem=self.incremental, prev=last if self.incremental else None)
+                          track_mem=self.incremental, prev=last if self.incremental else None,
+                          background=None)
         except PtckptError as err:
             self.state.failures.append({"reason": reason, "error": str(err), "at": time.time()})
             log.warning("checkpoint %d failed: %s", n, err)

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 
 from ptckpt.errors import ExitCode
@@ -182,3 +183,80 @@ def test_run_keeps_a_chain_of_incremental_checkpoints(ptckpt, fixture_bins, tmp_
         assert reader.chain() == [str(run_dir / kept[-1]), str(run_dir / kept[0])]
     with ImageReader(run_dir / kept[0]) as reader:
         assert not reader.inventory.parent                    # folded: stands alone
+
+
+# --- background dumps: the memory copied while the tree runs ------------------------
+
+def _no_tracking_left(pid: int) -> None:
+    fds = {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+    assert "anon_inode:[userfaultfd]" not in fds.values(), fds
+    with open(f"/proc/{pid}/smaps") as f:
+        flags = [line for line in f if line.startswith("VmFlags:") and " uw" in line]
+    assert not flags, "write-protection left registered"
+
+
+def test_background_dump_is_one_instant_and_leaves_nothing(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 96, 64)                # rewrites every page about once a second
+    res = _dump(ptckpt, target, tmp_path / "bg", "--background", "-v")
+    assert "copy the memory of" in res.stderr
+    _no_tracking_left(target.pid)
+    with ImageReader(tmp_path / "bg") as reader:
+        assert reader.pages_length(target.pid) >= 96 << 20
+        assert not reader.inventory.parent
+    assert _restore_and_verify(ptckpt, target, tmp_path / "bg") > 0
+
+
+def test_background_then_incremental(spawn, ptckpt, tmp_path):
+    target = spawn("scribbler", 32, 2)
+    _dump(ptckpt, target, tmp_path / "a", "--background", "--track-mem")
+    time.sleep(0.2)
+    res = _dump(ptckpt, target, tmp_path / "b", "--background", "--prev", tmp_path / "a")
+    assert "warning" not in res.stderr, res.stderr
+    with ImageReader(tmp_path / "b") as reader:
+        assert reader.pages_length(target.pid) < (32 << 20) // 4 and reader.parent_pages(target.pid)
+    assert _restore_and_verify(ptckpt, target, tmp_path / "b") > 0
+
+
+def _dump_until_copying(ptckpt_cmd, target, image, log):
+    proc = subprocess.Popen([*ptckpt_cmd, "-v", "dump", str(target.pid), "-D", str(image), "--background"],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
+    wait_until(lambda: "copy the memory of" in log.read_text() or proc.poll() is not None, 30,
+               message="the background copy started")
+    assert proc.poll() is None, log.read_text()
+    return proc
+
+
+def test_target_killed_during_background_dump(spawn, ptckpt_cmd, tmp_path):
+    target = spawn("scribbler", 768, 1)
+    log = tmp_path / "dump.log"
+    proc = _dump_until_copying(ptckpt_cmd, target, tmp_path / "img", log)
+    try:
+        os.kill(target.pid, signal.SIGKILL)
+        target.wait_exit(10)
+        assert proc.wait(60) not in (0, None)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [line for line in log.read_text().splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in log.read_text(), log.read_text()
+    assert not os.path.exists(tmp_path / "img")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".img")]      # no temporary left
+
+
+def test_dumper_killed_during_background_dump(spawn, ptckpt_cmd, tmp_path):
+    target = spawn("scribbler", 768, 4)
+    proc = _dump_until_copying(ptckpt_cmd, target, tmp_path / "img", tmp_path / "dump.log")
+    proc.kill()
+    proc.wait()
+    # the program runs on, untraced, and the write-protection went with ptckpt's userfaultfd
+    wait_until(lambda: procfs_tracer(target.pid) == 0, 5, message="untraced")
+    _no_tracking_left(target.pid)
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line(r"VERIFY 1 OK")
+    target.assert_ok()
+
+
+def procfs_tracer(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("TracerPid:")).split()[1])

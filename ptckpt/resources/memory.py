@@ -428,10 +428,52 @@ def plan_pages(pid: int, vmas: Sequence[Vma], written: Sequence[tuple[int, int]]
         ranges.extend((s, e, droppable) for s, e in ranges_to_save(pid, vma))
     if written is None:
         return ranges, []
-    marks = sorted(written)
+    marks = merge_spans(written)
     read = [(a, b, d) for s, e, d in ranges for a, b in _intersect(s, e, marks)]
-    unchanged = _without([(s, e) for s, e, _d in ranges], marks)
+    unchanged = subtract_spans(merge_spans((s, e) for s, e, _d in ranges), marks)
     return read, unchanged
+
+
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint (start, end) spans covering the same addresses."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(spans):
+        if out and out[-1][1] >= s:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def intersect_spans(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """a ∩ b, both sorted and disjoint: one sweep."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract_spans(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """a minus b, both sorted and disjoint: one sweep."""
+    out, j = [], 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > s:
+                out.append((s, b[k][0]))
+            s = max(s, b[k][1])
+            k += 1
+        if s < e:
+            out.append((s, e))
+    return out
 
 
 def _intersect(s: int, e: int, marks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -477,7 +519,7 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
         if lost is None:
             _read_batch(mem, buf, batch, sorted(shared))
         else:
-            batch = _read_running(mem, buf, batch, lost)
+            batch = _read_running(mem, buf, batch, lost, sorted(shared))
             nbytes = sum(e - s for s, e, _ in batch)
         nbytes, kept = drop_zero_pages(buf, nbytes, batch)
         offset = pages.submit(buf, nbytes)
@@ -489,11 +531,11 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
     return _merge_runs(index), stats
 
 
-def _read_running(mem: AddressSpace, buf, batch, lost: list):
+def _read_running(mem: AddressSpace, buf, batch, lost: list, shared=()):
     """_read_batch for a process that runs: a range it unmapped meanwhile is dropped from
     the batch (the rest moves up in `buf`) and added to `lost`."""
     try:
-        _read_batch(mem, buf, batch, ())
+        _read_batch(mem, buf, batch, shared)
         return batch
     except PtckptError:
         pass

@@ -223,9 +223,11 @@ def existing(pid: int) -> Tracker | None:
     return Tracker(pid, fd, pidfd_getfd(pid, fd), previous)
 
 
-def prepare_frozen(pid: int, remote) -> Tracker:
+def prepare_frozen(pid: int, remote, *, keep: bool = True) -> Tracker:
     """The process's tracking userfaultfd: the one a previous dump left, or a new one made
-    by injection (`remote`: a syscall scope in one of its threads)."""
+    by injection (`remote`: a syscall scope in one of its threads).  `keep=False`: a new
+    one is closed in the process at once; ptckpt's copy is then the only one, and the
+    protection ends with it (when the dump ends, or ptckpt does)."""
     found = existing(pid)
     if found is not None:
         return found
@@ -237,12 +239,16 @@ def prepare_frozen(pid: int, remote) -> Tracker:
     finally:
         remote.syscall("close", made)
     ours = pidfd_getfd(pid, fd)
+    if not keep:
+        remote.syscall("close", fd)
+        fd = -1
     try:
         arg = bytearray(struct.pack("<QQQ", UFFD_API, FEATURES, 0))
         fcntl.ioctl(ours, UFFDIO_API, arg)
     except OSError as err:
         os.close(ours)
-        remote.syscall("close", fd)
+        if fd >= 0:
+            remote.syscall("close", fd)
         from ..errors import UnsupportedResource
         raise UnsupportedResource(pid, f"memory tracking: this kernel refuses asynchronous userfaultfd "
                                        f"write-protection ({err.strerror}); dump without --track-mem/--prev"
