@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import bisect
+import contextlib
 import errno
 import ctypes
 import fcntl
@@ -724,6 +725,13 @@ class PagesWriter:
         if self._direct_fd >= 0:
             os.close(self._direct_fd)
             self._direct_fd = -1
+
+    def discard(self) -> None:
+        """Give up this process's pages: stop, and remove pages-PID.img (the image goes on
+        without it; a new pages_writer() for the pid may follow)."""
+        self._discard()
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self._image.temp_path, pages_name(self.pid)))
 
     def _discard(self) -> None:
         """Stop without finishing (the ImageWriter's abort() deletes the files)."""

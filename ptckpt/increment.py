@@ -84,15 +84,15 @@ class MemoryPlan:
     def wants_background(self, pids: Sequence[int]) -> bool:
         """Whether to pre-copy: as asked, or (None) when the tree's private memory is big
         enough that copying it frozen would cost more than the second freeze."""
-        if self.background is not None:
-            return self.background
-        total = 0
-        for p in pids:
-            try:
-                total += int(procfs.read_status(p).raw.get("RssAnon", "0 kB").split()[0]) * 1024
-            except (PtckptError, ValueError, IndexError):
-                pass
-        return total >= BACKGROUND_MIN
+        if self.background is None:
+            total = 0
+            for p in pids:
+                try:
+                    total += int(procfs.read_status(p).raw.get("RssAnon", "0 kB").split()[0]) * 1024
+                except (PtckptError, ValueError, IndexError):
+                    pass
+            self.background = total >= BACKGROUND_MIN
+        return self.background
 
     def precopy(self, pids: Sequence[int], vpid_of, writer: ImageWriter) -> None:
         """Freeze the tree briefly to write-protect its memory, then copy it while it runs."""
@@ -102,17 +102,11 @@ class MemoryPlan:
         started = time.monotonic()
         try:
             for pid in pids:
-                tasks = session.freeze_process(pid)
-                vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
-                leader = next(t for t in tasks if t.tid == pid)
-                with AddressSpace(pid) as mem:
-                    with remote_syscalls(leader, mem, find_syscall_insn(mem, vmas)) as remote:
-                        self.prepare(pid, vpid_of(pid), remote)
-                tracker = self.trackers[pid][0]
-                written = self._written_since_parent(pid, vpid_of(pid), tracker, vmas)
-                ranges, unchanged = memory.plan_pages(pid, vmas, written)
-                tracker.protect(vmas)
-                plans[pid] = (ranges, unchanged)
+                try:
+                    plans[pid] = self._protect_for_precopy(session, pid, vpid_of(pid))
+                except PtckptError as err:     # gone, a zombie ...: the real freeze copies it
+                    log.info("no pre-copy of %d: %s", pid, err)
+                    self._drop_tracker(pid)
         finally:
             session.resume_all()
             self.precopy_frozen = time.monotonic() - started
@@ -120,11 +114,37 @@ class MemoryPlan:
         for pid, (ranges, unchanged) in plans.items():
             pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged)
             lost: list[tuple[int, int]] = []
-            with AddressSpace(pid) as mem:
-                runs, _stats = memory.write_pages(mem, ranges, pre.pages, unpinned, lost=lost)
+            try:
+                with AddressSpace(pid) as mem:
+                    runs, _stats = memory.write_pages(mem, ranges, pre.pages, unpinned, lost=lost)
+            except PtckptError as err:          # it ended meanwhile: nothing to keep of it
+                log.info("no pre-copy of %d: %s", pid, err)
+                self._precopied.pop(pid).pages.discard()
+                self._drop_tracker(pid)
+                continue
             pre.runs = [(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs]
             for s, e in lost:
                 self.trackers[pid][0].unprotect(s, e)
+
+    def _protect_for_precopy(self, session: Session, pid: int, vpid: int):
+        tasks = session.freeze_process(pid)
+        vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
+        leader = next(t for t in tasks if t.tid == pid)
+        with AddressSpace(pid) as mem:
+            with remote_syscalls(leader, mem, find_syscall_insn(mem, vmas)) as remote:
+                self.prepare(pid, vpid, remote)
+        tracker = self.trackers[pid][0]
+        written = self._written_since_parent(pid, vpid, tracker, vmas)
+        ranges, unchanged = memory.plan_pages(pid, vmas, written)
+        tracker.protect(vmas)
+        return ranges, unchanged
+
+    def _drop_tracker(self, pid: int) -> None:
+        entry = self.trackers.pop(pid, None)
+        if entry is not None:
+            if entry[0].protected and self.track:
+                entry[0].forget()
+            entry[0].close()
 
     def _written_since_parent(self, pid: int, vpid: int, tracker, vmas):
         if self.prev is None:
@@ -236,7 +256,7 @@ class MemoryPlan:
     def drop_precopies(self) -> None:
         """Processes pre-copied that the dump does not hold (they ended meanwhile)."""
         for pre in self._precopied.values():
-            pre.pages._discard()
+            pre.pages.discard()
         self._precopied.clear()
 
     def committed(self, image_id: str) -> None:
