@@ -103,6 +103,7 @@ from ptckpt.formats.records import (
     decode_entries,
     encode_entry,
     encode_page_runs,
+    encode_parent_pages,
     parse_header,
 )
 
@@ -572,8 +573,12 @@ class PagesWriter:
 
     def add_parent(self, vaddr: int, npages: int) -> None:
         """Record that `npages` pages at `vaddr` are unchanged since the parent image."""
+        self.add_parents([(vaddr, vaddr + npages * PAGE_SIZE)])
+
+    def add_parents(self, spans) -> None:
+        """add_parent() for many (start, end) spans at once."""
         self._check_usable()
-        self._parent.append(ParentPages(vaddr, npages))
+        self._parent.extend(ParentPages(s, (e - s) // PAGE_SIZE) for s, e in spans)
 
     def close(self) -> None:
         """Finish pages-PID.img (header) and write pagemap-PID.img."""
@@ -745,8 +750,9 @@ class PagesWriter:
 def build_file_from_runs(runs, sums: PageSums | None = None, extra: Sequence = ()) -> bytes:
     """A whole PAGEMAP file from (vaddr, npages, offset) runs (fast path of build_file),
     the page data's block sums and `extra` records (PAGE_PARENT, PAGE_FRAMES)."""
+    parents = [e for e in extra if isinstance(e, ParentPages)]
     payload = encode_page_runs(runs) + (encode_entry(sums) if sums is not None else b"") \
-        + b"".join(encode_entry(e) for e in extra)
+        + encode_parent_pages(parents) + b"".join(encode_entry(e) for e in extra if not isinstance(e, ParentPages))
     return build_header(FileKind.PAGEMAP, len(payload), zlib.crc32(payload)) + payload
 
 

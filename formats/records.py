@@ -1098,6 +1098,8 @@ Header = Struct(
 _ENTRY_HEADER = struct.Struct("<HHI")
 _PAGE_RUN = struct.Struct("<QQQ")
 _PAGE_RUN_ENTRY = struct.Struct("<HHIQQQ")
+_PARENT = struct.Struct("<QQ")
+_PARENT_ENTRY = struct.Struct("<HHIQQ")
 
 AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   PendingSignal, Fd, PageRun, PageSums, ParentPages, PageFrames, Zombie, PipeBuffer, UnixSocket, ShmImage,
@@ -1159,11 +1161,22 @@ def encode_page_runs(runs: Iterable[PageRun | tuple[int, int, int]]) -> bytes:
     return b"".join(out)
 
 
+def encode_parent_pages(ranges: Iterable[ParentPages]) -> bytes:
+    """PAGE_PARENT entries for many ranges at once; same bytes as encode_entry on each."""
+    pack = _PARENT_ENTRY.pack
+    kind, size = EntryKind.PAGE_PARENT, _PARENT.size
+    return b"".join(pack(kind, 0, size, r.vaddr, r.npages) for r in ranges)
+
+
 def _decode_payload(kind: int, payload, version: int, offset: int) -> AnyRecord:
     if kind == EntryKind.PAGE_RUN:
         if len(payload) < _PAGE_RUN.size:
             raise EntryDecodeError(offset, kind, f"payload of {len(payload)} bytes, need {_PAGE_RUN.size}")
         return PageRun(*_PAGE_RUN.unpack_from(payload))
+    if kind == EntryKind.PAGE_PARENT:
+        if len(payload) < _PARENT.size:
+            raise EntryDecodeError(offset, kind, f"payload of {len(payload)} bytes, need {_PARENT.size}")
+        return ParentPages(*_PARENT.unpack_from(payload))
     rec = RECORDS.get(kind)
     if rec is None:
         return RawEntry(kind, bytes(payload))

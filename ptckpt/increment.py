@@ -195,8 +195,7 @@ class MemoryPlan:
             else:
                 self.untracked.append(f"process {pid}: no tracking since {self.prev}, all its pages written")
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
-        for s, e in unchanged:
-            pages.add_parent(s, (e - s) // PAGE_SIZE)
+        pages.add_parents(unchanged)
         if tracker is not None and self.track:
             tracker.protect(vmas)
         if self.pre_dump:
@@ -226,8 +225,7 @@ class MemoryPlan:
             pre.pages.add_run(a, (b - a) // PAGE_SIZE, off + a - s)
             stats.pages += (b - a) // PAGE_SIZE
             stats.bytes += b - a
-        for a, b in memory.intersect_spans(memory.merge_spans(pre.parent), unchanged):
-            pre.pages.add_parent(a, (b - a) // PAGE_SIZE)
+        pre.pages.add_parents(memory.intersect_spans(memory.merge_spans(pre.parent), unchanged))
         if self.track:
             tracker.protect(vmas)
         pre.pages.close()

@@ -96,6 +96,7 @@ from ptckpt.formats.records import (
     decode_entries,
     encode_entry,
     encode_page_runs,
+    encode_parent_pages,
     parse_header,
     parse_record,
 )
@@ -359,6 +360,14 @@ def test_page_run_fast_path_matches_construct():
     assert encode_page_runs(runs) == b"".join(encode_entry(r) for r in runs)
     assert encode_page_runs((r.vaddr, r.npages, r.offset) for r in runs) == encode_page_runs(runs)
     assert decode_entries(encode_page_runs(runs)) == runs
+
+
+def test_parent_pages_fast_path_matches_construct():
+    ranges = [ParentPages(0x1000 * i, i + 1) for i in range(50)]
+    blob = encode_parent_pages(ranges)
+    assert blob == b"".join(RECORDS[EntryKind.PAGE_PARENT].build(r) and encode_entry(r) for r in ranges)
+    assert decode_entries(blob) == ranges
+    assert RECORDS[EntryKind.PAGE_PARENT].parse(blob[8:24]) == ranges[0]
 
 
 def test_golden_bytes():

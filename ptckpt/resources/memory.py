@@ -1,6 +1,6 @@
 """Memory: the VMAs of a process and the page contents a restore needs.
 
-Dump half: :func:`dump_vmas` (from smaps) and :func:`dump_pages_frozen`
+Dump half: :func:`dump_vmas` (from smaps), :func:`plan_pages` and :func:`write_pages`
 (pagemap scan, then process_vm_readv in big batches into one reused buffer,
 streamed to the image's pages file: no per-page Python work).
 """
@@ -487,17 +487,6 @@ def _intersect(s: int, e: int, marks: Sequence[tuple[int, int]]) -> list[tuple[i
     return out
 
 
-def dump_pages_frozen(mem: AddressSpace, vmas: Sequence[Vma], pages,
-                      shared: Sequence[tuple[int, int]] = (),
-                      written: Sequence[tuple[int, int]] | None = None) -> tuple[list[PageRun], PageStats]:
-    """Copy the pages a restore needs into the image's pages file (plan_pages, write_pages);
-    with `written`, only those, and the rest of the pages is recorded as the parent's."""
-    ranges, unchanged = plan_pages(mem.pid, vmas, written)
-    for s, e in unchanged:
-        pages.add_parent(s, (e - s) // PAGE_SIZE)
-    return write_pages(mem, ranges, pages, shared)
-
-
 def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, int]] = (),
                 lost: list | None = None) -> tuple[list[PageRun], PageStats]:
     """Read (start, end, droppable) ranges into the image's pages file.
@@ -567,7 +556,7 @@ def _inside(s: int, holes) -> bool:
 
 def _read_batch(mem: AddressSpace, buf, batch, shared) -> None:
     """Read a batch of ranges into consecutive bytes of `buf`: process_vm_readv, but the
-    pieces in `shared` through /proc/PID/mem (see dump_pages_frozen)."""
+    pieces in `shared` through /proc/PID/mem (see write_pages)."""
     if not shared:
         mem.read_into(buf[:sum(e - s for s, e, _ in batch)], [(s, e - s) for s, e, _ in batch])
         return
