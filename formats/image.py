@@ -521,6 +521,20 @@ class PagesWriter:
         """Data bytes submitted so far (the offset the next submit/write gets)."""
         return self._length
 
+    def drain(self) -> None:
+        """Wait until everything submitted so far is compressed, checksummed and written."""
+        self._check_usable()
+        done = threading.Event()
+        if self._zip is not None:
+            self._zip_q.put((memoryview(b""), done.set))
+            done.wait()
+            done.clear()
+        marker = (_Ticket(2, done.set), memoryview(b""), self._stored)     # behind all before it
+        self._crc_q.put(marker)
+        self._write_q.put(marker)
+        done.wait()
+        self._raise_pending_error()
+
     def get_buffer(self) -> memoryview:
         """A free writable buffer of buffer_size bytes; blocks while all are in flight."""
         self._check_usable()

@@ -41,15 +41,31 @@ from .tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
 log = logging.getLogger("ptckpt.dump")
 
 BACKGROUND_MIN = 64 << 20      # private memory (Rss) from which a leave-running dump pre-copies
+PASSES = 4                     # copies while the tree runs: all, then what was written meanwhile ...
+PASS_ENOUGH = 4 << 20          # ... until a pass copies no more than this
 
 
 @dataclass
 class _Precopy:
-    """What the background pass wrote of one process while it ran."""
+    """What the background passes wrote of one process while it ran."""
 
     pages: object                              # its PagesWriter, still open
-    runs: list[tuple[int, int, int]] = field(default_factory=list)   # (start, end, data offset)
+    passes: list[list[tuple[int, int, int]]] = field(default_factory=list)   # (start, end, data offset)
     parent: list[tuple[int, int]] = field(default_factory=list)      # unchanged since the parent
+    spans: list[tuple[int, int]] = field(default_factory=list)       # its tracked mappings
+
+    def index(self) -> list[tuple[int, int, int]]:
+        """Every page's newest copy: a later pass's run hides an earlier one's."""
+        out: list[tuple[int, int, int]] = []
+        covered: list[tuple[int, int]] = []
+        for runs in reversed(self.passes):
+            runs = sorted(runs)
+            starts = [s for s, _e, _o in runs]
+            for a, b in memory.subtract_spans([(s, e) for s, e, _o in runs], covered):
+                s, _e, off = runs[bisect.bisect_right(starts, a) - 1]
+                out.append((a, b, off + a - s))
+            covered = memory.merge_spans(covered + [(s, e) for s, e, _o in runs])
+        return sorted(out)
 
 
 class MemoryPlan:
@@ -98,7 +114,7 @@ class MemoryPlan:
         """Freeze the tree briefly to write-protect its memory, then copy it while it runs."""
         import time
         session = Session()
-        plans: dict[int, tuple[list, list]] = {}
+        plans: dict[int, tuple[list, list, list]] = {}
         started = time.monotonic()
         try:
             for pid in pids:
@@ -111,7 +127,7 @@ class MemoryPlan:
             session.resume_all()
             self.precopy_frozen = time.monotonic() - started
         unpinned = [(0, 2**63)] if len(pids) > 1 else []   # a tree: keep pages shared copy-on-write
-        for pid, (ranges, unchanged) in plans.items():
+        for pid, (ranges, unchanged, spans) in plans.items():
             pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged)
             lost: list[tuple[int, int]] = []
             try:
@@ -122,9 +138,40 @@ class MemoryPlan:
                 self._precopied.pop(pid).pages.discard()
                 self._drop_tracker(pid)
                 continue
-            pre.runs = [(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs]
+            pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
+            pre.spans = spans
             for s, e in lost:
                 self.trackers[pid][0].unprotect(s, e)
+        for _ in range(PASSES - 1):
+            if self._copy_rewritten(unpinned) <= PASS_ENOUGH:
+                break
+        for pre in self._precopied.values():      # the real freeze does not wait for the disk
+            pre.pages.drain()
+
+    def _copy_rewritten(self, unpinned) -> int:
+        """Another pass, the tree running: the pages written since the last one, taken and
+        protected again in one atomic scan (PM_SCAN_WP_MATCHING), then copied.  Zero pages
+        are copied too: a newer copy must hide the older one.  Returns the bytes copied."""
+        total = 0
+        for pid, pre in list(self._precopied.items()):
+            tracker = self.trackers[pid][0]
+            lost: list[tuple[int, int]] = []
+            try:
+                again = memory.merge_spans(tracker.rewritten(pre.spans))
+                with AddressSpace(pid) as mem:
+                    runs, stats = memory.write_pages(mem, [(s, e, False) for s, e in again], pre.pages,
+                                                     unpinned, lost=lost)
+            except PtckptError as err:
+                log.info("no pre-copy of %d: %s", pid, err)
+                self._precopied.pop(pid).pages.discard()
+                self._drop_tracker(pid)
+                continue
+            pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
+            for s, e in lost:
+                tracker.unprotect(s, e)
+            total += stats.bytes
+        log.info("pre-copy pass: %d bytes written again", total)
+        return total
 
     def _protect_for_precopy(self, session: Session, pid: int, vpid: int):
         tasks = session.freeze_process(pid)
@@ -137,7 +184,8 @@ class MemoryPlan:
         written = self._written_since_parent(pid, vpid, tracker, vmas)
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         tracker.protect(vmas)
-        return ranges, unchanged
+        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
+        return ranges, unchanged, spans
 
     def _drop_tracker(self, pid: int) -> None:
         entry = self.trackers.pop(pid, None)
@@ -217,7 +265,7 @@ class MemoryPlan:
         runs, stats = memory.write_pages(mem, read, pre.pages, lent)
         for run in runs:
             pre.pages.add_run(run.vaddr, run.npages, run.offset)
-        before = sorted(pre.runs)
+        before = pre.index()
         starts = [s for s, _e, _o in before]
         # each piece lies in one run of the pass before (they are disjoint): its offset follows
         for a, b in memory.intersect_spans([(s, e) for s, e, _o in before], unchanged):
@@ -225,7 +273,9 @@ class MemoryPlan:
             pre.pages.add_run(a, (b - a) // PAGE_SIZE, off + a - s)
             stats.pages += (b - a) // PAGE_SIZE
             stats.bytes += b - a
-        pre.pages.add_parents(memory.intersect_spans(memory.merge_spans(pre.parent), unchanged))
+        copied = memory.merge_spans((s, e) for s, e, _o in before)
+        pre.pages.add_parents(memory.subtract_spans(
+            memory.intersect_spans(memory.merge_spans(pre.parent), unchanged), copied))
         if self.track:
             tracker.protect(vmas)
         pre.pages.close()

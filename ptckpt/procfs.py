@@ -1075,7 +1075,7 @@ PM_SCAN_WP_MATCHING = 1 << 0
 
 
 @_wrap_exceptions
-def scan_written(pid: int, start: int, end: int, *, protect: bool = False,
+def scan_written(pid: int, start: int, end: int, *, protect: bool = False, only_written: bool = False,
                  procfs: str = "/proc") -> list[PageRun]:
     """Runs of pages in [start, end) written since they were write-protected (uffd-wp):
     present or swapped, without the uffd-wp bit.  A page of a mapping no userfaultfd
@@ -1083,13 +1083,14 @@ def scan_written(pid: int, start: int, end: int, *, protect: bool = False,
 
     ``protect``: write-protect every present or swapped page of the range instead
     (PM_SCAN_WP_MATCHING; the range must be registered for asynchronous uffd-wp,
-    the kernel skips mappings that are not) and return them.
+    the kernel skips mappings that are not) and return them; with ``only_written``,
+    only the written ones: they are reported and protected again in one atomic step.
     """
     start, end = _check_range(start, end)
     if start == end:
         return []
     anyof = PAGE_IS_PRESENT | PAGE_IS_SWAPPED
-    masks = (0, 0, anyof, 0) if protect else (0, PAGE_IS_WRITTEN, anyof, PAGE_IS_WRITTEN)
+    masks = (0, 0, anyof, 0) if protect and not only_written else (0, PAGE_IS_WRITTEN, anyof, PAGE_IS_WRITTEN)
     path = f"{procfs}/{pid}/pagemap"
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

@@ -170,6 +170,15 @@ class Tracker:
                 out.append((run.start, run.end))
         return out
 
+    def rewritten(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The pages of `spans` written since the protection, protected again in the same
+        atomic scan (the process may run): a write after it shows in the next scan."""
+        out: list[tuple[int, int]] = []
+        for start, end in spans:
+            out.extend((r.start, r.end) for r in procfs.scan_written(self.pid, start, end, protect=True,
+                                                                      only_written=True))
+        return out
+
     def protect(self, vmas: Sequence[Vma]) -> int:
         """Register the private mappings and write-protect every page in them; returns the
         bytes of the mappings that could not be registered (their pages count as written)."""
