@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -504,5 +505,50 @@ def test_redis_connection_held_outside_goes_on_after_restore(spawn, ptckpt, tmp_
         assert r.call(b"LRANGE", b"list", b"0", b"-1") == [b"a", b"b", b"c"]
         assert r.call(b"DBSIZE") == 3
         print(f"\nthe PING sent while redis was dead was answered {waited:.2f} s after the restore began")
+    finally:
+        r.close()
+
+
+@needs_redis
+def test_redis_chain_of_incremental_compressed_background_dumps(spawn, ptckpt, tmp_path):
+    """redis with 300,000 keys: a full dump that tracks memory, keys changed, an increment
+    (pre-copied while redis runs, compressed), then a restore of the chain answers with the
+    keys as they were at the increment."""
+    port = _free_port()
+    server = spawn(REDIS, *_redis_argv(port)[1:], out=False, ready=False)
+    wait_until(lambda: _redis_up(port), 10, message=lambda: f"redis-server on {port}\n{server.describe()}")
+    r = Redis(port)
+    try:
+        assert r.call(b"DEBUG", b"POPULATE", b"300000") == "OK"
+        r.close()
+        res = ptckpt("dump", server.pid, "-D", tmp_path / "a", "--track-mem", "--compress", "zstd:1",
+                     "--tcp-close")
+        assert res.returncode == 0, res.stderr
+        r = Redis(port)
+        assert r.call(b"SET", b"key:7", b"changed after the first dump") == "OK"
+        assert r.call(b"SET", b"fresh", b"new key") == "OK"
+        r.close()
+        res = ptckpt("dump", server.pid, "-D", tmp_path / "b", "--prev", tmp_path / "a", "--background",
+                     "--compress", "zstd:1", "--tcp-close")
+        assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+        with ImageReader(tmp_path / "b") as img:
+            own = img.pages_length(server.pid)
+            assert img.parent_pages(server.pid) and own < img.parent.pages_length(server.pid) // 4
+            assert img.stored_length(server.pid) < own
+    finally:
+        r.close()
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait_exit(10)
+    wait_pid_free(server.pid)
+    res = ptckpt("restore", "-D", tmp_path / "b", "--detach")
+    assert res.returncode == 0, res.stderr
+    server.adopt(int(res.stdout.split()[-1]))
+    wait_until(lambda: _redis_up(port), 10, message="the restored redis answers")
+    r = Redis(port)
+    try:
+        assert r.call(b"GET", b"key:7") == b"changed after the first dump"
+        assert r.call(b"GET", b"fresh") == b"new key"
+        assert r.call(b"GET", b"key:299999") == b"value:299999"
+        assert r.call(b"DBSIZE") == 300001
     finally:
         r.close()
