@@ -28,6 +28,7 @@ import bisect
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -112,7 +113,6 @@ class MemoryPlan:
 
     def precopy(self, pids: Sequence[int], vpid_of, writer: ImageWriter) -> None:
         """Freeze the tree briefly to write-protect its memory, then copy it while it runs."""
-        import time
         session = Session()
         plans: dict[int, tuple[list, list, list]] = {}
         started = time.monotonic()
@@ -126,6 +126,7 @@ class MemoryPlan:
         finally:
             session.resume_all()
             self.precopy_frozen = time.monotonic() - started
+            log.info("pre-copy: frozen %.3f s to write-protect", self.precopy_frozen)
         unpinned = [(0, 2**63)] if len(pids) > 1 else []   # a tree: keep pages shared copy-on-write
         for pid, (ranges, unchanged, spans) in plans.items():
             pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged)
@@ -134,9 +135,7 @@ class MemoryPlan:
                 with AddressSpace(pid) as mem:
                     runs, _stats = memory.write_pages(mem, ranges, pre.pages, unpinned, lost=lost)
             except PtckptError as err:          # it ended meanwhile: nothing to keep of it
-                log.info("no pre-copy of %d: %s", pid, err)
-                self._precopied.pop(pid).pages.discard()
-                self._drop_tracker(pid)
+                self._give_up(pid, err)
                 continue
             pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
             pre.spans = spans
@@ -162,9 +161,7 @@ class MemoryPlan:
                     runs, stats = memory.write_pages(mem, [(s, e, False) for s, e in again], pre.pages,
                                                      unpinned, lost=lost)
             except PtckptError as err:
-                log.info("no pre-copy of %d: %s", pid, err)
-                self._precopied.pop(pid).pages.discard()
-                self._drop_tracker(pid)
+                self._give_up(pid, err)
                 continue
             pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
             for s, e in lost:
@@ -186,6 +183,13 @@ class MemoryPlan:
         tracker.protect(vmas)
         spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
         return ranges, unchanged, spans
+
+    def _give_up(self, pid: int, err: PtckptError) -> None:
+        """No pre-copy of `pid` after all (it ended ...): what it had goes; the real
+        freeze copies it, if it is still there."""
+        log.info("no pre-copy of %d: %s", pid, err)
+        self._precopied.pop(pid).pages.discard()
+        self._drop_tracker(pid)
 
     def _drop_tracker(self, pid: int) -> None:
         entry = self.trackers.pop(pid, None)
