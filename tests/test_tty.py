@@ -130,8 +130,9 @@ def test_python_repl_restored_onto_a_new_pty(tmux, ptckpt, ptckpt_cmd, tmp_path)
         cmd = shlex.join(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--new-pty"])
         tmux("new-session", "-d", "-s", "two", "-x", "100", "-y", "30", f"{cmd}; sleep 60")
         _wait_restored(tmux, "two", repl)
-        fields = _stat(repl)
-        assert int(fields[3]) == repl and int(fields[4]) != 0, "its own session, with a controlling tty"
+        # (the stub can look restored while ptckpt still injects into it: wait for the end state)
+        wait_until(lambda: int(_stat(repl)[3]) == repl and int(_stat(repl)[4]) != 0, 5,
+                   message=lambda: f"its own session, with a controlling tty: {_stat(repl)}")
         assert os.readlink(f"/proc/{repl}/fd/0").startswith("/dev/pts/")
         _repl_remembers(tmux, "two")
     finally:
