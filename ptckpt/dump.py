@@ -674,7 +674,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
             owners=tuple(files.dump_owners(pid, fds)),
             aio_rings=tuple(aio_rings),
         )
-        saved = plan.save_pages(pid, vpid, vmas, writer, mem, _merged(lent))
+        saved = plan.save_pages(pid, vpid, vmas, writer, mem, memory.merge_spans(lent))
         stats = saved[1] if saved is not None else memory.PageStats()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)
@@ -691,17 +691,6 @@ def _check_fdinfo(pid: int, fds) -> None:
             except OSError:
                 continue                          # closed meanwhile by another thread? it is frozen
             claims.check_fdinfo(pid, f.fd, f.kind.name, text)
-
-
-def _merged(ranges) -> list[tuple[int, int]]:
-    """Ranges sorted, overlaps and neighbours merged (children may share the same pages)."""
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(ranges):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(e, out[-1][1]))
-        else:
-            out.append((s, e))
-    return out
 
 
 def _wait_gone(pid: int, timeout: float = 3.0) -> None:

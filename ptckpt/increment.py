@@ -199,11 +199,13 @@ class MemoryPlan:
             entry[0].close()
 
     def _written_since_parent(self, pid: int, vpid: int, tracker, vmas):
+        """The pages written since the parent image (None: all of them, and why is noted)."""
         if self.prev is None:
             return None
-        if tracker.since(self.parent_id, vpid):
+        if tracker is not None and tracker.since(self.parent_id, vpid):
             return tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
-        why = ("no tracking since" if tracker.previous is None else "its tracking was reset after")
+        why = ("no tracking since" if tracker is None or tracker.previous is None
+               else "its tracking was reset after")
         self.untracked.append(f"process {pid}: {why} {self.prev}, all its pages written")
         return None
 
@@ -240,12 +242,7 @@ class MemoryPlan:
             return self._finish_precopy(pid, vmas, mem, lent)
         pages = writer.pages_writer(vpid)
         tracker, _ = self.trackers.get(pid, (None, 0))
-        written = None
-        if self.prev is not None:
-            if tracker is not None:
-                written = self._written_since_parent(pid, vpid, tracker, vmas)
-            else:
-                self.untracked.append(f"process {pid}: no tracking since {self.prev}, all its pages written")
+        written = self._written_since_parent(pid, vpid, tracker, vmas)
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         pages.add_parents(unchanged)
         if tracker is not None and self.track:

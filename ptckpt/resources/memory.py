@@ -435,7 +435,8 @@ def plan_pages(pid: int, vmas: Sequence[Vma], written: Sequence[tuple[int, int]]
 
 
 def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint (start, end) spans covering the same addresses."""
+    """Sorted, disjoint (start, end) spans covering the same addresses: overlaps and
+    neighbours merged."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(spans):
         if out and out[-1][1] >= s:

@@ -51,6 +51,7 @@ from .. import procfs
 from ..errors import PtckptError
 from ..formats.model import Vma, VmaKind
 from ..tracee import pidfd_getfd
+from .memory import merge_spans
 
 UFFD_API = 0xAA
 UFFDIO_API = 0xC018AA3F                 # _IOWR(0xAA, 0x3F, struct uffdio_api)
@@ -165,7 +166,7 @@ class Tracker:
     def written(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """The parts of `ranges` written since the protection (or never protected)."""
         out: list[tuple[int, int]] = []
-        for start, end in _merged(ranges):
+        for start, end in merge_spans(ranges):
             for run in procfs.scan_written(self.pid, start, end):
                 out.append((run.start, run.end))
         return out
@@ -263,14 +264,3 @@ def prepare_frozen(pid: int, remote, *, keep: bool = True) -> Tracker:
                                        f"write-protection ({err.strerror}); dump without --track-mem/--prev"
                                   ) from None
     return Tracker(pid, fd, ours, None)
-
-
-def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(ranges):
-        if out and out[-1][1] >= s:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
