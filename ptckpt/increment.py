@@ -91,7 +91,6 @@ class MemoryPlan:
         self._precopied: dict[int, _Precopy] = {}
         self._deferred: list = []
         self.untracked: list[str] = []     # why processes were written in full
-        self.precopy_frozen = 0.0          # seconds the background pass kept the tree frozen
 
     def inventory_fields(self) -> dict:
         return {"parent": self.parent, "parent_id": self.parent_id, "memory_only": self.pre_dump}
@@ -125,22 +124,17 @@ class MemoryPlan:
                     self._drop_tracker(pid)
         finally:
             session.resume_all()
-            self.precopy_frozen = time.monotonic() - started
-            log.info("pre-copy: frozen %.3f s to write-protect", self.precopy_frozen)
+            log.info("pre-copy: frozen %.3f s to write-protect", time.monotonic() - started)
         unpinned = [(0, 2**63)] if len(pids) > 1 else []   # a tree: keep pages shared copy-on-write
         for pid, (ranges, unchanged, spans) in plans.items():
-            pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged)
-            lost: list[tuple[int, int]] = []
+            pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged,
+                                                  spans=spans)
             try:
-                with AddressSpace(pid) as mem:
-                    runs, _stats = memory.write_pages(mem, ranges, pre.pages, unpinned, lost=lost)
+                runs, _stats = self._copy_running(pid, ranges, pre.pages, unpinned)
             except PtckptError as err:          # it ended meanwhile: nothing to keep of it
                 self._give_up(pid, err)
                 continue
             pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
-            pre.spans = spans
-            for s, e in lost:
-                self.trackers[pid][0].unprotect(s, e)
         for _ in range(PASSES - 1):
             if self._copy_rewritten(unpinned) <= PASS_ENOUGH:
                 break
@@ -153,22 +147,28 @@ class MemoryPlan:
         are copied too: a newer copy must hide the older one.  Returns the bytes copied."""
         total = 0
         for pid, pre in list(self._precopied.items()):
-            tracker = self.trackers[pid][0]
-            lost: list[tuple[int, int]] = []
             try:
-                again = memory.merge_spans(tracker.rewritten(pre.spans))
-                with AddressSpace(pid) as mem:
-                    runs, stats = memory.write_pages(mem, [(s, e, False) for s, e in again], pre.pages,
-                                                     unpinned, lost=lost)
+                again = memory.merge_spans(self.trackers[pid][0].rewritten(pre.spans))
+                runs, stats = self._copy_running(pid, [(s, e, False) for s, e in again], pre.pages, unpinned)
             except PtckptError as err:
                 self._give_up(pid, err)
                 continue
             pre.passes.append([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in runs])
-            for s, e in lost:
-                tracker.unprotect(s, e)
             total += stats.bytes
         log.info("pre-copy pass: %d bytes written again", total)
         return total
+
+    def _copy_running(self, pid: int, ranges, pages, shared=()):
+        """write_pages() from a process that runs: a range it unmapped meanwhile is left out
+        and unprotected, so that it counts as written next time."""
+        lost: list[tuple[int, int]] = []
+        with AddressSpace(pid) as mem:
+            runs, stats = memory.write_pages(mem, ranges, pages, shared, lost=lost)
+        tracker = self.trackers.get(pid, (None, 0))[0]
+        if tracker is not None:
+            for s, e in lost:
+                tracker.unprotect(s, e)
+        return runs, stats
 
     def _protect_for_precopy(self, session: Session, pid: int, vpid: int):
         tasks = session.freeze_process(pid)
@@ -285,19 +285,12 @@ class MemoryPlan:
     # --- after the freeze ------------------------------------------------------------
 
     def run_deferred(self, result) -> None:
-        """Pre-dump: write the pages of the running processes.  A range a process unmapped
-        meanwhile is left out and unprotected (it counts as written next time)."""
+        """Pre-dump: write the pages of the running processes (_copy_running)."""
         for pid, ranges, pages, lent in self._deferred:
-            lost: list[tuple[int, int]] = []
-            with AddressSpace(pid) as mem:
-                runs, stats = memory.write_pages(mem, ranges, pages, lent, lost=lost)
+            runs, stats = self._copy_running(pid, ranges, pages, lent)
             for run in runs:
                 pages.add_run(run.vaddr, run.npages, run.offset)
             pages.close()
-            tracker = self.trackers.get(pid, (None, 0))[0]
-            if tracker is not None:
-                for s, e in lost:
-                    tracker.unprotect(s, e)
             result.pages += stats.pages
             result.bytes += stats.bytes
         self._deferred.clear()
