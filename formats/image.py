@@ -903,15 +903,31 @@ class ImageReader:
     def page_sources(self, pid: int) -> list[tuple[int, int, list[PageRun]]]:
         """(fd, base, runs) per file holding pages of the process: a run's bytes are at file
         offset base + run.offset of fd (the reader's own fd, valid until close())."""
-        runs, bases = self._resolve(pid)
         out = []
+        for vbase, image, mine in self._source_images(pid):
+            fd, data_offset = image._raw_data(pid)
+            out.append((fd, data_offset - vbase, mine))
+        return out
+
+    def lazy_checks(self, pid: int) -> list[pagesums.PagesToCheck | None]:
+        """Beside each of page_sources(pid): how its blocks are checked at first use by a
+        lazy restore (fd -1: the checker reads the data where it has it mapped), or None
+        for a file whose data must be checked whole before the process runs (decompressed
+        from frames, or an image older than the block sums: page_check(lazy=True))."""
+        return [image._pages_to_check(pid, -1) if image._block_checked(pid) else None
+                for _vbase, image, _mine in self._source_images(pid)]
+
+    def _source_images(self, pid: int):
+        """(virtual base, image, its runs) for each image of the chain holding pages of `pid`."""
+        runs, bases = self._resolve(pid)
         for i, (vbase, image) in enumerate(bases):
             vend = bases[i + 1][0] if i + 1 < len(bases) else 2**63
             mine = [r for r in runs if vbase <= r.offset < vend]
             if mine:
-                fd, data_offset = image._raw_data(pid)
-                out.append((fd, data_offset - vbase, mine))
-        return out
+                yield vbase, image, mine
+
+    def _block_checked(self, pid: int) -> bool:
+        return pid not in self._frames and self._sums.get(pid) is not None
 
     def pages_crc32(self, pid: int) -> int:
         """The checksum pages-PID.img's header records for its data."""
@@ -987,15 +1003,17 @@ class ImageReader:
             return False
         return True
 
-    def page_check(self) -> pagesums.PageCheck:
+    def page_check(self, lazy: bool = False) -> pagesums.PageCheck:
         """Check every process's page data in a thread, started now: by block where the
         image has block sums, else its crc32.  Its wait() raises CorruptImage naming the
-        file (and the offset)."""
-        return pagesums.PageCheck(self._all_to_check())
+        file (and the offset).  `lazy`: only the files a lazy restore cannot check block
+        by block as it serves them (lazy_checks)."""
+        return pagesums.PageCheck(self._all_to_check(lazy))
 
-    def _all_to_check(self) -> list[pagesums.PagesToCheck]:
-        own = [self._pages_to_check(pid, os.dup(self._pages[pid][0])) for pid in self.inventory.pids]
-        return own + (self.parent._all_to_check() if self.parent is not None else [])
+    def _all_to_check(self, lazy: bool) -> list[pagesums.PagesToCheck]:
+        own = [self._pages_to_check(pid, os.dup(self._pages[pid][0])) for pid in self.inventory.pids
+               if not (lazy and self._block_checked(pid))]
+        return own + (self.parent._all_to_check(lazy) if self.parent is not None else [])
 
     def _pages_to_check(self, pid: int, fd: int) -> pagesums.PagesToCheck:
         header = self._pages[pid][1]

@@ -81,7 +81,9 @@ class Restored:
 
     `pid` is the root's pid as the caller sees it, `vpid` the image's (what the process
     itself sees), `pids` every process's (image pid -> pid here), `init_pid` the minimal
-    init of a pid-namespaced restore (0 without)."""
+    init of a pid-namespaced restore (0 without).  After a lazy restore, `page_server` is
+    the pid of the process putting its memory in (it exits when all is in; 0 without) and
+    `page_server_log` its log."""
 
     pid: int
     vpid: int
@@ -89,6 +91,8 @@ class Restored:
     pids: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    page_server: int = 0
+    page_server_log: str = ""
     _status: int | None = None
 
     @property
@@ -139,9 +143,9 @@ class Restored:
 
 def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = False,
             file_policy: FilePolicy | Sequence[str] = (), plugins: Sequence[Plugin | str] = (),
-            hold_timeout: float = 30.0) -> Restored:
+            hold_timeout: float = 30.0, lazy: bool = False) -> Restored:
     """``ptckpt restore -D DIRECTORY --detach``: recreate the image's processes and return
-    once they run.  `file_policy` takes a FilePolicy or what ``--file-policy`` takes (e.g.
+    once they run (``--lazy`` with `lazy`).  `file_policy` takes a FilePolicy or what ``--file-policy`` takes (e.g.
     ``["warn"]`` or ``["/slot3/=ignore"]``)."""
     from .resources.pids import become_subreaper
     from .restore import restore as _restore, shell_status
@@ -152,9 +156,10 @@ def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = 
             raise UsageError(str(err)) from None
     become_subreaper()                  # orphans of the tree come back to the caller, not init
     result = _restore(os.fspath(directory), pidns=pidns, netns=netns, file_policy=file_policy,
-                      plugins=_plugins(plugins), hold_timeout=hold_timeout)
+                      plugins=_plugins(plugins), hold_timeout=hold_timeout, lazy=lazy)
     restored = Restored(pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, pids=dict(result.pids),
-                        seconds=result.seconds, warnings=list(result.warnings))
+                        seconds=result.seconds, warnings=list(result.warnings),
+                        page_server=result.lazy_server, page_server_log=result.lazy_log)
     if result.exit_status is not None and not result.init_pid:
         restored._status = shell_status(result.exit_status)
     return restored

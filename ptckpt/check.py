@@ -174,6 +174,17 @@ def _userfaultfd() -> bool:
     return True
 
 
+def _userfaultfd_lazy() -> bool:
+    from .lazypages import FEATURES, UFFD_API, UFFDIO_API, _ioctl
+    fd = _syscall(NR_USERFAULTFD, os.O_CLOEXEC)
+    if fd < 0:
+        return False
+    try:
+        return not _ioctl(fd, UFFDIO_API, (ctypes.c_uint64 * 3)(UFFD_API, FEATURES, 0))
+    finally:
+        os.close(fd)
+
+
 def _soft_dirty() -> bool:
     """A page just written has pagemap bit 55 set only when soft-dirty tracking exists."""
     buf = ctypes.create_string_buffer(3 * 4096)
@@ -238,10 +249,12 @@ def run_checks() -> list[Check]:
                      "sockets, pipes and memfds cannot be handed to a restored process", True))
     out.append(Check("PR_SET_MM_MAP", _prctl_mm_map(), "set brk, arg/env areas, auxv, exe",
                      "restored processes keep the stub's mm fields (wrong brk, /proc/PID/cmdline)", True))
-    out.append(Check("userfaultfd", _userfaultfd(), "page faults served on demand (for a lazy restore: not in ptckpt yet)",
-                     "a lazy restore (not in ptckpt yet) could not work here", False))
+    out.append(Check("userfaultfd", _userfaultfd(), "user-mode userfaultfd (dump --track-mem)",
+                     "incremental dumps write every page (no memory tracking)", False))
+    out.append(Check("userfaultfd events", _userfaultfd_lazy(), "kernel-mode faults, fork/remap/remove events "
+                     "(restore --lazy)", "restore --lazy fills memory before the processes run", False))
     out.append(Check("soft-dirty", _soft_dirty(), "CONFIG_MEM_SOFT_DIRTY",
-                     "incremental dumps (not in ptckpt yet) would have to compare page contents instead", False))
+                     "not needed: memory tracking uses userfaultfd write-protection", False))
     out.append(Check("CAP_SYS_ADMIN", _cap(CAP_SYS_ADMIN), "capability",
                      "no clone3 set_tid outside a new user namespace, no namespaces", False))
     out.append(Check("CAP_SYS_RESOURCE", _cap(CAP_SYS_RESOURCE), "capability",

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -171,6 +172,7 @@ def restore(
     pidns: Annotated[bool, typer.Option("--pidns", help="Restore into a fresh pid namespace (with a minimal init), where the original pids are free.")] = False,
     netns: Annotated[bool, typer.Option("--netns", help="Restore into a fresh network namespace (loopback up), where the image's ports are free: with --pidns, copies of one server image run at once.")] = False,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the process runs and print its pid, instead of waiting for it.")] = False,
+    lazy: Annotated[bool, typer.Option("--lazy", help="Let the processes run before their private anonymous memory is in: a page server process puts it in (what they touch first) and exits when all is in; its log says when.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout once the tree runs (schema in the README) instead of the pid.")] = False,
     plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
@@ -239,7 +241,7 @@ def restore(
         if set_env or unset_env:
             loaded.append(SetEnv(set_env or (), unset_env or ()))
         result = _restore(directory, pidns=pidns, netns=netns, file_policy=policy, new_pty=new_pty,
-                          plugins=loaded)
+                          plugins=loaded, lazy=lazy)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:
@@ -265,7 +267,10 @@ def restore(
     if as_json:
         typer.echo(json.dumps({"pid": result.pid, "vpid": result.vpid, "init_pid": result.init_pid,
                                "pids": {str(v): r for v, r in result.pids.items()},
-                               "seconds": round(result.seconds, 6), "warnings": result.warnings}))
+                               "seconds": round(result.seconds, 6), "warnings": result.warnings,
+                               "lazy": {"server": result.lazy_server, "watchdog": result.lazy_watchdog,
+                                        "log": result.lazy_log, "bytes": result.lazy_bytes}
+                               if result.lazy_server else None}))
     if detach:
         if pidfile:
             with open(pidfile, "w") as f:
@@ -275,6 +280,11 @@ def restore(
         return
     forward_to(result.pid)                       # said: ^C & co now go to the restored process
     status = wait_restored(result)
+    if result.lazy_log and status == 128 + signal.SIGKILL:
+        from .lazypages import why_killed
+        why = why_killed(result.lazy_log)
+        if why:
+            typer.echo(f"ptckpt: {why}", err=True)
     if result.terminal_was is not None:          # the shell job ended: the terminal goes back
         from .resources import terminals
         terminals.put_back(result.terminal_was)    # as it was (a job killed may leave it raw)

@@ -72,12 +72,19 @@ class RestoreResult:
     foreground: int = 0           # shell job: the restored group put in front of it
     pids: dict[int, int] = field(default_factory=dict)    # image (virtual) pid -> pid seen here
     exit_status: int | None = None  # its wait status when it ended already (and was reaped) at return
+    lazy_bytes: int = 0           # lazy: bytes left to the page server when the tree started
+    lazy_server: int = 0          # ... its pid, its watchdog's, and their log
+    lazy_watchdog: int = 0
+    lazy_log: str = ""
 
     def summary(self) -> str:
         where = f" in a new pid namespace (init {self.init_pid})" if self.init_pid else ""
         text = f"restored pid {self.vpid}{where} as {self.pid} in {self.seconds:.3f} s"
         if self.init_pid and len(self.pids) > 1:
             text += "; pids (virtual -> real): " + ", ".join(f"{v} -> {r}" for v, r in self.pids.items())
+        if self.lazy_server:
+            text += (f"; {self.lazy_bytes / 2**20:.1f} MiB come in lazily from page server {self.lazy_server} "
+                     f"(watchdog {self.lazy_watchdog}, log {self.lazy_log})")
         return text
 
 
@@ -156,7 +163,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
-            hold_timeout: float = 30.0) -> RestoreResult:
+            hold_timeout: float = 30.0, lazy: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -186,6 +193,10 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     once.  A TCP connection to a peer outside the image cannot go there (refused).
     TCP connections dumped with --tcp-established are rebuilt in repair mode and
     leave it, and the image's network lock goes, once every process is rebuilt.
+
+    With `lazy` the processes run before their private anonymous memory is in: a page
+    server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
+    name it, its watchdog and their log.
     """
     started = time.monotonic()
     oom_before = process.oom_kills()
@@ -193,7 +204,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
     log.info("collect %s", directory)
-    with ImageReader(directory, verify_pages=False) as image, _checking_pages(image) as page_check:
+    with ImageReader(directory, verify_pages=False) as image, _checking_pages(image, lazy) as page_check:
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
         if image.inventory.memory_only:
@@ -245,9 +256,16 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
         credentials = sockets.QueuedCredentials()      # queues filled once their senders exist
         ns_fd = netns_mod.new_netns() if netns else -1
+        server = None
         try:
             for p in members:
                 pages[p] = [(_open_pages(fd), base, runs) for fd, base, runs in image.page_sources(p)]
+            if lazy:
+                from . import lazypages
+                server = lazypages.Server()
+                for p in members:
+                    for (fd, _base, _runs), check in zip(pages[p], image.lazy_checks(p)):
+                        server.add_source(fd, check)
             files.put_back_saved_files(list(image.saved_files))
             with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
                 # the tree's sockets are made in its network namespace, and it is born there
@@ -294,13 +312,15 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for p in fix_up_order(procs):
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), pages[p],
                                               handed, epolls.get(p, []), events, channel, breaks[p],
-                                              memory_done=p in rebuilt)
+                                              memory_done=p in rebuilt, lazy=server)
                     result.warnings += warnings
                     to_detach += tasks
                     testhooks.reached("restore-fixup")
                 result.pids = {p: created[p].tgid for p in members}
                 log.info("wait for the page check")
                 page_check.wait()                     # before any of them runs an instruction of its own
+                if server is not None:
+                    server.check()                    # a bad block met while serving ptckpt's own reads
                 _settle_notifications(image.fd_states, handed)
                 if not new_pty:
                     # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
@@ -324,6 +344,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
                 traced = {created[p].tgid: p for p in members if breaks[p]}
+                if server is not None:
+                    _start_lazy_server(server, result, [created[p].tgid for p in members])
                 # From the first thread let go the tree is restored: a signal no longer
                 # unwinds it (that would kill a running program and say "interrupted").
                 testhooks.reached("restore-resume")
@@ -346,6 +368,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                         result.exit_status = status
             except BaseException as err:
                 net.abort()
+                if server is not None:
+                    server.abort()
                 if result.terminal_was is not None:     # the user's terminal as it was
                     terminals.put_back(result.terminal_was)
                     result.terminal_was = None
@@ -392,11 +416,23 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     return result
 
 
+def _start_lazy_server(server, result: RestoreResult, pids: list[int]) -> None:
+    """The lazy page server leaves ptckpt for a process of its own, before the tree runs."""
+    result.warnings += server.warnings
+    if not server.spaces:
+        server.abort()
+        return
+    result.lazy_bytes = server.lazy_bytes
+    result.lazy_server, result.lazy_watchdog, result.lazy_log = server.start_daemon(pids)
+    log.info("lazy: %.1f MiB left to page server %d", server.lazy_bytes / 2**20, result.lazy_server)
+
+
 @contextlib.contextmanager
-def _checking_pages(image: ImageReader):
+def _checking_pages(image: ImageReader, lazy: bool = False):
     """The image's page data checked in a thread while the restore goes on (its verdict is
-    asked before the restored processes run); stopped when the restore ends otherwise."""
-    check = image.page_check()
+    asked before the restored processes run); stopped when the restore ends otherwise.
+    `lazy`: only what the lazy page server cannot check block by block as it serves."""
+    check = image.page_check(lazy)
     try:
         yield check
     finally:
@@ -874,10 +910,10 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
             task.gadget = int(remote.gadget)
 
 
-def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict) -> None:
+def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
     memory.prepare_address_space_frozen(remote, mem, proc.vmas)
-    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed)
+    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed, lazy)
 
 
 def _restore_session(task, record) -> None:
@@ -965,15 +1001,16 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
-            channel: int = -1, breaks: list | None = None, memory_done: bool = False):
-    """Rebuild one process from its stub (its memory first, unless `memory_done`); returns
-    (warnings, its tasks, still stopped)."""
+            channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None):
+    """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
+    the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
+    still stopped)."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
         with _injection(leader, mem) as remote:
             if not memory_done:
-                _rebuild_memory_frozen(remote, mem, proc, runs, sources, handed)
+                _rebuild_memory_frozen(remote, mem, proc, runs, sources, handed, lazy)
             aio.restore_aio_rings_frozen(remote, proc.aio_rings)
             log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)

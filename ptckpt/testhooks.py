@@ -7,8 +7,12 @@ Points: ``inject-set`` (an injected syscall's registers are in, the thread not y
 stepped), ``inject-entry`` and ``inject-exit`` (the thread stopped at its entry or exit);
 ``restore-stub`` (a stub seized), ``restore-fixup`` (a process rebuilt, before the next),
 ``restore-resume`` (the tree rebuilt, not yet let go), ``restore-pidns`` (--pidns: the init made
-the stub, not yet seized).  Unset (the normal case), reached()
-costs a comparison.
+the stub, not yet seized); ``lazy-copy`` (the lazy page server, before a background copy).
+Unset (the normal case), reached() costs a comparison.
+
+``PTCKPT_TEST_LAZY_PACE=SECONDS`` makes the lazy page server wait that long (answering
+faults meanwhile) before each background copy, so that a test can act while pages are
+still missing.
 """
 
 from __future__ import annotations
@@ -28,3 +32,10 @@ def reached(point: str) -> None:
         _left -= 1
         if _left == 0:
             os.kill(os.getpid(), _signo)
+
+
+def lazy_pace() -> float:
+    try:
+        return float(os.environ.get("PTCKPT_TEST_LAZY_PACE", "0"))
+    except ValueError:
+        return 0.0

@@ -479,7 +479,9 @@ class AddressSpace:
         try:
             data = os.pread(self._mem, size, addr)
         except OSError as exc:
-            raise _translate_os_error(exc, self.pid, f"reading {size} bytes at {addr:#x}") from None
+            data = self._read_vm(addr, size) if exc.errno == errno.EIO else None
+            if data is None:
+                raise _translate_os_error(exc, self.pid, f"reading {size} bytes at {addr:#x}") from None
         if len(data) != size:
             raise TraceeError(self.pid, f"short read of {size} bytes at {addr:#x}")
         return data
@@ -488,9 +490,24 @@ class AddressSpace:
         try:
             n = os.pwrite(self._mem, data, addr)
         except OSError as exc:
-            raise _translate_os_error(exc, self.pid, f"writing {len(data)} bytes at {addr:#x}") from None
+            n = self._write_vm(addr, data) if exc.errno == errno.EIO else -1
+            if n < 0:
+                raise _translate_os_error(exc, self.pid, f"writing {len(data)} bytes at {addr:#x}") from None
         if n != len(data):
             raise TraceeError(self.pid, f"short write of {len(data)} bytes at {addr:#x}")
+
+    # A page that only a userfaultfd brings (a lazy restore's) cannot come through
+    # /proc/PID/mem, whose page lookup may not wait for it (EIO); process_vm_readv's may.
+    def _read_vm(self, addr: int, size: int) -> bytes | None:
+        buf = ctypes.create_string_buffer(size)
+        local, remote = _IoVec(ctypes.addressof(buf), size), _IoVec(addr, size)
+        got = _libc.process_vm_readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        return buf.raw[:got] if got == size else None
+
+    def _write_vm(self, addr: int, data: bytes) -> int:
+        buf = ctypes.create_string_buffer(data, len(data))
+        local, remote = _IoVec(ctypes.addressof(buf), len(data)), _IoVec(addr, len(data))
+        return _libc.process_vm_writev(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
 
     def read_into(self, buffer: memoryview, ranges: Sequence[tuple[int, int]]) -> None:
         """Fill `buffer` with the bytes of (addr, length) ranges, in order.

@@ -33,8 +33,10 @@ def test_check_lists_features_and_passes_here(ptckpt):
     assert by_name["clone3 set_tid"]["present"] and by_name["clone3 set_tid"]["required"]
     # DESIGN.md: soft-dirty is compiled out and CAP_SYS_RESOURCE is missing on these machines.
     assert not by_name["soft-dirty"]["present"] and by_name["soft-dirty"]["cost"]
-    # what ptckpt does not do yet is not advertised as if it did
-    assert "not in ptckpt yet" in by_name["userfaultfd"]["detail"] + by_name["soft-dirty"]["cost"]
+    # what the features serve is named; soft-dirty is not needed (userfaultfd write-protection is used)
+    assert "--track-mem" in by_name["userfaultfd"]["detail"]
+    assert by_name["userfaultfd events"]["present"] and "--lazy" in by_name["userfaultfd events"]["detail"]
+    assert "not in ptckpt yet" not in res.stdout
     assert all(c["present"] for c in data if c["required"])
 
 

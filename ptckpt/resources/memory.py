@@ -855,12 +855,13 @@ def _new_object(path: str, size: int) -> int:
 
 
 def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
-                        sources, shared: dict | None = None) -> None:
+                        sources, shared: dict | None = None, lazy=None) -> None:
     """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
 
     `runs` are all the saved pages; `sources` says where they are: (fd, base, runs) per
     file (ImageReader.page_sources: an incremental image's pages are in several).
     `shared` maps shared_object_key()s to the fd (in the tracee) of the object to map.
+    `lazy` (a lazypages.Server): the pages it registers are left to it, not filled.
     """
     shared = shared or {}
     attached: set[tuple[int, int]] = set()
@@ -906,6 +907,8 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         else:
             raise ValueError(f"cannot restore mapping {vma.path!r} ({vma.kind.name})")
     files.close_all()
+    if lazy is not None:
+        sources = lazy.register_frozen(remote, mem.pid, vmas, sources)
     for pages_fd, data_offset, part in sources:
         if not fill_pages_in_target(remote, part, pages_fd, data_offset):
             fill_pages(mem, part, pages_fd, data_offset)
