@@ -204,3 +204,47 @@ def test_lazy_python3_goes_on(spawn, ptckpt, tmp_path, lazy):
     _gone(info["server"])
     assert "all pages in" in _log(info)
     py.assert_ok()
+
+
+def test_waiting_lazy_restore_says_why_its_process_was_killed(spawn, ptckpt, tmp_path):
+    """Without --detach ptckpt waits for the process; when the page server killed it (a
+    corrupt block), ptckpt exits 137 and its last line says why."""
+    target = spawn("bigheap", 8)
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    pages = image / f"pages-{target.pid}.img"
+    with open(pages, "r+b") as f:
+        f.seek(PAGE_SIZE + 3 * BLOCK)
+        b = f.read(1)
+        f.seek(PAGE_SIZE + 3 * BLOCK)
+        f.write(bytes([b[0] ^ 0x80]))
+    res = ptckpt("restore", "-D", image, "--lazy", timeout=60)
+    m = re.search(r"page server (\d+) \(watchdog (\d+), log (\S+)\)", res.stderr)
+    try:
+        assert m, res.stderr
+        assert res.returncode == 128 + signal.SIGKILL, res.stderr
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("ptckpt: lazy restore:") and "(block 3)" in last and "killed" in last, last
+        assert "Traceback" not in res.stderr
+    finally:
+        if m:
+            kill_pids([int(m.group(1)), int(m.group(2))])
+            reap_orphans()
+            Path(m.group(3)).unlink(missing_ok=True)
+
+
+def test_dump_while_pages_are_still_coming_is_refused_by_name(spawn, ptckpt, tmp_path, lazy):
+    """A dump before the server has finished would read through its registrations: it is
+    refused, naming the reason and the way out, and the process runs on untouched."""
+    target = spawn("bigheap", 16)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    pid, info = lazy(tmp_path / "img", {"PTCKPT_TEST_LAZY_PACE": "0.1"})      # >= 1.6 s to load
+    res = ptckpt("dump", pid, "-D", tmp_path / "again")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "lazy restore" in res.stderr and "dump once it has exited" in res.stderr, res.stderr
+    _gone(info["server"])
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", timeout=30)
+    res = ptckpt("dump", pid, "-D", tmp_path / "after")
+    assert res.returncode == 0, res.stderr
+    target.assert_ok()

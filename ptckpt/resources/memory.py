@@ -229,7 +229,8 @@ VMFLAGS_DERIVED = {
 }
 VMFLAGS_REFUSED = {
     "ht": "hugetlb memory, which ptckpt does not save",
-    "um": "a userfaultfd registration (missing pages)",
+    "um": ("a userfaultfd registration for missing pages: another program serves its page faults, "
+           "such as the page server of a lazy restore still putting its memory in (dump once it has exited)"),
     "uw": "a userfaultfd registration (write-protect)",
     "ui": "a userfaultfd registration (minor faults)",
     "ss": "a shadow stack",
