@@ -20,7 +20,8 @@ OUT/results.csv and OUT/results.json hold one row per run: seed, faults, status,
 signature, check verdict, outcome, seconds.
 
 Runs go through a :class:`Backend` (submit, wait, cancel): :class:`LocalBackend`
-runs them as processes on this machine; a cluster engine implements the same three.
+runs them as processes on this machine; ptckpt.cluster.DaskBackend as tasks of a Dask
+scheduler.  Results name the host each run ran on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,17 +71,18 @@ class RunResult:
     check: str = ""             # "pass" | "fail" | "" (no check)
     outcome: str = ""
     reason: str = ""
+    host: str = ""              # where it ran
 
 
 class Backend:
     """Where runs execute.  submit() starts a run (it may queue it); wait() blocks until at
-    least one run has ended and returns the (index, status, seconds, timed_out) of those
-    that did; cancel() kills everything still going."""
+    least one run has ended and returns the (index, status, seconds, timed_out, host) of
+    those that did; cancel() kills everything still going."""
 
     def submit(self, run: RunSpec) -> None:
         raise NotImplementedError
 
-    def wait(self) -> list[tuple[int, int | None, float, bool]]:
+    def wait(self) -> list[tuple[int, int | None, float, bool, str]]:
         raise NotImplementedError
 
     def cancel(self) -> None:
@@ -108,20 +111,7 @@ class LocalBackend(Backend):
                                         start_new_session=True, close_fds=True)
             self.running[run.index] = (run, proc, time.monotonic())
 
-    def _kill(self, proc: subprocess.Popen) -> None:
-        """The run's pid namespace (its init is the restore's child) and the restore itself."""
-        for child in procfs.children_or_none(proc.pid):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-    def wait(self) -> list[tuple[int, int | None, float, bool]]:
+    def wait(self) -> list[tuple[int, int | None, float, bool, str]]:
         while True:
             done = []
             now = time.monotonic()
@@ -129,11 +119,11 @@ class LocalBackend(Backend):
                 status = proc.poll()
                 timed_out = status is None and now - started > run.timeout
                 if timed_out:
-                    self._kill(proc)
+                    kill_run(proc)
                 if status is not None or timed_out:
                     del self.running[index]
                     shell = None if timed_out else (128 - status if status < 0 else status)
-                    done.append((index, shell, now - started, timed_out))
+                    done.append((index, shell, now - started, timed_out, socket.gethostname()))
             if done:
                 self._start()
                 return done
@@ -144,8 +134,22 @@ class LocalBackend(Backend):
     def cancel(self) -> None:
         self.queue.clear()
         for _run, proc, _started in self.running.values():
-            self._kill(proc)
+            kill_run(proc)
         self.running.clear()
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """A run's pid namespace (its init is the restore's child) and the restore itself."""
+    for child in procfs.children_or_none(proc.pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @dataclass
@@ -159,6 +163,7 @@ class CampaignSpec:
     timeout: float = 60.0
     check: str = ""                         # a shell command; exit 0: the run's result is right
     restore_args: Sequence[str] = ()        # more options for every restore (--plugin, --file-policy ...)
+    backend: str = "local"                  # or dask://HOST:PORT (ptckpt.cluster)
 
 
 @dataclass
@@ -247,8 +252,8 @@ def classify(result: RunResult, reference_signature: str, error: str) -> None:
         result.outcome, result.reason = "masked", ""
 
 
-def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out) -> tuple[RunResult, str]:
-    result = RunResult(run.index, run.seed, status, round(seconds, 3), timed_out)
+def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out, host) -> tuple[RunResult, str]:
+    result = RunResult(run.index, run.seed, status, round(seconds, 3), timed_out, host=host)
     path = os.path.join(run.directory, "faults.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -264,7 +269,6 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
         raise UsageError("--runs must be at least 1")
     if not spec.inject:
         raise UsageError("a campaign needs at least one --inject SPEC")
-    backend = backend or LocalBackend(spec.jobs)
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
     runs_dir = os.path.join(spec.out, "runs")
     netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)
@@ -276,14 +280,17 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
                        spec.timeout)
 
     first = 1 if spec.check else 0               # with a check no reference is needed
+    if backend is None:
+        from .cluster import backend_for
+        backend = backend_for(spec.backend, spec.image, spec.jobs)
     specs = {i: make(i) for i in range(first, spec.runs + 1)}
     results: dict[int, RunResult] = {}
     ref = RunResult(0, 0, None, 0.0, outcome="none")
     try:
         if not first:
             backend.submit(specs[0])             # the reference first, alone: its stdout is the yardstick
-            for index, status, seconds, timed_out in backend.wait():
-                ref, error = _result(spec, specs[index], status, seconds, timed_out)
+            for index, status, seconds, timed_out, host in backend.wait():
+                ref, error = _result(spec, specs[index], status, seconds, timed_out, host)
             if ref.timed_out or ref.status != 0:
                 why = error or ("timed out" if ref.timed_out else f"exit status {ref.status}")
                 raise UsageError(f"the reference run (no faults) did not succeed: {why} (see {specs[0].directory})")
@@ -291,8 +298,8 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
         for i in range(1, spec.runs + 1):
             backend.submit(specs[i])
         while len(results) < spec.runs:
-            for index, status, seconds, timed_out in backend.wait():
-                result, error = _result(spec, specs[index], status, seconds, timed_out)
+            for index, status, seconds, timed_out, host in backend.wait():
+                result, error = _result(spec, specs[index], status, seconds, timed_out, host)
                 classify(result, ref.signature, error)
                 log.info("run %d (seed %d): %s %s", index, result.seed, result.outcome, result.reason)
                 results[index] = result
@@ -311,14 +318,14 @@ def fault_text(faults: list[dict]) -> str:
 
 def write_results(result: CampaignResult) -> None:
     rows = ([result.reference] if result.reference.outcome == "reference" else []) + result.runs
-    columns = ["index", "seed", "outcome", "reason", "status", "signature", "check", "seconds", "faults"]
+    columns = ["index", "seed", "outcome", "reason", "status", "signature", "check", "seconds", "faults", "host"]
     fd = os.open(os.path.join(result.out, "results.csv"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for r in rows:
             w.writerow([r.index, r.seed, r.outcome, r.reason, "" if r.status is None else r.status, r.signature,
-                        r.check, r.seconds, fault_text(r.faults)])
+                        r.check, r.seconds, fault_text(r.faults), r.host])
     fd = os.open(os.path.join(result.out, "results.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"summary": dict(result.counts()), "reference": asdict(result.reference),

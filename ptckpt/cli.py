@@ -308,6 +308,7 @@ def campaign(
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY", help="As for restore (runs rewrite their files: warn or ignore is usual). Repeatable.")] = None,
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
+    backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
 
@@ -330,7 +331,8 @@ def campaign(
         for text in inject:
             parse_spec(text)
         result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
-                                           timeout=parse_duration(timeout), check=check or "", restore_args=extra))
+                                           timeout=parse_duration(timeout), check=check or "", restore_args=extra,
+                                           backend=backend))
     except PtckptError as err:
         raise _fail(err) from None
     for r in result.runs:
