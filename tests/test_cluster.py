@@ -42,18 +42,22 @@ def _table(out: Path) -> list[tuple]:
 @pytest.fixture
 def short_testbench(spawn, ptckpt, testbench_bin, tmp_path):
     emulator = start_emulator(spawn, options=("--per-connection",))
-    bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG)
-    bench.wait_for_line("REGION 1", timeout=10)
-    log = bench.slot / "run.log"
-    wait_until(lambda: "vector 1400 " in log.read_text(), 10, message="vector 1400")
-    for attempt in range(20):                 # the vendor plugin refuses a freeze mid-transaction
-        image = tmp_path / f"img{attempt}"
-        res = ptckpt("dump", bench.pid, "-D", image, "--kill", "--plugin", VENDOR)
+    image = None
+    for attempt in range(3):                  # a freeze too late for the run: start it again
+        bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG, name=f"slot{attempt}")
+        bench.wait_for_line("REGION 1", timeout=10)
+        log = bench.slot / "run.log"
+        wait_until(lambda: "vector 1400 " in log.read_text(), 10, message="vector 1400")
+        for tries in range(20):               # the vendor plugin refuses a freeze mid-transaction
+            res = ptckpt("dump", bench.pid, "-D", tmp_path / f"img{attempt}-{tries}", "--kill", "--plugin", VENDOR)
+            if res.returncode == 0 or not bench.alive():
+                break
+            assert "dump again" in res.stderr, res.stderr
         if res.returncode == 0:
+            image = tmp_path / f"img{attempt}-{tries}"
+            bench.wait_exit(10)
             break
-        assert "dump again" in res.stderr, res.stderr
-    assert res.returncode == 0, res.stderr
-    bench.wait_exit(10)
+    assert image is not None, res.stderr
     yield image, dict(os.environ, EMULATOR_ADDRESS=emulator.address)
     kill_pids(_leftovers(str(testbench_bin)))
     reap_orphans()
@@ -143,6 +147,20 @@ def test_dask_campaign_matches_local_and_survives_a_lost_worker(ptckpt, ptckpt_c
     assert any(c.exists() and any(c.iterdir()) for c in caches)
     time.sleep(0.5)
     assert _leftovers(str(testbench_bin)) == [], "nothing is left running on any worker"
+    # ^C in the middle of a campaign: the runs going on are killed on their worker
+    with open(tmp_path / "int.stderr", "wb") as se:
+        campaign = subprocess.Popen(ptckpt_cmd + _args(image, tmp_path / "int", f"dask://{address}"),
+                                    stdout=subprocess.DEVNULL, stderr=se, env=env, start_new_session=True)
+    try:
+        wait_until(lambda: _leftovers(str(testbench_bin)), 60, message="a run going on")
+        campaign.send_signal(signal.SIGINT)
+        assert campaign.wait(60) != 0
+    finally:
+        if campaign.poll() is None:
+            os.killpg(campaign.pid, signal.SIGKILL)
+            campaign.wait()
+    assert "Traceback" not in (tmp_path / "int.stderr").read_text()
+    wait_until(lambda: not _leftovers(str(testbench_bin)), 10, message="no run left after ^C")
 
 
 def test_dask_backend_refusals(ptckpt, tmp_path, killed_counter):
