@@ -472,6 +472,84 @@ def stop(
     _summary(result.summary())
 
 
+@app.command(name="page-server")
+def page_server(
+    listen: Annotated[str, typer.Option("--listen", metavar="HOST:PORT|unix:PATH", help="The one address to listen on.")],
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Where received images go (0700).")],
+    token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="The shared token (16 bytes or more); default $PTCKPT_TOKEN.")] = None,
+    once: Annotated[bool, typer.Option("--once", help="Serve one connection, then exit.")] = False,
+) -> None:
+    """Receive images from `ptckpt push` and `ptckpt migrate` (and restore them when asked),
+    on the address given and nothing else, for clients that know the token.
+
+    Example: ptckpt page-server --listen 10.0.0.7:7070 -D /var/lib/ptckpt/in --token-file /etc/ptckpt/token
+    """
+    from .transfer import PageServer, read_token
+    try:
+        server = PageServer(listen, directory, read_token(token_file), once=once)
+    except PtckptError as err:
+        raise _fail(err) from None
+    _summary(f"page server on {listen}, images into {os.path.abspath(directory)}", err=True)
+    server.serve()
+
+
+@app.command()
+def push(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory (its parents go with it).")],
+    to: Annotated[str, typer.Option("--to", metavar="HOST:PORT|unix:PATH", help="The page server.")],
+    token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="The shared token; default $PTCKPT_TOKEN.")] = None,
+) -> None:
+    """Send an image (with its parents) to a page server; prints where it is there.
+
+    Example: ptckpt push -D /tmp/ckpt --to farm7:7070 --token-file ~/.ptckpt-token
+    """
+    from .transfer import push as _push, read_token
+    try:
+        where, sent = _push(directory, to, read_token(token_file))
+    except PtckptError as err:
+        raise _fail(err) from None
+    typer.echo(where)
+    _summary(f"sent {sent / 2**20:.1f} MiB to {to}", err=True)
+
+
+@app.command()
+def migrate(
+    pid: Annotated[int, typer.Argument(help="Process to move (with its children).")],
+    to: Annotated[str, typer.Option("--to", metavar="HOST:PORT|unix:PATH", help="The page server that restores it.")],
+    token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="The shared token; default $PTCKPT_TOKEN.")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="Pre-dump rounds sent while it runs, before the final (frozen) dump.")] = 2,
+    restore_opt: Annotated[Optional[list[str]], typer.Option("--restore-opt", metavar="OPTION", help="An option for the restore there (--pidns, --netns, --lazy, --file-policy=P, --plugin=SPEC ...). Repeatable.")] = None,
+    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC", help="Plugin for the dumps here (as for dump). Repeatable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Move a running process tree to another host (or namespace) running `ptckpt page-server`:
+    pre-dumps while it runs, a short final dump, the restore there; the process is killed here
+    only once it runs there, and resumes here if anything fails before. Reports the downtime.
+
+    Example: ptckpt migrate 1234 --to farm7:7070 --token-file ~/.ptckpt-token --restore-opt=--lazy
+    """
+    from .migrate import migrate as _migrate
+    from .plugins import load_plugin
+    from .transfer import read_token
+    args: list[str] = []
+    for opt in restore_opt or ():
+        name, eq, value = opt.partition("=")
+        args += [name, value] if eq else [name]
+    try:
+        result = _migrate(pid, to, read_token(token_file), rounds=rounds, restore_args=args,
+                          plugins=[load_plugin(spec) for spec in plugin or ()])
+    except PtckptError as err:
+        raise _fail(err) from None
+    if as_json:
+        typer.echo(json.dumps({"pid": result.pid, "remote_pid": result.remote_pid, "remote_vpid": result.remote_vpid,
+                               "rounds": result.rounds, "round_bytes": result.round_bytes,
+                               "final_bytes": result.final_bytes, "downtime": round(result.downtime, 6),
+                               "seconds": round(result.seconds, 6), "remote": result.remote}))
+        return
+    typer.echo(result.remote_pid)
+    _summary(result.summary(), err=True)
+
+
 @app.command()
 def core(
     directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],

@@ -109,7 +109,8 @@ def dump(pid: int, directory: str | None = None, *,
          plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
          tcp_established: bool = False, tcp_close: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
-         compress: tuple[str, int] | None = None, background: bool | None = False) -> DumpResult:
+         compress: tuple[str, int] | None = None, background: bool | None = False,
+         before_release=None) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
@@ -133,6 +134,10 @@ def dump(pid: int, directory: str | None = None, *,
     dump; `background` copies the memory while the tree runs and freezes it only for
     the pages written meanwhile (None: when it has more than increment.BACKGROUND_MIN
     bytes of memory).  `compress` = ("zstd", LEVEL) compresses the page data.
+
+    `before_release(result)` runs once the image is committed, the tree still frozen
+    (ptckpt.migrate sends the image and has it restored elsewhere then); if it raises,
+    the tree resumes where it was, whatever `mode`, and the error goes on.
     """
     if tcp_established and tcp_close:
         raise UsageError("--tcp-established and --tcp-close exclude each other")
@@ -269,6 +274,15 @@ def dump(pid: int, directory: str | None = None, *,
     plan.close()
     result.warnings = plan.untracked
     flight.close()
+    if before_release is not None:
+        try:
+            before_release(result)
+        except BaseException:
+            with contextlib.suppress(PtckptError):
+                net.abort()
+            with contextlib.suppress(PtckptError):
+                session.resume_all()
+            raise
     log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
     if mode is DumpMode.LEAVE_RUNNING:
         for p, addr in blocks.items():           # the program learns it continues after a dump

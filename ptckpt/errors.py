@@ -39,6 +39,7 @@ class ExitCode:
     CONNECTION = 21       # a TCP connection needs --tcp-established, --tcp-close or --external
     DIFFERENT = 22        # `ptckpt diff`: the images differ (beyond the fields expected to)
     EXHAUSTED = 23        # out of a resource: open files, memory, processes
+    TRANSFER = 24         # page server, push, migrate: no connection, denied, broken, or it refused
 
 
 class PtckptError(Exception):
@@ -334,6 +335,12 @@ class CriticalSection(ProcessError):
         super().__init__(pid, f"process {pid} stayed in critical section {section!r} for {timeout:g} s: not dumped, "
                               f"it runs on (a longer --critical-timeout waits more)")
         self.section = section
+
+
+class TransferError(PtckptError):
+    """An image sent to (or a restore asked of) a page server did not get there."""
+
+    exit_code = ExitCode.TRANSFER
 
 
 class ControlError(PtckptError):
