@@ -260,6 +260,7 @@ def push(directory: str, address: str, token: bytes, bundle: str | None = None) 
 
 def _private_dirs(top: str, path: str) -> None:
     """mkdir -p `path` under `top`, every level made 0700 (images hold memory secrets)."""
+    os.makedirs(top, mode=0o700, exist_ok=True)          # removed meanwhile: made again
     rel = os.path.relpath(path, top)
     at = top
     for part in rel.split(os.sep) if rel != "." else ():
