@@ -601,13 +601,31 @@ def diff(
 @app.command()
 def check(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    image: Annotated[Optional[str], typer.Option("--image", metavar="DIR", help="Say instead whether image DIR can be restored on this host, and what stands in the way.")] = None,
 ) -> None:
     """List the kernel, CPU and privilege features ptckpt uses, present or absent.
 
-    Exits 0 when dump and restore can work on this machine.
+    Exits 0 when dump and restore can work on this machine. With --image DIR: whether
+    `ptckpt restore -D DIR` can work here (exit 0), else restore's exit code for the first
+    thing in the way; nothing is restored.
 
-    Example: ptckpt check
+    Example: ptckpt check --image /tmp/ckpt-1234
     """
+    if image is not None:
+        from .restore import preflight
+        findings = preflight(image)
+        if as_json:
+            typer.echo(json.dumps([{"what": f.what, "ok": f.ok, "detail": f.detail, "exit_code": f.exit_code}
+                                   for f in findings], indent=2))
+        else:
+            width = max(len(f.what) for f in findings)
+            for f in findings:
+                typer.echo(f"{f.what:<{width}}  {'ok  ' if f.ok else 'NO  '}  {one_line(f.detail)}")
+        blocking = [f for f in findings if not f.ok]
+        if blocking:
+            typer.echo(f"ptckpt: {image} cannot be restored here as it is: {one_line(blocking[0].detail)}", err=True)
+            raise typer.Exit(code=blocking[0].exit_code or ExitCode.INCOMPATIBLE)
+        return
     from .check import run_checks
     results = run_checks()
     if as_json:

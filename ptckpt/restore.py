@@ -45,7 +45,8 @@ from .callable import make_callable
 from . import appblock, breakpoints, entry, procfs, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
-from .errors import CorruptImage, Incompatible, PluginError, PtckptError, RestoreFailed, UnsupportedResource, UsageError
+from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
+                     UnsupportedResource, UsageError)
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
@@ -138,6 +139,69 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
     if not pidns:
         pids.check_pids_free(list(proc.task.tids))
+
+
+@dataclass
+class Finding:
+    """One line of `ptckpt check --image`: what was looked at, and what a restore here would meet."""
+
+    what: str
+    ok: bool
+    detail: str
+    exit_code: int = 0            # restore's exit code for it (0: fine)
+
+
+def preflight(directory: str) -> list[Finding]:
+    """Whether image `directory` can be restored on this host, and how: the checks restore's
+    plan makes before it builds anything (format, chain, architecture, vdso layout, xsave
+    features, pids, mapped and open files, plugins), each as a Finding; nothing is made."""
+    out: list[Finding] = []
+    try:
+        image = ImageReader(directory, verify_pages=False)
+    except PtckptError as err:
+        return [Finding("image", False, str(err), err.exit_code)]
+    with image:
+        inv = image.inventory
+        chain = f", incremental on {inv.parent}" if inv.parent else ""
+        out.append(Finding("image", not inv.memory_only,
+                           f"format {image.version}, {len(inv.pids)} process(es) of {inv.hostname}, "
+                           f"kernel {inv.kernel_release}{chain}" if not inv.memory_only else
+                           "a pre-dump (memory only): restore the dump made with --prev on it",
+                           0 if not inv.memory_only else ExitCode.USAGE))
+        procs = {p: image.process(p) for p in inv.pids}
+        host = Host.probe()
+        bad = []
+        for p, proc in procs.items():
+            try:
+                plan_problems(image, proc, host, pidns=True)
+            except PtckptError as err:
+                bad.append(err)
+        out.append(Finding("this host", not bad, "; ".join(str(e) for e in bad) or
+                           f"{os.uname().machine}, this kernel's vdso layout, the xsave features used "
+                           f"(CPU {host.xcr0:#x})", bad[0].exit_code if bad else 0))
+        busy = []
+        if not inv.pid_level:
+            for p, proc in procs.items():
+                try:
+                    pids.check_pids_free(list(proc.task.tids), zombie_wait=0)
+                except PtckptError as err:
+                    busy.append(str(err))
+        out.append(Finding("pids", not busy, "; ".join(busy) + " (restore --pidns gives it a pid namespace "
+                           "where they are free)" if busy else
+                           ("a pid namespace of its own" if inv.pid_level else
+                            f"free here: {' '.join(map(str, inv.pids))}"),
+                           ExitCode.PID_BUSY if busy else 0))
+        saved = {f.path for f in image.saved_files}
+        verdict = filepolicy.evaluate(file_identities(procs, saved), filepolicy.FilePolicy())
+        changed = verdict.refused + verdict.warnings
+        out.append(Finding("files", not verdict.refused,
+                           ("changed since the dump: " + "; ".join(changed) +
+                            (" (--file-policy warn or ignore to go on)" if verdict.refused else ""))
+                           if changed else "every file it uses is as it was",
+                           filepolicy.FilesChanged.exit_code if verdict.refused else 0))
+        needs = [f"{n} {v}".strip() for n, v in plugin_mod.required(image.plugin_data)]
+        out.append(Finding("plugins", True, ("needs " + ", ".join(needs) + " (--plugin)") if needs else "none needed"))
+    return out
 
 
 def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[filepolicy.FileIdentity]:

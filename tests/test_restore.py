@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import hashlib
 import os
 import re
@@ -711,3 +712,33 @@ def test_credentials_of_an_unprivileged_process(ptckpt, tmp_path):
         time.sleep(0.1)
         reap_orphans()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_check_image_says_beforehand_whether_this_host_can_restore_it(counter_image, ptckpt, tmp_path):
+    """`ptckpt check --image DIR` runs restore's plan without building anything: an image
+    this host can restore is exit 0; one made for a vdso of another size, or using xsave
+    features this CPU lacks, is restore's exit 15 with the reason; nothing is restored."""
+    from ptckpt.formats.model import VmaKind
+    from ptckpt.restore import Host
+    target, image = counter_image
+    res = ptckpt("check", "--image", image, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    found = {f["what"]: f for f in json.loads(res.stdout)}
+    assert all(f["ok"] for f in found.values()) and str(target.pid) in found["pids"]["detail"], found
+
+    def smaller_vdso(p):
+        return dataclasses.replace(p, vmas=tuple(dataclasses.replace(v, end=v.end - PAGE_SIZE)
+                                                 if v.kind is VmaKind.VDSO else v for v in p.vmas))
+    absent = next(1 << b for b in (17, 18, 19, 63) if not Host.probe().xcr0 & 1 << b)
+    _rewrite_image(image, tmp_path / "vdso", smaller_vdso)
+    _rewrite_image(image, tmp_path / "xs", lambda p: dataclasses.replace(
+        p, threads=tuple(dataclasses.replace(t, xfeatures=t.xfeatures | absent) for t in p.threads)))
+    for bad, words in ((tmp_path / "vdso", "[vdso]"), (tmp_path / "xs", "xsave features")):
+        res = ptckpt("check", "--image", bad)
+        assert res.returncode == ExitCode.INCOMPATIBLE, res.stdout + res.stderr
+        assert any(line.startswith("this host") and "NO" in line and words in line
+                   for line in res.stdout.splitlines()), res.stdout
+        assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr
+    assert not pid_alive(target.pid), "nothing was restored"
+    res = ptckpt("check", "--image", tmp_path / "nothing-here")
+    assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stdout + res.stderr
