@@ -175,6 +175,11 @@ class CampaignResult:
     def counts(self) -> Counter:
         return Counter(r.outcome for r in self.runs)
 
+    def as_json(self) -> dict:
+        """results.json's object: {"summary": {outcome: n}, "reference": run, "runs": [run]}."""
+        return {"summary": dict(self.counts()), "reference": asdict(self.reference),
+                "runs": [asdict(r) for r in self.runs]}
+
     def summary(self) -> str:
         counts = self.counts()
         parts = [f"{counts.get(o, 0)} {o}" for o in OUTCOMES if o != "error" or counts.get(o)]
@@ -264,11 +269,14 @@ def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out, host) 
     return result, _ptckpt_error(run.directory)
 
 
-def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> CampaignResult:
+def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=None) -> CampaignResult:
+    """Run the campaign; `progress(done, total, counts, eta_seconds)` is called as runs end."""
     if spec.runs < 1:
         raise UsageError("--runs must be at least 1")
     if not spec.inject:
         raise UsageError("a campaign needs at least one --inject SPEC")
+    if os.path.isdir(spec.out) and os.listdir(spec.out):
+        raise UsageError(f"{spec.out} is not empty (another campaign's results?): give -o a new directory")
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
     runs_dir = os.path.join(spec.out, "runs")
     netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)
@@ -297,16 +305,23 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None) -> Campaign
             ref.outcome = "reference"
         for i in range(1, spec.runs + 1):
             backend.submit(specs[i])
+        started = time.monotonic()
         while len(results) < spec.runs:
             for index, status, seconds, timed_out, host in backend.wait():
                 result, error = _result(spec, specs[index], status, seconds, timed_out, host)
                 classify(result, ref.signature, error)
                 log.info("run %d (seed %d): %s %s", index, result.seed, result.outcome, result.reason)
                 results[index] = result
+                if progress is not None:
+                    done = len(results)
+                    eta = (time.monotonic() - started) / done * (spec.runs - done)
+                    progress(done, spec.runs, Counter(r.outcome for r in results.values()), eta)
     finally:
         backend.cancel()
     done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out)
     write_results(done)
+    from .report import write_report
+    write_report(done)
     return done
 
 
@@ -328,5 +343,4 @@ def write_results(result: CampaignResult) -> None:
                         r.check, r.seconds, fault_text(r.faults), r.host])
     fd = os.open(os.path.join(result.out, "results.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"summary": dict(result.counts()), "reference": asdict(result.reference),
-                   "runs": [asdict(r) for r in result.runs]}, f, indent=2)
+        json.dump(result.as_json(), f, indent=2)

@@ -308,6 +308,7 @@ def campaign(
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY", help="As for restore (runs rewrite their files: warn or ignore is usual). Repeatable.")] = None,
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print results.json's object on stdout instead of the table.")] = False,
     backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
@@ -315,7 +316,8 @@ def campaign(
     One reference run without faults comes first; then --runs runs, --jobs at a
     time, each with its own seed. Every run is classified masked, detected,
     crashed, hung (killed at --timeout) or error; the table goes to stdout and to
-    OUT/results.csv and OUT/results.json.
+    OUT/results.csv, OUT/results.json and OUT/report.html. Exit 25 when some runs
+    could not be restored (outcome error).
 
     Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
     """
@@ -330,14 +332,31 @@ def campaign(
         from .faults import parse_spec
         for text in inject:
             parse_spec(text)
+        live = sys.stderr.isatty() and not _quiet
+
+        def progress(done: int, total: int, counts, eta: float) -> None:
+            so_far = ", ".join(f"{counts[o]} {o}" for o in ("masked", "detected", "crashed", "hung", "error")
+                               if counts.get(o))
+            end = "\n" if done == total else ""
+            sys.stderr.write(f"\r\x1b[Kcampaign: {done}/{total} runs, {so_far}; about {eta:.0f} s left{end}")
+            sys.stderr.flush()
         result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
                                            timeout=parse_duration(timeout), check=check or "", restore_args=extra,
-                                           backend=backend))
+                                           backend=backend), progress=progress if live else None)
     except PtckptError as err:
         raise _fail(err) from None
-    for r in result.runs:
-        typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {fault_text(r.faults)}  {r.reason}".rstrip())
-    typer.echo(result.summary())
+    if as_json:
+        typer.echo(json.dumps({**result.as_json(), "out": os.path.abspath(result.out)}))
+    else:
+        for r in result.runs:
+            typer.echo(f"run {r.index:4d}  seed {r.seed:<10d} {r.outcome:9s} {fault_text(r.faults)}  {r.reason}".rstrip())
+        typer.echo(result.summary())
+    errors = result.counts().get("error", 0)
+    if errors:
+        first = next(r for r in result.runs if r.outcome == "error")
+        typer.echo(f"ptckpt: error: {errors} of {len(result.runs)} runs could not be restored "
+                   f"(run {first.index}: {one_line(first.reason)})", err=True)
+        raise typer.Exit(code=ExitCode.RUNS_FAILED)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

@@ -68,9 +68,10 @@ class DumpResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
+        from .units import count, size
         procs = f"{len(self.pids)} processes, " if len(self.pids) > 1 else ""
-        text = (f"dumped {self.pids[0]} to {self.directory}: {procs}{self.threads} threads, "
-                f"{self.vmas} VMAs, {self.pages} pages, {self.bytes} bytes, "
+        text = (f"dumped {self.pids[0]} to {self.directory}: {procs}{count(self.threads, 'thread')}, "
+                f"{count(self.vmas, 'VMA')}, {count(self.pages, 'page')} ({size(self.bytes)}), "
                 f"{self.seconds:.3f} s (frozen {self.frozen_seconds:.3f} s)")
         return text
 

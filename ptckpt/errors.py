@@ -40,6 +40,7 @@ class ExitCode:
     DIFFERENT = 22        # `ptckpt diff`: the images differ (beyond the fields expected to)
     EXHAUSTED = 23        # out of a resource: open files, memory, processes
     TRANSFER = 24         # page server, push, migrate: no connection, denied, broken, or it refused
+    RUNS_FAILED = 25      # campaign: some runs could not be restored (outcome "error")
 
 
 class PtckptError(Exception):

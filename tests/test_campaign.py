@@ -6,18 +6,20 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from ptckpt.units import parse_duration
-from ptckpt.errors import UsageError
+from ptckpt.errors import ExitCode, UsageError
 
 from conftest import kill_pids, reap_orphans
 from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
 from test_restore import _dump_kill
 
-VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
+VENDOR = "emulator-link"        # examples/emulator-link, installed: found by its entry point
 # A 32-bit design: a flipped bit in the upper half of a design_state word is masked.
 CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 1200\nvector_sleep_us 1500\n"
 
@@ -136,6 +138,49 @@ def test_runs_that_hang_are_killed_and_runs_that_crash_are_counted(spawn, ptckpt
         assert res.returncode == 0, res.stderr
         rows = _rows(tmp_path / "crash")
         assert [(r["outcome"], r["reason"]) for r in rows] == [("crashed", "signal 11")] * 2
+        # a -o that holds results already is refused, not mixed with the new runs
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "crash", "--runs", "1",
+                     "--inject", "reg:name=rip,value=0x10", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == 2 and "not empty" in res.stderr, res.stderr
+        # runs whose restore fails are "error", and the campaign's exit status says so
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "err", "--runs", "2", "--json",
+                     "--inject", "set:symbol=no_such_symbol,value=1", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == ExitCode.RUNS_FAILED, res.stderr
+        out = json.loads(res.stdout)
+        assert out["summary"] == {"error": 2} and out["out"] == str(tmp_path / "err")
+        assert out["runs"] == json.loads((tmp_path / "err" / "results.json").read_text())["runs"]
+        assert res.stderr.startswith("ptckpt: error: 2 of 2 runs could not be restored") and \
+            "no_such_symbol" in res.stderr, res.stderr
+    finally:
+        kill_pids(_leftovers(str(target.argv[0])))
+        reap_orphans()
+
+
+def test_campaign_shows_live_progress_on_a_terminal_and_writes_a_report(spawn, ptckpt, ptckpt_cmd, tmp_path):
+    """On a terminal (script(1) gives it one) the campaign rewrites one progress line as runs
+    end (runs done, outcomes so far, time left); report.html is one offline page with the
+    outcome counts, the outcomes by fault site and the run-time histogram as inline SVG."""
+    import html.parser
+    import shlex
+    target = spawn("counter")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    try:
+        cmd = shlex.join(ptckpt_cmd + ["campaign", "-D", str(tmp_path / "img"), "-o", str(tmp_path / "out"),
+                                       "--runs", "3", "--jobs", "3", "--inject", "reg:name=rip,value=0x10",
+                                       "--check", "true", "--file-policy", "ignore"])
+        res = subprocess.run(["script", "-qec", cmd, "/dev/null"], stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=120)
+        shown = res.stdout.decode(errors="replace")           # as the terminal got it, \r and all
+        assert res.returncode == 0, shown
+        assert re.search(r"\r\x1b\[Kcampaign: 1/3 runs, 1 crashed; about \d+ s left\r\x1b\[K", shown), shown
+        assert "campaign: 3/3 runs, 3 crashed; about 0 s left\r\n" in shown, shown
+        page = (tmp_path / "out" / "report.html").read_text()
+        parser = html.parser.HTMLParser()
+        parser.feed(page)
+        assert page.count("<svg") == 2 and "3 runs: 0 masked, 0 detected, 3 crashed, 0 hung" in page
+        assert "rip = 0x10" in page or "rip" in page
+        assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', ""), "nothing fetched"
+        assert (tmp_path / "out" / "report.html").stat().st_mode & 0o077 == 0
     finally:
         kill_pids(_leftovers(str(target.argv[0])))
         reap_orphans()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -115,3 +116,14 @@ def test_dump_and_restore_print_json(spawn, ptckpt, tmp_path):
     assert restored["pids"] == {str(target.pid): target.pid} and restored["warnings"] == []
     target.adopt(target.pid)
     target.wait_progress()
+
+
+def test_dump_summary_speaks_in_human_units(spawn, ptckpt, tmp_path):
+    """'1 thread', not '1 threads'; the page data's size in KiB/MiB/GiB, not raw bytes."""
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
+    assert res.returncode == 0, res.stderr
+    summary = res.stdout.strip().splitlines()[-1]
+    assert re.search(r": 1 thread, \d+ VMAs, \d+ pages \([\d.]+ (KiB|MiB)\), [\d.]+ s \(frozen [\d.]+ s\)$",
+                     summary), summary
+    target.assert_ok()

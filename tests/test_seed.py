@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 from conftest import kill_pids, reap_orphans
 from test_emulator import finish, start_emulator, start_testbench, testbench_bin  # noqa: F401
 
-VENDOR = str(Path(__file__).parent / "plugins" / "emulator_vendor.py")
+VENDOR = "emulator-link"        # examples/emulator-link, installed: found by its entry point
 # 600 vectors of 5 ms: the bench still runs while the dump is retried (the vendor plugin
 # refuses a freeze mid-transaction), on a loaded machine too (200 were not always enough)
 CONFIG = "init_steps 40\ninit_sleep_us 2000\nvectors 600\nvector_sleep_us 5000\n"
