@@ -158,8 +158,8 @@ def xsave_area(xstate: bytes) -> bytes | None:
     takes only the legacy FX part (no AVX upper halves) of an area bigger than that: so
     the tile data is cut off where the thread holds none."""
     size = len(xstate)
-    if size < _SW_BYTES + 48 + 64 or size % 64:
-        return None
+    if size < _SW_BYTES + 48 + 64:     # the legacy area and the XSAVE header at least (the size
+        return None                    # need not be a multiple of 64: 2440 bytes with AVX+PKRU)
     (xcr0,) = struct.unpack_from("<Q", xstate, _SW_BYTES)
     (in_use,) = struct.unpack_from("<Q", xstate, 512)           # XSTATE_BV
     tiles = 1 << cpuid.XFEATURE_XTILEDATA

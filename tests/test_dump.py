@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -83,7 +84,7 @@ def test_image_holds_frozen_memory_and_registers(spawn, ptckpt, tmp_path, progra
     res = ptckpt("dump", target.pid, "-D", image_dir)
     assert res.returncode == 0, res.stderr
     assert str(image_dir) in res.stdout
-    assert "threads" in res.stdout and "pages" in res.stdout and "frozen" in res.stdout
+    assert re.search(r"\b\d+ threads?, ", res.stdout) and "pages" in res.stdout and "frozen" in res.stdout
     assert _state(target.pid) == "T", "a stopped target stays stopped"
     regs_now = _frozen_regs(target.pid)
     with ImageReader(image_dir) as image:

@@ -140,3 +140,19 @@ def test_the_way_home_leaves_out_tile_data_a_thread_does_not_hold(monkeypatch):
     frame = returnframe.xsave_area(bytes(area))
     assert len(frame) == len(area) + 4
     assert struct.unpack_from("<IIQI", frame, 464)[2:] == (xcr0, len(area))
+
+
+def test_the_way_home_takes_an_area_whose_size_is_no_multiple_of_64():
+    """An AMD CPU with AVX and PKRU has a 2440-byte xsave area (PKRU's 8 bytes at 2432): the
+    way home must still be built (it was refused, and a dumper killed mid-injection killed
+    its target there)."""
+    import struct
+    from ptckpt import returnframe
+    xcr0 = 0b111 | 1 << 9
+    area = bytearray(2440)
+    struct.pack_into("<Q", area, 464, xcr0)
+    struct.pack_into("<Q", area, 512, xcr0)
+    frame = returnframe.xsave_area(bytes(area))
+    assert frame is not None and len(frame) == 2440 + 4
+    assert struct.unpack_from("<IIQI", frame, 464) == (returnframe.FP_XSTATE_MAGIC1, 2444, xcr0, 2440)
+    assert struct.unpack_from("<I", frame, 2440)[0] == returnframe.FP_XSTATE_MAGIC2

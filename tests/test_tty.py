@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import kill_pids, reap_orphans, wait_pid_free, wait_until
+from conftest import WaitTimeout, kill_pids, reap_orphans, wait_pid_free, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -345,14 +345,23 @@ def _tty_nr_rdev(tty_nr: int) -> int:
 
 
 def _vim_n(tmux, session: str) -> int:
-    """g:n of the vim in `session`, through the screen."""
-    marker = f"n={{}}{os.urandom(3).hex()}"
-    tmux("send-keys", "-t", session, "Escape")
-    tmux("send-keys", "-t", session, f":echo '{marker.format('')}' . g:n", "Enter")
-    head = marker.format("")
-    found = wait_until(lambda: [ln for ln in _screen(tmux, session).splitlines() if ln.startswith(head)], 10,
-                       message=lambda: _screen(tmux, session))
-    return int(found[-1][len(head):].split()[0])
+    """g:n of the vim in `session`, through the screen.  Asked again (up to three times) when
+    no answer shows: keys typed while a restore sets the terminal up may be flushed with
+    the input queue (TCSAFLUSH), and a timer's redraw may wipe the message line."""
+    for attempt in range(3):
+        marker = f"n={{}}{os.urandom(3).hex()}"
+        tmux("send-keys", "-t", session, "Escape")
+        tmux("send-keys", "-t", session, f":echo '{marker.format('')}' . g:n", "Enter")
+        head = marker.format("")
+        try:
+            found = wait_until(lambda: [ln for ln in _screen(tmux, session).splitlines() if ln.startswith(head)],
+                               5, message=lambda: _screen(tmux, session))
+        except WaitTimeout:
+            if attempt == 2:
+                raise
+            continue
+        return int(found[-1][len(head):].split()[0])
+    raise AssertionError("unreachable")
 
 
 @pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
