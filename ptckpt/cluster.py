@@ -207,6 +207,11 @@ class DaskBackend(Backend):
         self._distributed = distributed
         self.image = os.path.abspath(image)
         man = manifest(self.image)
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        try:                                          # a refused port fails now, not at the timeout
+            socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout).close()
+        except (OSError, ValueError) as err:
+            raise UsageError(f"no Dask scheduler at {address}: {getattr(err, 'strerror', None) or err}") from None
         try:
             self.client = distributed.Client(address, timeout=connect_timeout)
         except (OSError, TimeoutError) as err:

@@ -15,7 +15,7 @@ import pytest
 from ptckpt.units import parse_duration
 from ptckpt.errors import ExitCode, UsageError
 
-from conftest import kill_pids, reap_orphans
+from conftest import kill_pids, reap_orphans, wait_until
 from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
 from test_restore import _dump_kill
 
@@ -41,20 +41,35 @@ def _leftovers(exe: str) -> list[int]:
     return out
 
 
+def checkpoint_testbench(spawn, ptckpt, testbench_bin, tmp_path, address: str, config: str,
+                         at_vector: int | None = None) -> Path:
+    """The testbench checkpointed (dump --kill, with the vendor plugin) at its region of
+    interest, or once its log shows vector `at_vector`.  The plugin refuses a freeze in
+    the middle of an emulator transaction ("dump again"); a testbench that ended before a
+    dump went through is started again (up to three times)."""
+    for attempt in range(3):
+        bench = start_testbench(spawn, testbench_bin, tmp_path, address, config, name=f"slot{attempt}")
+        bench.wait_for_line("REGION 1", timeout=10)
+        if at_vector is not None:
+            log = bench.slot / "run.log"
+            wait_until(lambda: f"vector {at_vector} " in log.read_text(), 20, message=f"vector {at_vector}")
+        for tries in range(20):
+            image = tmp_path / f"img{attempt}-{tries}"
+            res = ptckpt("dump", bench.pid, "-D", image, "--kill", "--plugin", VENDOR)
+            if res.returncode == 0:
+                bench.wait_exit(10)
+                return image
+            if not bench.alive():
+                break
+            assert "dump again" in res.stderr, res.stderr
+    raise AssertionError(f"no checkpoint of the testbench: {res.stderr}")
+
+
 @pytest.fixture
 def testbench_image(spawn, ptckpt, testbench_bin, tmp_path):
     """The testbench checkpointed at its region of interest, and an emulator serving every run."""
     emulator = start_emulator(spawn, options=("--per-connection",))
-    bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG)
-    bench.wait_for_line("REGION 1", timeout=10)
-    for attempt in range(20):                 # the vendor plugin refuses a freeze mid-transaction
-        image = tmp_path / f"img{attempt}"
-        res = ptckpt("dump", bench.pid, "-D", image, "--kill", "--plugin", VENDOR)
-        if res.returncode == 0:
-            break
-        assert "dump again" in res.stderr, res.stderr
-    assert res.returncode == 0, res.stderr
-    bench.wait_exit(10)
+    image = checkpoint_testbench(spawn, ptckpt, testbench_bin, tmp_path, emulator.address, CONFIG)
     yield image, dict(os.environ, EMULATOR_ADDRESS=emulator.address)
     kill_pids(_leftovers(str(testbench_bin)))
     reap_orphans()

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, reap_orphans, wait_until
-from test_campaign import VENDOR, _leftovers
-from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
+from test_campaign import VENDOR, _leftovers, checkpoint_testbench
+from test_emulator import start_emulator, testbench_bin  # noqa: F401
 
-# 2000 vectors of 1.5 ms after the region of interest, checkpointed at vector 1400: each run
-# has 0.9 s of test vectors left, so that 50 runs take little time.
+# 2000 vectors of 1.5 ms after the region of interest, checkpointed at vector 1600: each run
+# has 0.6 s of test vectors left, so that 50 runs take little time.
 CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 2000\nvector_sleep_us 1500\n"
 DASK = str(Path(sys.executable).parent / "dask")
 
@@ -42,22 +42,7 @@ def _table(out: Path) -> list[tuple]:
 @pytest.fixture
 def short_testbench(spawn, ptckpt, testbench_bin, tmp_path):
     emulator = start_emulator(spawn, options=("--per-connection",))
-    image = None
-    for attempt in range(3):                  # a freeze too late for the run: start it again
-        bench = start_testbench(spawn, testbench_bin, tmp_path, emulator.address, CONFIG, name=f"slot{attempt}")
-        bench.wait_for_line("REGION 1", timeout=10)
-        log = bench.slot / "run.log"
-        wait_until(lambda: "vector 1400 " in log.read_text(), 10, message="vector 1400")
-        for tries in range(20):               # the vendor plugin refuses a freeze mid-transaction
-            res = ptckpt("dump", bench.pid, "-D", tmp_path / f"img{attempt}-{tries}", "--kill", "--plugin", VENDOR)
-            if res.returncode == 0 or not bench.alive():
-                break
-            assert "dump again" in res.stderr, res.stderr
-        if res.returncode == 0:
-            image = tmp_path / f"img{attempt}-{tries}"
-            bench.wait_exit(10)
-            break
-    assert image is not None, res.stderr
+    image = checkpoint_testbench(spawn, ptckpt, testbench_bin, tmp_path, emulator.address, CONFIG, at_vector=1600)
     yield image, dict(os.environ, EMULATOR_ADDRESS=emulator.address)
     kill_pids(_leftovers(str(testbench_bin)))
     reap_orphans()
