@@ -230,6 +230,8 @@ class Server:
         self._next = 0                 # round robin of the background copy
         self._watchdog: socket.socket | None = None
         self._log_fd = -1
+        self._pids: list[int] = []              # the restored processes, as seen here ...
+        self._session_ids: set[int] = set()     # ... and their sessions (the daemon's to end)
 
     # --- registration, in the frozen process ---------------------------------------
 
@@ -439,10 +441,10 @@ class Server:
         os.makedirs(log_dir(), mode=0o700, exist_ok=True)
         path = os.path.join(log_dir(), f"lazy-{pids[0]}-{int(time.time())}-{os.getpid()}.log")
         log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        sessions = set()
+        self._pids = list(pids)
         for p in pids:
             try:
-                sessions.add(os.getsid(p))
+                self._session_ids.add(os.getsid(p))
             except OSError:
                 pass
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -456,7 +458,8 @@ class Server:
                 watchdog = os.fork()
                 if watchdog == 0:
                     ours.close()
-                    _run_child(lambda: _watch(theirs, [s.uffd for s in self.spaces], list(pids), sessions, log_fd),
+                    _run_child(lambda: _watch(theirs, [s.uffd for s in self.spaces], self._pids, self._session_ids,
+                                              log_fd),
                                keep={theirs.fileno(), log_fd, *(s.uffd for s in self.spaces)})
                 server = os.fork()
                 if server == 0:
@@ -510,7 +513,7 @@ class Server:
                         break
         except CorruptImage as err:
             self._say(f"{err}")
-            killed = _kill_tree([s.pid for s in self.spaces if s.pid], self._sessions())
+            killed = _kill_tree(self._pids, self._session_ids)
             self._say(f"killed {' '.join(map(str, killed)) or 'nothing'}: their memory cannot be completed")
             self._tell(b"K")
             return
@@ -522,15 +525,6 @@ class Server:
                   f"{self.faults} faults served, {self.zeroed} zero pages"
                   + (f"; gone meanwhile: {' '.join(map(str, gone))}" if gone else ""))
         self._tell(b"D")
-
-    def _sessions(self) -> set[int]:
-        out = set()
-        for s in self.spaces:
-            try:
-                out.add(os.getsid(s.pid)) if s.pid else None
-            except OSError:
-                pass
-        return out
 
     def _tell(self, what: bytes) -> None:
         if self._watchdog is not None:

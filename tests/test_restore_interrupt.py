@@ -81,7 +81,9 @@ def test_a_restore_stopped_at_each_phase_leaves_nothing(sig, point, killed_count
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
 def test_restores_interrupted_at_random_moments(sig, killed_counter, ptckpt, ptckpt_cmd):
     """At a random moment after the stub exists: either nothing is left, or the process was
-    let go before the signal came and runs whole (and the command said so)."""
+    let go before the signal came and runs whole.  SIGINT is handled: then the command said
+    so.  SIGKILL can land between the tree being let go and the line being printed (a
+    window no program can close): then the process runs whole, said or not."""
     target, image = killed_counter
     rng = random.Random(sig)
     for trial in range(6):
@@ -95,7 +97,7 @@ def test_restores_interrupted_at_random_moments(sig, killed_counter, ptckpt, ptc
         time.sleep(0.2)
         assert "Traceback" not in err, err
         if pid_alive(target.pid):
-            assert "restored pid" in err, (trial, proc.returncode, err)
+            assert "restored pid" in err or sig == signal.SIGKILL, (trial, proc.returncode, err)
             target.adopt(target.pid)
             target.wait_progress()
             target.assert_ok()
