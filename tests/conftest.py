@@ -210,6 +210,16 @@ def wait_pid_free(pid: int, timeout: float = 10.0) -> None:
     wait_until(free, timeout, message=lambda: f"pid {pid} still taken: {proc_stat(pid)}")
 
 
+def kill_process_groups(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL each Popen's process group (it was started with start_new_session) and wait for it."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
     """Send sig to each pid, ignoring the ones already gone."""
     for pid in pids:
@@ -826,11 +836,7 @@ def ptckpt(ptckpt_cmd: list[str], tmp_path: Path, request: pytest.FixtureRequest
             try:
                 proc.communicate(stdin_data, timeout=timeout)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                kill_process_groups([proc])
                 reap_orphans()
                 pytest.fail(f"{' '.join(argv)} did not finish within {timeout:g} s\n"
                             f"stdout:\n{_tail(out_path)}\nstderr:\n{_tail(err_path)}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import kill_pids, kill_process_groups, reap_orphans, wait_until
 from test_campaign import VENDOR, _leftovers, checkpoint_testbench
 from test_emulator import start_emulator, testbench_bin  # noqa: F401
 
@@ -80,12 +80,7 @@ def dask_cluster(short_testbench, tmp_path):
             client.wait_for_workers(2, timeout=60)
         yield address, workers, caches
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_process_groups(procs)
         reap_orphans()
 
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, pid_alive, reap_orphans, wait_until
+from conftest import kill_pids, kill_process_groups, pid_alive, reap_orphans, wait_until
 from ptckpt.errors import ExitCode
 from test_campaign import VENDOR
 from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
@@ -42,12 +40,7 @@ def page_server(ptckpt_cmd, tmp_path):
         return f"unix:{sock}", token, directory
 
     yield start
-    for p in started:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+    kill_process_groups(started)
     reap_orphans()
 
 
