@@ -41,8 +41,10 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from elftools.elf.elffile import ELFFile
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 from . import procfs
 from .errors import AccessDenied, ExitCode, ProcessError, PtckptError, TargetVanished
@@ -228,6 +230,7 @@ def parse_elf(stream) -> ElfSymbols | None:
         stream.seek(0)
         if stream.read(4) != b"\x7fELF":
             return None
+        from elftools.elf.elffile import ELFFile   # here: only breakpoints and symbol lookups need it
         elf = ELFFile(stream)
         loads = tuple((seg["p_offset"], seg["p_vaddr"], seg["p_filesz"])
                       for seg in elf.iter_segments("PT_LOAD"))

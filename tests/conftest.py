@@ -236,7 +236,19 @@ def _become_subreaper() -> None:
         warnings.warn(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
 
 
+def _compile_sources() -> None:
+    """Byte-compile the project's sources once, so that each `ptckpt` command a test runs
+    loads them instead of compiling them again: an editable install (README's) leaves them
+    uncompiled, and with PYTHONDONTWRITEBYTECODE set no command would write them (about
+    0.2 s a command here)."""
+    import compileall
+    for name in ("ptckpt", "formats", "restorer", "examples"):
+        if (ROOT / name).is_dir():
+            compileall.compile_dir(ROOT / name, quiet=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _compile_sources()
     config.addinivalue_line("markers", "proc_differs(*views, reason): the restored process may differ from "
                                        "the dumped one in these /proc views (tests/proccheck.py)")
     _become_subreaper()

@@ -34,10 +34,11 @@ import os
 import re
 import stat as _stat
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, field
 
-from elftools.elf.elffile import ELFFile
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 from ..errors import Incompatible
 
@@ -72,6 +73,7 @@ def build_id(path: str) -> str | None:
         try:
             if stream.read(4) != b"\x7fELF":
                 return None
+            from elftools.elf.elffile import ELFFile   # here: a restore that reads no build-id skips its import
             elf = ELFFile(stream)
         except Exception:          # EIO, or pyelftools' anything from ELFError to struct.error
             return None
