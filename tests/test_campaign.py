@@ -82,14 +82,14 @@ def _campaign(ptckpt, image, env, out, *extra):
     return res
 
 
-def test_campaign_of_twenty_runs_masks_and_detects_and_repeats(ptckpt, testbench_image, testbench_bin, tmp_path):
+def test_campaign_of_ten_runs_masks_and_detects_and_repeats(ptckpt, testbench_image, testbench_bin, tmp_path):
     image, env = testbench_image
-    res = _campaign(ptckpt, image, env, tmp_path / "results", "--runs", "20", "--jobs", "2", "--seed", "100")
+    res = _campaign(ptckpt, image, env, tmp_path / "results", "--runs", "10", "--jobs", "2", "--seed", "100")
     rows = _rows(tmp_path / "results")
-    assert [r["index"] for r in rows] == [str(i) for i in range(21)]      # the reference, then 20 runs
+    assert [r["index"] for r in rows] == [str(i) for i in range(11)]      # the reference, then 10 runs
     ref, runs = rows[0], rows[1:]
     assert ref["outcome"] == "reference" and ref["status"] == "0"
-    assert [r["seed"] for r in runs] == [str(100 + i) for i in range(20)]
+    assert [r["seed"] for r in runs] == [str(100 + i) for i in range(10)]
     outcomes = {r["outcome"] for r in runs}
     assert outcomes == {"masked", "detected"}, rows
     data = json.loads((tmp_path / "results" / "results.json").read_text())
@@ -110,7 +110,7 @@ def test_campaign_of_twenty_runs_masks_and_detects_and_repeats(ptckpt, testbench
         assert stdout.startswith("SIGNATURE ")
         assert (run["signature"] == ref["signature"]) == (run["outcome"] == "masked")
     assert len(masked_low) <= 1, f"lower-half flips masked in words {masked_low}"
-    assert f"20 runs: {data['summary'].get('masked', 0)} masked, {data['summary'].get('detected', 0)} detected, " \
+    assert f"10 runs: {data['summary'].get('masked', 0)} masked, {data['summary'].get('detected', 0)} detected, " \
            f"0 crashed, 0 hung" in res.stdout
     assert _leftovers(str(testbench_bin)) == [], "nothing is left running"
     # the same seeds give the same faults and outcomes

@@ -25,6 +25,7 @@ from test_emulator import start_emulator, testbench_bin  # noqa: F401
 # has about 1 s of test vectors left (a dump must freeze it before it ends, on a slow CI too).
 CONFIG = "width 32\ninit_steps 10\ninit_sleep_us 1000\nvectors 2000\nvector_sleep_us 1500\n"
 DASK = str(Path(sys.executable).parent / "dask")
+RUNS = 24                  # per campaign; a worker is killed once half of them are done
 
 
 def _free_port() -> int:
@@ -86,7 +87,7 @@ def dask_cluster(short_testbench, tmp_path):
 
 def _args(image, out, backend: str = "local") -> list[str]:
     return ["campaign", "-D", str(image), "--plugin", VENDOR, "--file-policy", "warn", "-o", str(out),
-            "--inject", "flip:symbol=design_state,bits=1", "--timeout", "30s", "--runs", "50",
+            "--inject", "flip:symbol=design_state,bits=1", "--timeout", "30s", "--runs", str(RUNS),
             "--seed", "300", "--jobs", "2", "--backend", backend]
 
 
@@ -105,8 +106,8 @@ def test_dask_campaign_matches_local_and_survives_a_lost_worker(ptckpt, ptckpt_c
                                  env=env, start_new_session=True)
     try:
         # a worker lost mid-campaign: its run goes to the other, and counts once
-        wait_until(lambda: len(list((out / "runs").glob("0*"))) >= 25 if (out / "runs").exists() else False,
-                   120, message="25 runs done on Dask")
+        wait_until(lambda: len(list((out / "runs").glob("0*"))) >= RUNS // 2 if (out / "runs").exists() else False,
+                   120, message="half the runs done on Dask")
         workers[0].send_signal(signal.SIGKILL)
         workers[0].wait()
         assert campaign.wait(300) == 0, (tmp_path / "dask.stderr").read_text()
@@ -118,7 +119,7 @@ def test_dask_campaign_matches_local_and_survives_a_lost_worker(ptckpt, ptckpt_c
                 p.wait()
     local_stdout = (tmp_path / "local.stdout").read_text()
     assert _table(out) == _table(tmp_path / "local")
-    assert len(_table(out)) == 51                                   # the reference and 50 runs, once each
+    assert len(_table(out)) == RUNS + 1                            # the reference and the runs, once each
     local_summary = local_stdout.strip().splitlines()[-1].split(";")[0]
     assert local_summary in (tmp_path / "dask.stdout").read_text()
     data = json.loads((out / "results.json").read_text())

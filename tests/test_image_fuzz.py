@@ -25,7 +25,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name
 from ptckpt.formats.model import PageRun, VmaKind
 
-FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "120"))
+FUZZ_MUTANTS = int(os.environ.get("PTCKPT_FUZZ_MUTANTS", "80"))
 
 
 @pytest.fixture
