@@ -91,6 +91,14 @@ def _fs(*names: str) -> frozenset[str]:
 # Two more are not a field's: a thread frozen in a syscall is compared as it resumes
 # (_RESUMED, _Comparer.thread_regs), and memory without the kernel's fields of each rseq
 # area (_RSEQ_REASON, _rseq_masks).
+_TCP_MAXSEG = (6, 2)                # (IPPROTO_TCP, TCP_MAXSEG)
+_FIN_WAIT2 = 5
+
+
+def _without_maxseg(options) -> list:
+    return [o for o in options if tuple(o[:2]) != _TCP_MAXSEG]
+
+
 EXPECTED: tuple[Expected, ...] = (
     Expected(Inventory, _fs("realtime_ns", "monotonic_ns", "boottime_ns"), "clocks at the freeze"),
     Expected(Inventory, _fs("real_pids"), "real pids of a tree in a pid namespace of its own: "
@@ -129,6 +137,14 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(MsgImage, _fs("stime", "rtime", "ctime", "lspid", "lrpid"), "times and last pids of a queue"),
     Expected(InetSocket, _fs("timestamp"), "the TCP timestamp clock runs"),
     Expected(InetSocket, _fs("ino"), _NUMBERED, lambda a, b, s: a.mode != InetMode.PENDING),
+    Expected(InetSocket, _fs("options"), "TCP_MAXSEG reads the connection's current MSS, which the kernel works "
+             "out again on each send from the path and the window (a repaired connection reads 536 less its "
+             "options until it first sends)",
+             lambda a, b, s: _without_maxseg(a.options) == _without_maxseg(b.options)),
+    Expected(InetSocket, _fs("window"), "snd_wl1 of a connection in FIN_WAIT2 is the sequence number of the "
+             "segment that acknowledged its FIN: at restore, the acknowledgement that takes the rebuilt "
+             "connection there",
+             lambda a, b, s: a.state == b.state == _FIN_WAIT2 and a.window[1:] == b.window[1:]),
     Expected(Fd, _fs("ino", "mtime_ns"), "a deleted file (ghost) is made again: a new inode",
              lambda a, b, s: a.path.endswith(" (deleted)") and a.path == b.path),
     Expected(Vma, _fs("inode", "file_mtime_ns"), "a deleted file (ghost) is made again: a new inode",

@@ -122,10 +122,7 @@ SELF_CHECK = [
     "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd", "fdkinds",
     "privs", "blocked_read", "avx", "counter.py", "udpserver", "deleted",
     "unixkinds.py:pending:stream", "unixkinds.py:deleted:stream", "unixkinds.py:scm:stream",
-    pytest.param("tcppair", marks=pytest.mark.xfail(strict=True, reason=(
-        "inet socket options of a repaired connection read back otherwise until it sends: TCP_MAXSEG "
-        "(65483 -> 524: mss_cache not synced yet) and TCP_WINDOW_CLAMP (halved); the FIN_WAIT2 end's "
-        "window snd_wl1 becomes rcv_wup (tcp.py)"))),
+    "tcppair",
     "timers:quiet",                            # armed timers that do not fire while it is looked at
     pytest.param("timers", marks=pytest.mark.xfail(strict=True, reason=(
         "the program's timers go on firing while it is stopped (pending signals, overrun counts); and a "

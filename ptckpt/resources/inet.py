@@ -611,6 +611,11 @@ class InetRestore:
             raw.tcp(src, sport, dst, dport, seq=seq, ack=ack, flags=flags, window=window)
 
         s = tcp.make_stream(r, r.family, send_packet, prepare)
+        # the window clamp the connection had grown to: connecting (in repair mode too) sets
+        # it again from the buffer sizes of the moment, half of it or less
+        clamp = sockopts.option_value(r.options, socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP)
+        if clamp:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, clamp)
         if r.shutdown & RCV_SHUTDOWN and r.state not in (tcp.CLOSE_WAIT, tcp.LAST_ACK, tcp.CLOSING):
             s.shutdown(socket.SHUT_RD)
         self.repaired.append((s, reuse))
