@@ -9,6 +9,7 @@ import signal
 
 
 from ptckpt.formats.image import ImageReader
+from ptckpt import procfs
 from ptckpt.resources import memory
 
 from test_restore import _dump_kill, _restore
@@ -89,4 +90,62 @@ def test_a_dump_that_leaves_the_tree_running_leaves_its_pages_shared(spawn, ptck
             assert sum(r.npages for r in image.page_runs(parent.pid)) * 4 >= 32 * 1024
     finally:
         kill_pids([parent.pid, child])
+        reap_orphans()
+
+
+# A Python tree: objects made before the fork, then each side allocates on its own, so the
+# parent's heap and its newest anonymous mapping grow past the child's (the child's mappings
+# are parts of the parent's, no longer equal to them).
+PYTHON_FAMILY = r"""
+import hashlib, os, signal, sys, time
+data = [list(range(1000)) for _ in range(2000)]            # about 70 MiB of objects
+blob = bytearray(40 << 20)
+for i in range(0, len(blob), 4096):
+    blob[i] = i // 4096 % 251
+digest = hashlib.sha256(repr(data).encode() + bytes(blob)).hexdigest()
+def check(who):
+    ok = hashlib.sha256(repr(data).encode() + bytes(blob)).hexdigest() == digest
+    with open(sys.argv[1] + "." + who + ".tmp", "w") as f:
+        f.write("ok" if ok else "changed")
+    os.replace(sys.argv[1] + "." + who + ".tmp", sys.argv[1] + "." + who)
+child = os.fork()
+if child == 0:
+    mine = [str(i) * 10 for i in range(20000)]
+    signal.signal(signal.SIGUSR1, lambda *a: check("child"))
+    while True: time.sleep(0.05)
+more = [dict(a=i) for i in range(100000)]
+signal.signal(signal.SIGUSR1, lambda *a: check("parent"))
+time.sleep(0.2)
+print("KID", child, flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+def test_a_python_tree_whose_mappings_grew_after_the_fork_stays_shared(spawn, ptckpt, tmp_path):
+    script = tmp_path / "pyfamily.py"
+    script.write_text(PYTHON_FAMILY)
+    parent = spawn(str(script))
+    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    members = [parent.pid, child]
+    try:
+        parts = [(c.start, c.end) for c in procfs.read_maps(child) if not c.shared
+                 and any(p.start <= c.start and c.end <= p.end and (p.start, p.end) != (c.start, c.end)
+                         for p in procfs.read_maps(parent.pid) if p.path == c.path and not p.shared)]
+        assert parts, "no mapping of the child is a part of a larger one of the parent's"
+        before = _shared_kib(child, parent.pid)
+        assert before >= 64 * 1024
+        _dump_kill(ptckpt, parent, tmp_path / "img", members)
+        with ImageReader(tmp_path / "img") as image:
+            saved_child = sum(r.npages for r in image.page_runs(child)) * 4
+        assert saved_child < before / 4, "the shared pages are saved once, in the parent's image"
+        parent.adopt(_restore(ptckpt, tmp_path / "img"))
+        after = _shared_kib(child, parent.pid)
+        assert after >= before * 0.98, f"shared before {before} KiB, after the restore {after} KiB"
+        for pid, who in ((child, "child"), (parent.pid, "parent")):
+            os.kill(pid, signal.SIGUSR1)
+            wait_until(lambda: os.path.exists(f"{parent.out_path}.{who}"), 10)
+            assert open(f"{parent.out_path}.{who}").read() == "ok", who
+    finally:
+        kill_pids(members)
         reap_orphans()

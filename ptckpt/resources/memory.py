@@ -132,14 +132,23 @@ _NOT_INHERITED = {"dc", "wf", "lo", "lf", "sl"}   # DONTFORK, WIPEONFORK, locks,
 
 
 def inheritable(child: Vma, parent: Vma) -> bool:
-    """Could the child's mapping be the parent's, inherited by fork (the same place, kind,
-    file and flags, nothing that fork drops or that would pin it)?"""
+    """Could the child's mapping be (part of) the parent's, inherited by fork: within it, of
+    the same kind, file, offset and flags, nothing that fork drops or that would pin it?  A
+    part: either side may have grown or split its mapping since the fork (a heap the parent
+    grew, a new mapping merged below), and the child keeps its own part of the parent's."""
     flags = set(child.vmflags.split())
     return (child.kind in COW_KINDS and not child.shared and not child.guards
-            and (child.start, child.end, child.prot, child.kind, child.path, child.pgoff)
-            == (parent.start, parent.end, parent.prot, parent.kind, parent.path, parent.pgoff)
+            and _within(child.start, child.end, child.pgoff, parent.start, parent.end, parent.pgoff,
+                        file=child.kind is VmaKind.FILE_PRIVATE)
+            and (child.prot, child.kind, child.path) == (parent.prot, parent.kind, parent.path)
             and flags == set(parent.vmflags.split()) and not flags & _NOT_INHERITED
             and not parent.guards)
+
+
+def _within(start: int, end: int, offset: int, p_start: int, p_end: int, p_offset: int, *, file: bool) -> bool:
+    """[start, end) is a part of [p_start, p_end), and for a file mapping at the offset that makes
+    it the same pages of the file (an anonymous mapping shows offset 0 in /proc/PID/maps)."""
+    return p_start <= start and end <= p_end and (not file or offset == p_offset + (start - p_start))
 
 
 def page_frames_visible() -> bool:
@@ -150,13 +159,23 @@ def page_frames_visible() -> bool:
 
 def shared_with_parent(pid: int, ppid: int) -> dict[int, tuple[tuple[int, int], ...]]:
     """{mapping start: runs of anonymous pages `pid` shares copy-on-write with `ppid`} (both
-    frozen): present in both at one page frame, at one address of a private mapping both
-    hold alike.  Read before any of their memory is: reading a process's memory through
-    process_vm_readv pins its pages, and a pin unshares a page shared copy-on-write."""
-    theirs = {(m.start, m.end, m.perms, m.offset, m.path) for m in procfs.read_maps(ppid) if not m.shared}
+    frozen): present in both at one page frame, at one address of a private mapping of the
+    child that lies within one of the parent's, alike (see :func:`inheritable`).  Read before
+    any of their memory is: reading a process's memory through process_vm_readv pins its
+    pages, and a pin unshares a page shared copy-on-write."""
+    theirs = sorted((m.start, m.end, m.perms, m.offset, m.path) for m in procfs.read_maps(ppid) if not m.shared)
+    starts = [t[0] for t in theirs]
     out: dict[int, tuple[tuple[int, int], ...]] = {}
     for m in procfs.read_maps(pid):
-        if (m.start, m.end, m.perms, m.offset, m.path) not in theirs:
+        if m.shared:
+            continue
+        i = bisect.bisect_right(starts, m.start) - 1
+        if i < 0:
+            continue
+        p_start, p_end, perms, offset, path = theirs[i]
+        file = m.inode != 0
+        if (perms, path) != (m.perms, m.path) or not _within(m.start, m.end, m.offset, p_start, p_end, offset,
+                                                              file=file):
             continue
         a_map, b_map = _pagemap(pid, m.start, m.end), _pagemap(ppid, m.start, m.end)
         runs: list[tuple[int, int]] = []
@@ -176,11 +195,20 @@ def shared_with_parent(pid: int, ppid: int) -> dict[int, tuple[tuple[int, int], 
 def with_cow(vmas: Sequence[Vma], parent_vmas: Sequence[Vma],
              shared: dict[int, tuple[tuple[int, int], ...]]) -> list[Vma]:
     """`vmas` with their copy-on-write runs (from :func:`shared_with_parent`) where the
-    mapping can be the parent's, inherited by fork."""
-    by_start = {v.start: v for v in parent_vmas}
-    return [dataclasses.replace(v, cow=shared[v.start])
-            if v.start in shared and v.start in by_start and inheritable(v, by_start[v.start]) else v
-            for v in vmas]
+    mapping can be (part of) the parent's, inherited by fork."""
+    ordered = sorted(parent_vmas, key=lambda v: v.start)
+    starts = [v.start for v in ordered]
+
+    def containing(v: Vma) -> Vma | None:
+        i = bisect.bisect_right(starts, v.start) - 1
+        return ordered[i] if i >= 0 and v.end <= ordered[i].end else None
+
+    out = []
+    for v in vmas:
+        parent = containing(v) if v.start in shared else None
+        out.append(dataclasses.replace(v, cow=shared[v.start]) if parent is not None and inheritable(v, parent)
+                   else v)
+    return out
 
 
 def _pagemap(pid: int, start: int, end: int) -> bytes:
