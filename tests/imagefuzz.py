@@ -406,8 +406,9 @@ def remake(images: list[Path], seed: int, i: int, out: Path) -> Mutant:
 def warm_up() -> None:
     """Import what the commands use, once, before the children are forked: each child of a
     cold interpreter would import it all again (0.4 s a command)."""
-    import elftools.elf.elffile  # noqa: F401  (read for build-ids by every restore)
-    from ptckpt import cli, restore, show  # noqa: F401
+    import importlib
+    for name in ("elftools.elf.elffile", "ptckpt.cli", "ptckpt.restore", "ptckpt.show"):
+        importlib.import_module(name)            # (pyelftools: every restore reads build-ids)
 
 
 def campaign(images: list[Path], count: int, seed: int, work: Path,
