@@ -692,11 +692,34 @@ def hoist_verbose(argv: list[str]) -> list[str]:
     return flags + [a for a in head if a not in _GLOBAL_FLAGS] + tail
 
 
+def _only_the_named_command(args: list[str]):
+    """A context in which `app` holds only the command `args` name (the first word that is not
+    a global flag), when it is one of its own: typer then builds that command's parser and not
+    all of them, about 60 ms less on every run.  Help, and errors on unknown commands, see all."""
+    name = next((a for a in args if not a.startswith("-")), None)
+    everything = app.registered_commands
+    chosen = [c for c in everything
+              if (c.name or c.callback.__name__.lower().replace("_", "-")) == name]
+    if not chosen:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def only():
+        app.registered_commands = chosen
+        try:
+            yield
+        finally:
+            app.registered_commands = everything
+    return only()
+
+
 def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
     from .entry import Interrupted
     try:
-        code = app(args=hoist_verbose(sys.argv[1:]), standalone_mode=False)
+        args = hoist_verbose(sys.argv[1:])
+        with _only_the_named_command(args):
+            code = app(args=args, standalone_mode=False)
         if isinstance(code, int) and code:     # typer.Exit(code=...) of a command
             sys.exit(code)
     except _ClickException as err:
