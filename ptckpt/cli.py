@@ -24,7 +24,7 @@ from .entry import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     no_args_is_help=True,

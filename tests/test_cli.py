@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 import re
 
 import pytest
@@ -127,3 +130,25 @@ def test_dump_summary_speaks_in_human_units(spawn, ptckpt, tmp_path):
     assert re.search(r": 1 thread, \d+ VMAs, \d+ pages \([\d.]+ (KiB|MiB)\), [\d.]+ s \(frozen [\d.]+ s\)$",
                      summary), summary
     target.assert_ok()
+
+
+def test_shell_completion_script_completes_commands_and_options(ptckpt_cmd, tmp_path):
+    """The script `--show-completion bash` prints, sourced in a real bash, completes a
+    command and an option of it."""
+    script = subprocess.run(ptckpt_cmd + ["--show-completion", "bash"], capture_output=True, text=True, timeout=60)
+    assert script.returncode == 0 and "complete " in script.stdout, script.stderr
+    (tmp_path / "completion.bash").write_text(script.stdout)
+    env = dict(os.environ, PATH=f"{Path(ptckpt_cmd[0]).parent}:{os.environ['PATH']}")
+
+    def complete(*words: str) -> list[str]:
+        line = " ".join(words)
+        res = subprocess.run(["bash", "--norc", "-c", f'source {tmp_path / "completion.bash"}; '
+                              f'COMP_WORDS=({line}); COMP_CWORD={len(words) - 1}; _ptckpt_completion ptckpt; '
+                              'printf "%s\\n" "${COMPREPLY[@]}"'],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.split()
+
+    assert complete("ptckpt", "res") == ["restore"]
+    assert "--remap-path" in complete("ptckpt", "restore", "--rem")
+    assert set(complete("ptckpt", "pre")) == {"pre-dump"}
