@@ -667,6 +667,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T")
                     plan.prepare(pid, vpid, remote)
+                    aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)

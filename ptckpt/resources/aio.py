@@ -17,19 +17,30 @@ same head and tail: `head` writes to /dev/null submitted and reaped, then
 recorded completions.  Last, the ring is moved with mremap to the dumped
 address, which becomes the context id again (the kernel follows the move).
 
-Limits: requests still in flight at the dump (submitted, not completed) are
-not in the ring, and no kernel interface shows them from outside (the
-context's request counters are private).  The one trace a dump sees is a
-completion arriving while the tree is frozen: :func:`check_rings_quiet` reads
-each tail again just before the image is committed and refuses the dump if
-one moved.  A request that stays in flight longer (a poll of a quiet pipe)
-is not seen: its completion is lost, so a program that waits for it waits
-forever.  A program should checkpoint with its AIO requests reaped.  A ring of another size (a machine with more CPUs)
-fails the restore, by name.
+Requests in flight (submitted, not completed) are not in the ring, and they
+cannot be saved: :func:`check_in_flight_frozen` counts them and refuses the
+dump if there is one.  No interface shows the count; the kernel's request
+budget does.  A context starts with nr - 1 request slots; each submission takes
+one, each completion holds it until the program reaps it.  The free slots sit
+in a shared pool, taken and given back whole batches at a time (nr - 1 divided
+by 4 per possible CPU), and in a cache per CPU.  So with the pool drained (it
+then holds exactly (nr - 1) mod batch) and every CPU's cache emptied,
+in flight = nr - 1 - that remainder - completions in the ring.  Draining is
+done in the frozen process, pinned to each CPU in turn, with writes of nothing
+to /dev/null, which complete at once; afterwards they are reaped and the
+completions the program had not reaped are put back (as at restore: the ring's
+head and tail move on, its contents are the same).  A CPU the thread may not run
+on keeps its cache out of reach: the count is then an upper bound, and a
+non-zero one is refused as "cannot tell".  A completion arriving while the tree
+is frozen is seen too: :func:`check_rings_quiet` reads each tail again just
+before the image is committed and refuses the dump if one moved.  A ring of
+another size (a machine with more CPUs) fails the restore, by name.
 """
 
 from __future__ import annotations
 
+import errno as _errno
+import os
 import struct
 from collections.abc import Sequence
 
@@ -74,6 +85,94 @@ def dump_aio_rings_frozen(pid: int, mem, vmas: Sequence[Vma]) -> list[AioRing]:
         events = b"".join(mem.read(v.start + hlen + s * EVENT_SIZE, EVENT_SIZE) for s in slots)
         out.append(AioRing(start=v.start, end=v.end, nr=nr, head=head, tail=tail, events=events))
     return out
+
+
+def check_in_flight_frozen(pid: int, remote, vmas: Sequence[Vma]) -> None:
+    """Refuse the dump when an AIO context of the frozen process `pid` has requests in flight
+    (see the module's notes); `remote` injects into one of its threads."""
+    rings = [v for v in vmas if is_aio_ring(v)]
+    if not rings:
+        return
+    tid = remote.task.tid
+    cpus = _possible_cpus()
+    allowed = os.sched_getaffinity(tid)
+    with remote.scratch(b"/dev/null\0") as path:
+        null = remote.checked("openat", AT_FDCWD, int(path), O_WRONLY | O_CLOEXEC, 0,
+                              step="open /dev/null to count AIO requests in flight")
+    try:
+        for v in rings:
+            where = f"AIO context {v.start:#x}"
+            in_flight, unsure = _count_in_flight(remote, tid, v.start, null, cpus, where)
+            if in_flight > 0 and unsure:
+                raise UnsupportedResource(pid, f"{where}: cannot tell whether requests are in flight (CPUs "
+                                               f"{unsure} are out of its reach, and their caches of request "
+                                               f"slots with them); checkpoint when the program has reaped "
+                                               f"its requests, with the process allowed on every CPU")
+            if in_flight > 0:
+                raise UnsupportedResource(pid, f"{where}: {in_flight} request(s) in flight (submitted, not "
+                                               f"completed: a poll, or I/O not done yet), which a restore "
+                                               f"cannot submit again; checkpoint when the program has reaped "
+                                               f"its requests")
+    finally:
+        os.sched_setaffinity(tid, allowed)
+        remote.checked("close", null, step="close /dev/null")
+
+
+def _possible_cpus() -> list[int]:
+    with open("/sys/devices/system/cpu/possible") as f:
+        return _cpu_list(f.read())
+
+
+def _cpu_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _count_in_flight(remote, tid: int, ctx: int, null: int, cpus: list[int], where: str) -> tuple[int, list[int]]:
+    """(requests in flight in context `ctx`, the CPUs whose caches could not be drained)."""
+    _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+    unreaped = (tail - head) % nr
+    events = b"".join(remote.mem.read(ctx + _HEADER.size + (head + i) % nr * EVENT_SIZE, EVENT_SIZE)
+                      for i in range(unreaped))
+    batch = max(1, (nr - 1) // (len(cpus) * 4))
+    taken, unsure = 0, []
+    with remote.scratch(_BATCH * _IOCB.size + _BATCH * 8 + _BATCH * EVENT_SIZE) as buf:
+        base = int(buf)
+        iocbs = base
+        pointers = base + _BATCH * _IOCB.size
+        slots = pointers + _BATCH * 8
+        remote.mem.write(base, b"".join(_IOCB.pack(0, 0, 0, IOCB_CMD_PWRITE, 0, null, base, 0, 0, 0, 0, 0)
+                                        for _ in range(_BATCH))
+                         + b"".join(struct.pack("<Q", iocbs + i * _IOCB.size) for i in range(_BATCH)))
+        for cpu in cpus:
+            try:
+                os.sched_setaffinity(tid, {cpu})
+            except OSError:
+                unsure.append(cpu)
+                continue
+            while True:
+                done = remote.syscall("io_submit", ctx, min(_BATCH, nr), pointers)
+                if done == -_errno.EAGAIN:
+                    break
+                if done < 0:
+                    raise UnsupportedResource(remote.task.tgid, f"{where}: counting its requests in flight: "
+                                                                f"io_submit failed ({_errno.errorcode.get(-done, -done)})")
+                taken += done
+        # the ring holds what the program had not reaped, then `taken` writes: reap all, then
+        # make the program's completions again
+        left = unreaped + taken
+        while left:
+            got = remote.checked("io_getevents", ctx, min(left, _BATCH), min(left, _BATCH), slots, 0,
+                                 step=f"{where}: reap the writes that counted its requests")
+            left -= got
+    _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+    _complete(remote, ctx, null, unreaped, reap=False, step=f"{where}: its completions, back")
+    for i in range(unreaped):
+        remote.mem.write(ctx + _HEADER.size + (head + i) % nr * EVENT_SIZE, events[i * EVENT_SIZE:(i + 1) * EVENT_SIZE])
+    return (nr - 1) - (nr - 1) % batch - unreaped - taken, unsure
 
 
 def check_rings_quiet(pid: int, rings: Sequence[AioRing]) -> None:
