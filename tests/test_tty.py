@@ -106,10 +106,13 @@ def _repl_in(tmux, session: str, command: str | None = None) -> int:
 
 
 def _wait_restored(tmux, session: str, pid: int) -> None:
-    """Until `pid` runs python3 again (not the restorer stub it starts as)."""
+    """Until `pid` runs python3 again (not the restorer stub it starts as), let go by ptckpt (its
+    state alone does not say it: between two injected syscalls a traced process runs too)."""
     def back() -> bool:
         try:
-            return "python" in os.readlink(f"/proc/{pid}/exe") and _stat(pid)[0] != "t"
+            with open(f"/proc/{pid}/status") as f:
+                released = "\nTracerPid:\t0\n" in f.read()
+            return "python" in os.readlink(f"/proc/{pid}/exe") and released and _stat(pid)[0] != "t"
         except OSError:
             return False
     wait_until(back, 10, message=lambda: _screen(tmux, session))

@@ -29,6 +29,7 @@ in it: write ``/opt/app-*/`` for that).
 from __future__ import annotations
 
 import enum
+import errno as _errno
 import functools
 import os
 import re
@@ -44,6 +45,7 @@ from ..errors import Incompatible
 
 BUILD_ID_NOTE = ".note.gnu.build-id"
 _ABBREV = 12          # hex digits of a build-id shown in a change line
+_OUT_OF = frozenset({_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM})
 
 
 # --- build-id ------------------------------------------------------------------
@@ -60,11 +62,15 @@ def build_id(path: str) -> str | None:
     Raises FileNotFoundError (and NotADirectoryError) when there is no file at
     `path`: a missing file is the caller's to report.
     """
+    from elftools.elf.elffile import ELFFile   # here (a command that reads no build-id skips it), and out
+    #                                            of the try below: no fd left for its files is no "none"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO must not block
     except (FileNotFoundError, NotADirectoryError):
         raise
-    except OSError:
+    except OSError as err:
+        if err.errno in _OUT_OF:                 # ptckpt's own limits: not a property of the file
+            raise
         return None
     if not _stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -73,11 +79,18 @@ def build_id(path: str) -> str | None:
         try:
             if stream.read(4) != b"\x7fELF":
                 return None
-            from elftools.elf.elffile import ELFFile   # here: a restore that reads no build-id skips its import
             elf = ELFFile(stream)
-        except Exception:          # EIO, or pyelftools' anything from ELFError to struct.error
+        except Exception as err:   # EIO, or pyelftools' anything from ELFError to struct.error
+            _raise_if_ours(err)
             return None
         return _note_in_segments(elf) or _note_in_section(elf)
+
+
+def _raise_if_ours(err: Exception) -> None:
+    """Out of fds or memory, or a part of pyelftools that could not be imported (for want of an
+    fd): ptckpt's trouble, to be said as such, not "this file has no build-id"."""
+    if isinstance(err, ImportError) or isinstance(err, OSError) and err.errno in _OUT_OF:
+        raise err
 
 
 def _gnu_build_id(notes: Iterable[Mapping[str, Any]]) -> str | None:
@@ -95,8 +108,8 @@ def _note_in_segments(elf: ELFFile) -> str | None:
             found = _gnu_build_id(seg.iter_notes())
             if found:
                 return found
-    except Exception:              # a malformed header or note: try the section instead
-        pass
+    except Exception as err:       # a malformed header or note: try the section instead
+        _raise_if_ours(err)
     return None
 
 
@@ -107,7 +120,8 @@ def _note_in_section(elf: ELFFile) -> str | None:
         if sec is None or sec["sh_type"] != "SHT_NOTE":
             return None
         return _gnu_build_id(sec.iter_notes())
-    except Exception:
+    except Exception as err:
+        _raise_if_ours(err)
         return None
 
 
