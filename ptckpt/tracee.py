@@ -841,11 +841,16 @@ class Session:
             self.resume_process(pid)
 
     def kill_process(self, pid: int) -> None:
-        """SIGKILL `pid` and collect the end of each of its threads."""
+        """SIGKILL `pid` and collect the end of each of its threads.  A process that is ptckpt's
+        own child (the library's caller started it) is seen to end but not reaped: its exit
+        status is the caller's to collect (subprocess.Popen.wait, os.waitpid)."""
+        own = _parent_of(pid) == os.getpid()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         # Non-leader threads first: a dead leader is reported only after them.
         for task in sorted(self.threads_of(pid), key=lambda t: t.tid == pid):
+            if own and task.tid == pid:
+                _wait_end_unreaped(task)
             while task.seized:
                 try:
                     task.wait()
@@ -854,6 +859,37 @@ class Session:
                 with contextlib.suppress(Exception):
                     task.resume(0)
             del self.tasks[task.tid]
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_ENDED = frozenset({os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED})
+
+
+def _wait_end_unreaped(task: Task) -> None:
+    """Wait until `task` (a process leader that is our child) has ended, leaving it a zombie:
+    its stops on the way are taken and it is let go on; its end is looked at (WNOWAIT) only."""
+    while True:
+        try:
+            info = os.waitid(os.P_PID, task.tid, os.WEXITED | os.WNOWAIT | WALL)
+        except ChildProcessError:
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        if info is None or info.si_code in _ENDED:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(task.tid, WALL)                 # a stop on its way out: taken ...
+        with contextlib.suppress(Exception):
+            task.resume(0)                             # ... and let go on
+    task.stop = WaitStatus(StopKind.EXITED)
+    task.seized = False
 
 
 @contextlib.contextmanager

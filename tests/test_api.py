@@ -43,6 +43,7 @@ PROGRAM = textwrap.dedent(r"""
         os._exit(7)
     result = ptckpt.dump(target.pid, image, leave_running=False)
     print("DUMPED", result.pids == [target.pid], result.pages > 0, result.directory == image, flush=True)
+    print("TARGET", target.wait(timeout=5), flush=True)   # its end is ours to collect, not the library's
     _, status = os.waitpid(bystander, 0)
     print("BYSTANDER", os.waitstatus_to_exitcode(status), flush=True)
     at_dump = value()
@@ -79,7 +80,7 @@ def test_a_program_dumps_and_restores_through_the_python_api(fixture_bins, tmp_p
             started += [int(w) for w in words[1:3] if w.isdigit() and int(w) > 0]
     assert res.returncode == 0, res.stdout + res.stderr
     assert [l for l in lines if not l.startswith(("PID", "RESTORED"))] == [
-        "DUMPED True True True", "BYSTANDER 7", "WAIT None", "STATUS 143 False", "KILLED False 137 True"]
+        "DUMPED True True True", "TARGET -9", "BYSTANDER 7", "WAIT None", "STATUS 143 False", "KILLED False 137 True"]
     restored = next(l for l in lines if l.startswith("RESTORED")).split()
     assert restored[3:] == ["True", "True"] and int(restored[2]) > 0      # its own pid namespace
 
