@@ -273,6 +273,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reap_orphans()
 
 
+# --- sizes of the randomised robustness tests ------------------------------------
+
+def trials(default: int) -> int:
+    """How many times a randomised robustness test tries (dumps or restores interrupted at
+    random moments): `default`, the size that fits CI, or $PTCKPT_TRIALS (bench/interrupts
+    runs them at full size)."""
+    return int(os.environ.get("PTCKPT_TRIALS") or default)
+
+
 # --- CPU features --------------------------------------------------------------
 
 def cpu_has(flag: str) -> bool:

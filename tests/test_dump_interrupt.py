@@ -22,7 +22,7 @@ import time
 import pytest
 
 from ptckpt import netlock
-from conftest import kill_pids, wait_until
+from conftest import kill_pids, trials, wait_until
 
 pytestmark = pytest.mark.skipif(netlock.available() is not None, reason=f"no network lock here: {netlock.available()}")
 
@@ -98,7 +98,7 @@ def test_interrupted_dumps_leave_no_lock_and_the_connection_carries_on(echo_targ
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     dumpers: list[int] = []
-    trials = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL) for _ in range(6)]
+    trials = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL) for _ in range(trials(6))]
     rng.shuffle(trials)
     for n, sig in enumerate(trials, 1):
         directory = tmp_path / f"ckpt-{n}"

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import wait_until
+from conftest import trials, wait_until
 
 POINTS = ("inject-set", "inject-entry", "inject-exit")
 ARRIVALS = (1, 9, 45)            # the first syscall, one of the first thread's, one later on
@@ -96,7 +96,7 @@ def test_dumpers_killed_at_random_moments_leave_the_target_running(spawn, ptckpt
     target = spawn("threads")
     before = _view(target.pid)
     rng = random.Random(19)
-    for trial in range(8):
+    for trial in range(trials(8)):
         proc = subprocess.Popen(ptckpt_cmd + ["dump", str(target.pid), "-D", str(tmp_path / f"img{trial}"),
                                               "--leave-running"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import descendants, pid_alive, proc_stat, reap_orphans, wait_until
+from conftest import descendants, pid_alive, proc_stat, reap_orphans, trials, wait_until
 
 
 def _children(pid: int) -> list[int]:
@@ -86,7 +86,7 @@ def test_restores_interrupted_at_random_moments(sig, killed_counter, ptckpt, ptc
     window no program can close): then the process runs whole, said or not."""
     target, image = killed_counter
     rng = random.Random(sig)
-    for trial in range(6):
+    for trial in range(trials(6)):
         proc = subprocess.Popen(ptckpt_cmd + ["restore", "-D", str(image), "--detach", "--file-policy", "warn"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 text=True)
