@@ -16,6 +16,7 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zstandard
 
@@ -80,6 +81,38 @@ class FrameCompressor:
         self._pool.shutdown()
 
 
+@dataclass(frozen=True)
+class FrameSpec:
+    """Compressed page data to decompress a frame at a time: frames from `data_offset` of
+    `src` (the image's fd), their (raw, stored) sizes, and the memfd of the raw size
+    they go into at their raw offsets (ptckpt.lazypages.Source does it)."""
+
+    src: int
+    data_offset: int
+    sizes: list[tuple[int, int]]
+    raw_fd: int
+    path: str
+
+    def stored_end(self) -> int:
+        return self.data_offset + sum(stored for _raw, stored in self.sizes)
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    return zstandard.ZstdDecompressor()
+
+
+def decompress_frame(d: zstandard.ZstdDecompressor, data, raw: int, path: str, at: int) -> bytes:
+    """One frame's `raw` bytes; CorruptImage (naming `path` and the frame's offset `at`) when it
+    does not decompress, its checksum fails, or it holds another size."""
+    try:
+        out = d.decompress(data, max_output_size=raw)
+    except zstandard.ZstdError as err:
+        raise CorruptImage(path, f"compressed frame at offset {at}: {err}") from None
+    if len(out) != raw:
+        raise CorruptImage(path, f"compressed frame at offset {at} holds {len(out)} bytes, not {raw}")
+    return out
+
+
 def decompress_to_fd(src: int, data_offset: int, sizes: list[tuple[int, int]], dst: int, path: str) -> None:
     """Decompress every frame of `src` (frames from `data_offset` on) into `dst` at the raw
     offsets, on every CPU.  A frame that does not decompress to its size is CorruptImage."""
@@ -98,14 +131,7 @@ def decompress_to_fd(src: int, data_offset: int, sizes: list[tuple[int, int]], d
         if d is None:
             d = local.d = zstandard.ZstdDecompressor()
         data = os.pread(src, stored, data_offset + stored_at)
-        try:
-            out = d.decompress(data, max_output_size=raw)
-        except zstandard.ZstdError as err:
-            raise CorruptImage(path, f"compressed frame at offset {data_offset + stored_at}: {err}") from None
-        if len(out) != raw:
-            raise CorruptImage(path, f"compressed frame at offset {data_offset + stored_at} holds "
-                                     f"{len(out)} bytes, not {raw}")
-        view = memoryview(out)
+        view = memoryview(decompress_frame(d, data, raw, path, data_offset + stored_at))
         done = 0
         while done < raw:
             done += os.pwrite(dst, view[done:], raw_at + done)

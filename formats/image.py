@@ -792,9 +792,13 @@ class ImageReader:
     all of it); pages_crc_ok() can do it later.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True, defer_frames: bool = False):
         self.path = os.path.abspath(os.fspath(directory))
         self.verify_pages = verify_pages
+        # compressed page data left compressed until a lazy restore's page server needs
+        # each frame (page_sources gives an empty memfd of the raw size; lazy_checks the frames)
+        self.defer_frames = defer_frames
+        self._deferred: dict[int, compression.FrameSpec] = {}
         self.inventory: Inventory | None = None
         self.zombies: tuple[Zombie, ...] = ()      # image-wide records of inventory.img
         self.pipes: tuple[PipeBuffer, ...] = ()
@@ -909,12 +913,14 @@ class ImageReader:
             out.append((fd, data_offset - vbase, mine))
         return out
 
-    def lazy_checks(self, pid: int) -> list[pagesums.PagesToCheck | None]:
+    def lazy_checks(self, pid: int) -> list[pagesums.PagesToCheck | compression.FrameSpec | None]:
         """Beside each of page_sources(pid): how its blocks are checked at first use by a
-        lazy restore (fd -1: the checker reads the data where it has it mapped), or None
-        for a file whose data must be checked whole before the process runs (decompressed
-        from frames, or an image older than the block sums: page_check(lazy=True))."""
-        return [image._pages_to_check(pid, -1) if image._block_checked(pid) else None
+        lazy restore (fd -1: the checker reads the data where it has it mapped); for
+        compressed data left compressed (defer_frames) its frames, each decompressed and
+        checked (zstd's checksum, its size) when first needed; None for a file whose data
+        must be checked whole before the process runs (an image older than the block sums:
+        page_check(lazy=True))."""
+        return [image._pages_to_check(pid, -1) if image._block_checked(pid) else image._deferred.get(pid)
                 for _vbase, image, _mine in self._source_images(pid)]
 
     def _source_images(self, pid: int):
@@ -953,8 +959,14 @@ class ImageReader:
         if pid not in self._unpacked:
             fd = os.memfd_create(f"ptckpt-pages-{pid}", os.MFD_CLOEXEC)
             try:
-                compression.decompress_to_fd(self._pages[pid][0], PAGES_DATA_OFFSET, self._frames[pid], fd,
-                                             self._file(pages_name(pid)))
+                if self.defer_frames:
+                    os.ftruncate(fd, sum(raw for raw, _stored in self._frames[pid]))
+                    self._deferred[pid] = compression.FrameSpec(self._pages[pid][0], PAGES_DATA_OFFSET,
+                                                                self._frames[pid], fd,
+                                                                self._file(pages_name(pid)))
+                else:
+                    compression.decompress_to_fd(self._pages[pid][0], PAGES_DATA_OFFSET, self._frames[pid], fd,
+                                                 self._file(pages_name(pid)))
             except BaseException:
                 os.close(fd)
                 raise
@@ -1012,7 +1024,7 @@ class ImageReader:
 
     def _all_to_check(self, lazy: bool) -> list[pagesums.PagesToCheck]:
         own = [self._pages_to_check(pid, os.dup(self._pages[pid][0])) for pid in self.inventory.pids
-               if not (lazy and self._block_checked(pid))]
+               if not (lazy and (self._block_checked(pid) or self.defer_frames and pid in self._frames))]
         return own + (self.parent._all_to_check(lazy) if self.parent is not None else [])
 
     def _pages_to_check(self, pid: int, fd: int) -> pagesums.PagesToCheck:
@@ -1136,7 +1148,7 @@ class ImageReader:
         if inv.parent_id == inv.image_id or not inv.parent_id:
             raise CorruptImage(self._file(INVENTORY_NAME), f"parent image id {inv.parent_id!r}")
         try:
-            parent = ImageReader(where, verify_pages=self.verify_pages).open()
+            parent = ImageReader(where, verify_pages=self.verify_pages, defer_frames=self.defer_frames).open()
         except NotAnImage as err:
             raise ParentMissing(self.path, where, str(err)) from None
         self.parent = parent

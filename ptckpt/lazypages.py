@@ -48,7 +48,7 @@ import xxhash
 
 from . import testhooks
 from .errors import CorruptImage
-from .formats import pagesums
+from .formats import compression, pagesums
 from .formats.model import PageRun, Vma, VmaKind
 from .tracee import pidfd_getfd
 
@@ -157,22 +157,47 @@ class Pending:
 
 
 class Source:
-    """A page file mapped read-only in the server, its blocks checked at first use."""
+    """A page file mapped read-only in the server, its blocks checked at first use; or, for
+    compressed data (`check` a FrameSpec), the memfd its frames go into, each frame
+    decompressed (and so checked) the first time a page of it is needed."""
 
-    def __init__(self, fd: int, check: pagesums.PagesToCheck | None):
+    def __init__(self, fd: int, check):
         self.path = os.readlink(f"/proc/self/fd/{fd}")
         self.size = os.fstat(fd).st_size
-        addr = _libc.mmap(None, max(self.size, PAGE), PROT_READ, 1, fd, 0)     # MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {self.path}")
-        self.addr = addr
+        self.frames = check if isinstance(check, compression.FrameSpec) else None
+        if self.frames is None:
+            self.addr = _map(fd, self.size, PROT_READ, self.path)
+        else:                                     # the reader's own fd of the memfd: writable
+            self.addr = _map(self.frames.raw_fd, self.size, PROT_READ | PROT_WRITE, self.path)
+        if self.frames is not None:
+            check = None
+            self.path = self.frames.path
+            end = self.frames.stored_end()
+            if os.fstat(self.frames.src).st_size < end:
+                raise CorruptImage(self.path, f"compressed page data ends before byte {end}")
+            self._zaddr = _map(self.frames.src, end, PROT_READ, self.path)
+            self._starts, self._stored_at, pos, at = [], [], 0, self.frames.data_offset
+            for raw, stored in self.frames.sizes:
+                self._starts.append(pos)
+                self._stored_at.append(at)
+                pos += raw
+                at += stored
+            self._unpacked = bytearray(len(self.frames.sizes))
+            self._lock = threading.Lock()
+            self._zstd = None
         self.check = check if check is not None and check.sums else None
         self.verified = bytearray(pagesums.block_count(check.length, check.block)) if self.check else None
 
     def verify(self, off: int, length: int) -> None:
-        """CorruptImage unless file bytes [off, off+length) exist and their blocks hash right."""
+        """CorruptImage unless file bytes [off, off+length) exist and their blocks hash right
+        (compressed: their frames decompressed, here, and whole)."""
         if off + length > self.size:
             raise CorruptImage(self.path, f"page data ends at byte {self.size}, {off + length} needed")
+        if self.frames is not None:
+            for i in range(bisect_right(self._starts, off) - 1, bisect_right(self._starts, off + length - 1)):
+                if not self._unpacked[i]:
+                    self._unpack(i)
+            return
         c = self.check
         if c is None:
             return
@@ -188,6 +213,28 @@ class Source:
                 raise CorruptImage(self.path, f"checksum mismatch in page data at bytes {lo}-{lo + n - 1} "
                                               f"of the file (block {i})")
             self.verified[i] = 1
+
+    def _unpack(self, i: int) -> None:
+        """Decompress frame `i` into the memfd (once, whichever thread asks first)."""
+        with self._lock:
+            if self._unpacked[i]:
+                return
+            if self._zstd is None:
+                self._zstd = compression.decompressor()
+            raw, stored = self.frames.sizes[i]
+            at = self._stored_at[i]
+            data = (ctypes.c_char * stored).from_address(self._zaddr + at)
+            out = compression.decompress_frame(self._zstd, data, raw, self.path, at)
+            ctypes.memmove(self.addr + self._starts[i], out, raw)
+            self._unpacked[i] = 1
+
+
+def _map(fd: int, size: int, prot: int, path: str) -> int:
+    """`size` bytes of `fd` mapped shared: the address (the mapping outlives the fd)."""
+    addr = _libc.mmap(None, max(size, PAGE), prot, 1, fd, 0)     # MAP_SHARED
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {path}")
+    return addr
 
 
 class Space:
@@ -241,7 +288,17 @@ class Server:
 
     def register_frozen(self, remote, pid: int, vmas: Sequence[Vma], sources) -> list:
         """Register the lazy mappings of `pid` (a syscall scope `remote` in it); returns the
-        (fd, base, runs) sources with only the pages still to fill eagerly."""
+        (fd, base, runs) sources with only the pages still to fill eagerly (their frames
+        decompressed, where the data is compressed)."""
+        eager = self._register(remote, pid, vmas, sources)
+        for fd, base, runs in eager:
+            src = self.sources.get(fd)
+            if src is not None and src.frames is not None:
+                for r in runs:
+                    src.verify(base + r.offset, r.npages * PAGE)
+        return eager
+
+    def _register(self, remote, pid: int, vmas: Sequence[Vma], sources) -> list:
         spans = sorted((v.start, v.end) for v in vmas if lazy_candidate(v))
         if not spans or not any(fd in self.sources for fd, _b, _r in sources):
             return sources
@@ -500,6 +557,8 @@ class Server:
     def _daemon_main(self) -> None:
         started = time.monotonic()
         total = sum(s.pending.bytes() for s in self.spaces)
+        frames = [src for src in self.sources.values() if src.frames is not None]
+        unpacked_before = sum(sum(src._unpacked) for src in frames)
         self._say(f"serving {total >> 20} MiB of {len(self.spaces)} process(es) "
                   f"({', '.join(str(s.pid) for s in self.spaces)})")
         pace = testhooks.lazy_pace()
@@ -521,8 +580,11 @@ class Server:
             self._say(f"failed: {err!r}")
             raise
         gone = [s.pid for s in self.spaces if s.dead and s.pid]
+        unpacked = sum(sum(src._unpacked) for src in frames) - unpacked_before
         self._say(f"all pages in after {time.monotonic() - started:.3f} s: {self.copied >> 20} MiB copied, "
                   f"{self.faults} faults served, {self.zeroed} zero pages"
+                  + (f", {unpacked} compressed frames decompressed here (of "
+                     f"{sum(len(src._unpacked) for src in frames)})" if frames else "")
                   + (f"; gone meanwhile: {' '.join(map(str, gone))}" if gone else ""))
         self._tell(b"D")
 

@@ -268,7 +268,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
     log.info("collect %s", directory)
-    with ImageReader(directory, verify_pages=False) as image, _checking_pages(image, lazy) as page_check:
+    with ImageReader(directory, verify_pages=False, defer_frames=lazy) as image, \
+            _checking_pages(image, lazy) as page_check:
         root = image.inventory.root_pid
         members = list(image.inventory.pids)
         if image.inventory.memory_only:

@@ -164,6 +164,55 @@ def test_lazy_corrupt_block_ends_the_process_naming_the_bytes(spawn, ptckpt, tmp
     assert "VERIFY" not in target.stdout_text()
 
 
+def test_lazy_compressed_image_is_decompressed_as_its_pages_are_needed(spawn, ptckpt, tmp_path, lazy):
+    """A compressed image (--compress zstd): the process runs before its frames are
+    decompressed; the page server decompresses each frame when a page of it is first
+    needed (most of them after the process started), and the heap is intact."""
+    target = spawn("bigheap", 64)
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill", "--compress", "zstd:1")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    pid, info = lazy(image)
+    assert info["bytes"] >= 64 << 20
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", timeout=30)
+    _gone(info["server"])
+    text = _log(info)
+    found = re.search(r"(\d+) compressed frames decompressed here \(of (\d+)\)", text)
+    assert found, text
+    here, total = map(int, found.groups())
+    assert total >= 64 and here >= total // 2, text      # most of them after the process ran
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 2 OK", timeout=30)
+    target.assert_ok()
+
+
+def test_lazy_compressed_frame_damaged_ends_the_process_naming_it(spawn, ptckpt, tmp_path, lazy):
+    """A byte changed in a compressed frame in the middle of the data: found when that frame
+    is first needed (zstd's checksum), named in the log, and the process killed."""
+    target = spawn("bigheap", 16)
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill", "--compress", "zstd:1")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    pages = image / f"pages-{target.pid}.img"
+    where = pages.stat().st_size * 2 // 3
+    with open(pages, "r+b") as f:
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 0x5A]))
+    pid, info = lazy(image)
+    _gone(pid)
+    _gone(info["server"])
+    text = _log(info)
+    assert str(pages) in text and "compressed frame at offset" in text and f"killed {pid}" in text, text
+    assert "VERIFY" not in target.stdout_text()
+
+
 def _totals(target) -> tuple[int, int]:
     text = open(target.out_path).read()
     assert not text.startswith("FAIL"), text
