@@ -64,6 +64,15 @@ def _summary(text: str, err: bool = False) -> None:
         typer.echo(text, err=err)
 
 
+def _progress_bar(what: str, as_json: bool):
+    """A progress bar on stderr while a dump or restore moves memory for more than a second:
+    on a terminal only, not with -q or --json."""
+    from . import progress
+    if _quiet or as_json or not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    return progress.showing(progress.Bar(what))
+
+
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
 
 
@@ -145,12 +154,13 @@ def _dump_command(pid, directory, leave_running, save_file, external, plugin, sk
             codec = parse_spec(compress) if compress else None
         except ValueError as err:
             raise UsageError(f"--compress: {err}") from None
-        result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
-                       save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
-                       critical_timeout=parse_duration(critical_timeout),
-                       tcp_established=tcp_established, tcp_close=tcp_close,
-                       prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec,
-                       background=background)
+        with _progress_bar("pre-dump" if pre_dump else "dump", as_json):
+            result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
+                           save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
+                           critical_timeout=parse_duration(critical_timeout),
+                           tcp_established=tcp_established, tcp_close=tcp_close,
+                           prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec,
+                           background=background)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:
@@ -240,8 +250,9 @@ def restore(
             loaded.insert(0, RemapPath(remap_path))
         if set_env or unset_env:
             loaded.append(SetEnv(set_env or (), unset_env or ()))
-        result = _restore(directory, pidns=pidns, netns=netns, file_policy=policy, new_pty=new_pty,
-                          plugins=loaded, lazy=lazy)
+        with _progress_bar("restore", as_json):
+            result = _restore(directory, pidns=pidns, netns=netns, file_policy=policy, new_pty=new_pty,
+                              plugins=loaded, lazy=lazy)
     except PtckptError as err:
         raise _fail(err) from None
     for warning in result.warnings:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .callable import make_callable
-from . import appblock, breakpoints, entry, procfs, testhooks
+from . import appblock, breakpoints, entry, procfs, progress, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
@@ -387,6 +387,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 if server is not None:
                     server.check()                    # a bad block met while serving ptckpt's own reads
                 _settle_notifications(image.fd_states, handed)
+                progress.finish()                     # off the terminal before the tree draws on it
                 if not new_pty:
                     # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
                     _front_of_terminal(image, procs, created, result)

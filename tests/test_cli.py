@@ -152,3 +152,31 @@ def test_shell_completion_script_completes_commands_and_options(ptckpt_cmd, tmp_
     assert complete("ptckpt", "res") == ["restore"]
     assert "--remap-path" in complete("ptckpt", "restore", "--rem")
     assert set(complete("ptckpt", "pre")) == {"pre-dump"}
+
+
+def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cmd, tmp_path):
+    """On a terminal (script(1) gives it one) a dump and a restore that move memory for long
+    enough (here: at once, PTCKPT_PROGRESS_AFTER=0) show a bar with the bytes, which is gone
+    again before the result line; -q shows none, and neither does a stderr that is no terminal."""
+    import shlex
+    target = spawn("bigheap", 64)
+    env = dict(os.environ, PTCKPT_PROGRESS_AFTER="0")
+
+    def on_terminal(*args: str) -> str:
+        res = subprocess.run(["script", "-qec", shlex.join(ptckpt_cmd + list(args)), "/dev/null"],
+                             stdin=subprocess.DEVNULL, capture_output=True, timeout=120, env=env)
+        shown = res.stdout.decode(errors="replace")
+        assert res.returncode == 0, shown
+        return shown
+
+    quiet = on_terminal("-q", "dump", str(target.pid), "-D", str(tmp_path / "quiet"))
+    assert "MiB" not in quiet and "\x1b[" not in quiet, quiet
+    shown = on_terminal("dump", str(target.pid), "-D", str(tmp_path / "img"), "--kill")
+    assert re.search(r"dump .*\d+\.\d/\d+\.\d MiB", shown), shown
+    bar_end = [m.end() for m in re.finditer(r"\d+\.\d/\d+\.\d MiB", shown)][-1]
+    assert bar_end < shown.index("dumped "), "the bar goes before the summary"
+    target.wait_exit(10)
+    plain = subprocess.run(ptckpt_cmd + ["restore", "-D", str(tmp_path / "img"), "--detach"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0 and "\x1b[" not in plain.stderr, plain.stderr
+    target.adopt(int(plain.stdout.split()[-1]))

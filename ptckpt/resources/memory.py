@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .. import procfs
+from .. import procfs, progress
 from ..errors import AccessDenied, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
@@ -528,12 +528,13 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
     so they stay shared in a tree that goes on running.  `lost`: the process runs
     (a pre-dump): ranges it unmapped meanwhile are left out and listed there.
     """
-    if shared:
-        ranges = list(_pieces(ranges, sorted(shared)))
+    ranges = list(_pieces(ranges, sorted(shared))) if shared else list(ranges)
+    progress.expect(sum(e - s for s, e, _ in ranges))
     stats = PageStats()
     index: list[PageRun] = []
     for batch in _batches(ranges, pages.buffer_size):
         nbytes = sum(e - s for s, e, _ in batch)
+        read = nbytes
         buf = pages.get_buffer()
         if lost is None:
             _read_batch(mem, buf, batch, sorted(shared))
@@ -542,6 +543,7 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
             nbytes = sum(e - s for s, e, _ in batch)
         nbytes, kept = drop_zero_pages(buf, nbytes, batch)
         offset = pages.submit(buf, nbytes)
+        progress.moved(read)
         for s, e in kept:
             index.append(PageRun(vaddr=s, npages=(e - s) // PAGE_SIZE, offset=offset))
             offset += e - s
@@ -938,9 +940,12 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     files.close_all()
     if lazy is not None:
         sources = lazy.register_frozen(remote, mem.pid, vmas, sources)
-    for pages_fd, data_offset, part in sources:
+    sizes = [sum(r.npages for r in part) * PAGE_SIZE for _fd, _offset, part in sources]
+    progress.expect(sum(sizes))
+    for (pages_fd, data_offset, part), size in zip(sources, sizes):
         if not fill_pages_in_target(remote, part, pages_fd, data_offset):
             fill_pages(mem, part, pages_fd, data_offset)
+        progress.moved(size)
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
