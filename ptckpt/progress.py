@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 
 _sink = None
+MIN_BYTES = 16 << 20        # a bar for this much memory at least (a small process slowed by load: none)
 
 
 def expect(nbytes: int) -> None:
@@ -59,7 +60,7 @@ def showing(sink) -> Iterator[None]:
 
 class Bar:
     """A transient rich progress bar on stderr, shown once `after` seconds have gone
-    ($PTCKPT_PROGRESS_AFTER, 1 s by default)."""
+    ($PTCKPT_PROGRESS_AFTER, 1 s by default) with MIN_BYTES or more to move."""
 
     def __init__(self, what: str, after: float | None = None):
         self.what = what
@@ -82,7 +83,7 @@ class Bar:
 
     def _show(self) -> None:
         if self._bar is None:
-            if time.monotonic() - self.started < self.after:
+            if time.monotonic() - self.started < self.after or self.total < MIN_BYTES:
                 return
             from rich.console import Console
             from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
