@@ -1079,6 +1079,7 @@ class ImageReader:
         validate.refuse(self._file, validate.check_inventory, INVENTORY_NAME, self.inventory)
         for pid in self.inventory.pids:
             self._load_process(pid)
+        validate.refuse(self._file, validate.check_tree, INVENTORY_NAME, self.inventory.root_pid, self._processes)
         if self.inventory.parent:
             self._open_parent()
         descs = {f.desc for p in self._processes.values() for f in p.fds}

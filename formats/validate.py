@@ -109,6 +109,8 @@ def _check_vmas(name: str, proc: ProcessImage) -> list[tuple[int, int]]:
             _fail(name, f"{what}: protection {v.prot:#x}")
         if v.pgoff < 0 or v.pgoff % PAGE_SIZE:
             _fail(name, f"{what}: file offset {v.pgoff}")
+        if not (0 <= v.dev_major < 1 << 12 and 0 <= v.dev_minor < 1 << 20 and 0 <= v.inode < 1 << 64):
+            _fail(name, f"{what}: device {v.dev_major}:{v.dev_minor} or inode {v.inode} out of range")
         for s, e in (*v.guards, *v.cow):
             if not (v.start <= s < e <= v.end) or s % PAGE_SIZE or e % PAGE_SIZE:
                 _fail(name, f"{what}: a guard or shared range {s:#x}-{e:#x} outside it")
@@ -144,6 +146,10 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"TASK {field} {getattr(task, field)} out of range")
     if not 0 <= task.umask <= 0o777:
         _fail(name, f"TASK umask {task.umask:#o}")
+    for line in task.cgroups.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        if not hierarchy.isdigit() or ":" not in rest or not rest.split(":", 1)[1].startswith("/"):
+            _fail(name, f"TASK cgroup line {line!r} is not ID:CONTROLLERS:/PATH")
     for field, low, high in (("nice", -20, 19), ("rt_priority", 0, 99), ("oom_score_adj", -1000, 1000),
                              ("personality", 0, 2**32 - 1), ("sched_policy", 0, 2**31 - 1),
                              ("timerslack_ns", 0, 2**63 - 1), ("dumpable", 0, 2), ("mdwe", 0, 2**31 - 1),
@@ -228,6 +234,14 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
                                                                        for s, e in spans):
             _fail(name, f"AIO ring {ring.start:#x}: not one of the mappings")
     return spans
+
+
+def check_tree(name: str, root: int, procs: dict[int, ProcessImage]) -> None:
+    """Every process but the root has its parent in the image (the tree is the root and its
+    descendants)."""
+    for pid, proc in procs.items():
+        if pid != root and proc.task.ppid not in procs:
+            _fail(name, f"process {pid}: its parent {proc.task.ppid} is not in the image")
 
 
 def check_shared(name: str, records, pids: set[int], descs: set[int]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import imagefuzz
-from conftest import descendants
+from conftest import descendants, kill_pids, reap_orphans
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader, ImageWriter, core_name
 from ptckpt.formats.model import PageRun, VmaKind
@@ -33,19 +33,22 @@ def counter_image(killed_counter):
     return killed_counter[1]
 
 
-def _edited(src: Path, dst: Path, *, proc=None, inventory=None, runs=None) -> Path:
-    """A copy of `src` with its records changed and every checksum right."""
+def _edited(src: Path, dst: Path, *, proc=None, inventory=None, runs=None, member=None) -> Path:
+    """A copy of `src` with its records changed and every checksum right: `proc` changes the
+    root's process record, `member` (pid, record) any process's."""
     with ImageReader(src) as image:
-        pid = image.inventory.root_pid
         with ImageWriter(dst) as out:
-            p = image.process(pid)
-            out.write_process(proc(p) if proc else p)
-            pages = out.pages_writer(pid)
-            written = [PageRun(run.vaddr, run.npages, pages.write(image.read_pages(pid, run)))
-                       for run in image.page_runs(pid)]
-            for run in (runs(written) if runs else written):
-                pages.add_run(run.vaddr, run.npages, run.offset)
-            pages.close()
+            for pid in image.inventory.pids:
+                p = image.process(pid)
+                if proc and pid == image.inventory.root_pid:
+                    p = proc(p)
+                out.write_process(member(pid, p) if member else p)
+                pages = out.pages_writer(pid)
+                written = [PageRun(run.vaddr, run.npages, pages.write(image.read_pages(pid, run)))
+                           for run in image.page_runs(pid)]
+                for run in (runs(written) if runs and pid == image.inventory.root_pid else written):
+                    pages.add_run(run.vaddr, run.npages, run.offset)
+                pages.close()
             out.write_inventory(inventory(image.inventory) if inventory else image.inventory)
     return dst
 
@@ -98,8 +101,13 @@ def test_a_mapping_kind_no_version_knows(counter_image, ptckpt, tmp_path):
     (lambda p: dataclasses.replace(p, sigactions=(dataclasses.replace(p.sigactions[0], signo=4114),)
                                    + p.sigactions[1:]), ("SIGACTION", "4114")),
     (lambda p: dataclasses.replace(p, fds=p.fds + p.fds[:1]), ("fd", "twice")),
+    # from the 10,000-mutant run of bench/image_fuzz: IndexError, OverflowError (os.makedev)
+    (lambda p: dataclasses.replace(p, task=dataclasses.replace(p.task, cgroups="4memory/x\n")),
+     ("cgroup line", "ID:CONTROLLERS:/PATH")),
+    (lambda p: dataclasses.replace(p, vmas=(dataclasses.replace(p.vmas[0], dev_major=1 << 20),) + p.vmas[1:]),
+     ("device", "out of range")),
 ], ids=["overlapping-mappings", "unaligned-mapping", "thread-twice", "short-xstate", "signal-4114",
-        "fd-twice"])
+        "fd-twice", "cgroup-line", "device-number"])
 def test_records_that_contradict_each_other(counter_image, ptckpt, tmp_path, change, words):
     _refused_alike(ptckpt, _edited(counter_image, tmp_path / "bad", proc=change), *words)
 
@@ -110,6 +118,35 @@ def _patch_file(path: Path, at: int, data: bytes, *, fix_crc: bool) -> None:
     if fix_crc:
         struct.pack_into("<I", raw, 16, zlib.crc32(bytes(raw[24:])))
     path.write_bytes(raw)
+
+
+def test_a_member_whose_parent_is_not_in_the_image(spawn, ptckpt, tmp_path):
+    """Was (bench/image_fuzz, 10,000 mutants): KeyError in restore."""
+    target = spawn("forkserver")
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    bad = _edited(image, tmp_path / "bad", member=lambda pid, p: p if pid == target.pid else dataclasses.replace(
+        p, task=dataclasses.replace(p.task, ppid=4242)))
+    _refused_alike(ptckpt, bad, "its parent 4242 is not in the image")
+
+
+def test_a_name_that_is_not_utf8_restores(counter_image, ptckpt, tmp_path):
+    """Was (bench/image_fuzz): UnicodeEncodeError when the name went back (comm is bytes to
+    the kernel; the image keeps undecodable ones as surrogates)."""
+    odd = _edited(counter_image, tmp_path / "odd", proc=lambda p: dataclasses.replace(
+        p, task=dataclasses.replace(p.task, comm="cou\udcffnter"),
+        threads=tuple(dataclasses.replace(t, comm="cou\udcffnter") for t in p.threads)))
+    res = ptckpt("restore", "-D", odd, "--detach", "--file-policy", "ignore")
+    assert res.returncode == 0, res.stderr
+    pid = int(res.stdout.split()[-1])
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            assert f.read() == b"cou\xffnter\n"
+    finally:
+        kill_pids([pid])
+        reap_orphans()
 
 
 def test_reserved_bytes_are_checked(counter_image, ptckpt, tmp_path):

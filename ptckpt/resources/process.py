@@ -208,7 +208,7 @@ def restore_task_frozen(remote: RemoteSyscalls, task: Task, handed: Mapping = {}
     remote.checked("prctl", PR_SET_DUMPABLE, task.dumpable, step="dumpable")
     if task.child_subreaper:
         remote.checked("prctl", PR_SET_CHILD_SUBREAPER, 1, step="child subreaper")
-    with remote.scratch(task.comm.encode()[:15] + b"\0") as p:
+    with remote.scratch(task.comm.encode(errors="surrogateescape")[:15] + b"\0") as p:
         remote.checked("prctl", PR_SET_NAME, int(p), step="comm")
     if task.thp_disable:
         remote.checked("prctl", PR_SET_THP_DISABLE, 1, 0, 0, 0, step="THP disable")

@@ -182,7 +182,7 @@ def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) ->
         with remote.scratch(struct.pack("<QixxxxQ", thread.sas_sp, flags, thread.sas_size)) as ss:
             remote.checked("sigaltstack", int(ss), 0, step=f"sigaltstack of thread {thread.tid}")
     if thread.comm:
-        with remote.scratch(thread.comm.encode()[:15] + b"\0") as name:
+        with remote.scratch(thread.comm.encode(errors="surrogateescape")[:15] + b"\0") as name:
             remote.checked("prctl", PR_SET_NAME, int(name), step=f"comm of thread {thread.tid}")
 
 
