@@ -98,9 +98,9 @@ def test_interrupted_dumps_leave_no_lock_and_the_connection_carries_on(echo_targ
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     dumpers: list[int] = []
-    trials = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL) for _ in range(trials(6))]
-    rng.shuffle(trials)
-    for n, sig in enumerate(trials, 1):
+    sent = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL) for _ in range(trials(6))]
+    rng.shuffle(sent)
+    for n, sig in enumerate(sent, 1):
         directory = tmp_path / f"ckpt-{n}"
         dumper = _ptckpt("dump", str(proc.pid), "-D", str(directory), "--tcp-established")
         dumpers.append(dumper.pid)
