@@ -117,7 +117,8 @@ def make_inventory(pids=(100,)) -> Inventory:
 
 def make_task(pid=100, tids=(100, 101)) -> Task:
     return Task(
-        pid=pid, ppid=1, pgid=pid, sid=1, comm="wörker\udcfe", state="S", exe="/usr/bin/app",
+        # (200 is the golden two-process image's child of 100: a member's parent is in the image)
+        pid=pid, ppid=100 if pid == 200 else 1, pgid=pid, sid=1, comm="wörker\udcfe", state="S", exe="/usr/bin/app",
         cwd=ODD_PATH, root="/", umask=0o022, personality=0x0040000, nice=-20,
         sched_policy=0x40000000, rt_priority=0, oom_score_adj=-1000, timerslack_ns=50_000,
         exit_signal=-1, tids=tuple(tids), cmdline=("app", "--x=\udcff", ""), dumpable=2,
