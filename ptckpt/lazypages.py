@@ -167,9 +167,9 @@ class Source:
         self.frames = check if isinstance(check, compression.FrameSpec) else None
         if self.frames is None:
             self.addr = _map(fd, self.size, PROT_READ, self.path)
-        else:                                     # the reader's own fd of the memfd: writable
+        else:
+            # the reader's own fd of the memfd (writable), and the compressed file beside it
             self.addr = _map(self.frames.raw_fd, self.size, PROT_READ | PROT_WRITE, self.path)
-        if self.frames is not None:
             check = None
             self.path = self.frames.path
             end = self.frames.stored_end()
@@ -213,6 +213,9 @@ class Source:
                 raise CorruptImage(self.path, f"checksum mismatch in page data at bytes {lo}-{lo + n - 1} "
                                               f"of the file (block {i})")
             self.verified[i] = 1
+
+    def frames_unpacked(self) -> int:
+        return sum(self._unpacked)
 
     def _unpack(self, i: int) -> None:
         """Decompress frame `i` into the memfd (once, whichever thread asks first)."""
@@ -558,7 +561,7 @@ class Server:
         started = time.monotonic()
         total = sum(s.pending.bytes() for s in self.spaces)
         frames = [src for src in self.sources.values() if src.frames is not None]
-        unpacked_before = sum(sum(src._unpacked) for src in frames)
+        unpacked_before = sum(src.frames_unpacked() for src in frames)
         self._say(f"serving {total >> 20} MiB of {len(self.spaces)} process(es) "
                   f"({', '.join(str(s.pid) for s in self.spaces)})")
         pace = testhooks.lazy_pace()
@@ -580,7 +583,7 @@ class Server:
             self._say(f"failed: {err!r}")
             raise
         gone = [s.pid for s in self.spaces if s.dead and s.pid]
-        unpacked = sum(sum(src._unpacked) for src in frames) - unpacked_before
+        unpacked = sum(src.frames_unpacked() for src in frames) - unpacked_before
         self._say(f"all pages in after {time.monotonic() - started:.3f} s: {self.copied >> 20} MiB copied, "
                   f"{self.faults} faults served, {self.zeroed} zero pages"
                   + (f", {unpacked} compressed frames decompressed here (of "

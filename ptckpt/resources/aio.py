@@ -132,7 +132,8 @@ def _cpu_list(text: str) -> list[int]:
 
 
 def _count_in_flight(remote, tid: int, ctx: int, null: int, cpus: list[int], where: str) -> tuple[int, list[int]]:
-    """(requests in flight in context `ctx`, the CPUs whose caches could not be drained)."""
+    """(requests in flight in context `ctx`, the CPUs whose caches could not be drained).  The
+    ring is as it was afterwards (its completions put back), whatever happens."""
     _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
     unreaped = (tail - head) % nr
     events = b"".join(remote.mem.read(ctx + _HEADER.size + (head + i) % nr * EVENT_SIZE, EVENT_SIZE)
@@ -141,37 +142,36 @@ def _count_in_flight(remote, tid: int, ctx: int, null: int, cpus: list[int], whe
     taken, unsure = 0, []
     with remote.scratch(_BATCH * _IOCB.size + _BATCH * 8 + _BATCH * EVENT_SIZE) as buf:
         base = int(buf)
-        iocbs = base
         pointers = base + _BATCH * _IOCB.size
         slots = pointers + _BATCH * 8
         remote.mem.write(base, b"".join(_IOCB.pack(0, 0, 0, IOCB_CMD_PWRITE, 0, null, base, 0, 0, 0, 0, 0)
                                         for _ in range(_BATCH))
-                         + b"".join(struct.pack("<Q", iocbs + i * _IOCB.size) for i in range(_BATCH)))
-        for cpu in cpus:
-            try:
-                os.sched_setaffinity(tid, {cpu})
-            except OSError:
-                unsure.append(cpu)
-                continue
-            while True:
-                done = remote.syscall("io_submit", ctx, min(_BATCH, nr), pointers)
-                if done == -_errno.EAGAIN:
-                    break
-                if done < 0:
-                    raise UnsupportedResource(remote.task.tgid, f"{where}: counting its requests in flight: "
-                                                                f"io_submit failed ({_errno.errorcode.get(-done, -done)})")
-                taken += done
-        # the ring holds what the program had not reaped, then `taken` writes: reap all, then
-        # make the program's completions again
-        left = unreaped + taken
-        while left:
-            got = remote.checked("io_getevents", ctx, min(left, _BATCH), min(left, _BATCH), slots, 0,
-                                 step=f"{where}: reap the writes that counted its requests")
-            left -= got
-    _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
-    _complete(remote, ctx, null, unreaped, reap=False, step=f"{where}: its completions, back")
-    for i in range(unreaped):
-        remote.mem.write(ctx + _HEADER.size + (head + i) % nr * EVENT_SIZE, events[i * EVENT_SIZE:(i + 1) * EVENT_SIZE])
+                         + b"".join(struct.pack("<Q", base + i * _IOCB.size) for i in range(_BATCH)))
+        try:
+            for cpu in cpus:
+                try:
+                    os.sched_setaffinity(tid, {cpu})
+                except OSError:
+                    unsure.append(cpu)
+                    continue
+                while True:
+                    done = remote.syscall("io_submit", ctx, min(_BATCH, nr), pointers)
+                    if done == -_errno.EAGAIN:
+                        break
+                    if done < 0:
+                        raise UnsupportedResource(remote.task.tgid, f"{where}: counting its requests in flight: "
+                                                  f"io_submit failed ({_errno.errorcode.get(-done, -done)})")
+                    taken += done
+        finally:
+            # the ring holds what the program had not reaped, then `taken` writes: reap all,
+            # then make the program's completions again
+            left = unreaped + taken
+            while left:
+                got = remote.checked("io_getevents", ctx, min(left, _BATCH), min(left, _BATCH), slots, 0,
+                                     step=f"{where}: reap the writes that counted its requests")
+                left -= got
+            _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+            _unreaped_again(remote, ctx, nr, head, null, events, step=f"{where}: its completions, back")
     return (nr - 1) - (nr - 1) % batch - unreaped - taken, unsure
 
 
@@ -218,16 +218,23 @@ def _restore_ring(remote, ring: AioRing, null: int) -> None:
         raise RestoreFailed(f"{step}: io_setup made a ring of {nr} events here, the image's has {ring.nr} "
                             f"(a machine with more CPUs?)")
     _complete(remote, ctx, null, ring.head, reap=True, step=step)
-    _complete(remote, ctx, null, (ring.tail - ring.head) % ring.nr, reap=False, step=step)
+    _unreaped_again(remote, ctx, ring.nr, ring.head, null, ring.events, step=step)
     _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
     if (head, tail) != (ring.head, ring.tail):
         raise RestoreFailed(f"{step}: its ring reached head {head} tail {tail}, not {ring.head} {ring.tail}")
-    for i in range(len(ring.events) // EVENT_SIZE):
-        slot = (ring.head + i) % ring.nr
-        remote.mem.write(ctx + _HEADER.size + slot * EVENT_SIZE, ring.events[i * EVENT_SIZE:(i + 1) * EVENT_SIZE])
     if ctx != ring.start:
         remote.checked("mremap", ctx, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, ring.start,
                        step=f"{step}: move the ring from {ctx:#x}")
+
+
+def _unreaped_again(remote, ctx: int, nr: int, head: int, null: int, events: bytes, *, step: str) -> None:
+    """The completions `events` (io_event slots, in order) waiting in the ring again, from its
+    `head` on (its tail at head): as many writes submitted and left unreaped, their slots
+    then given those events."""
+    count = len(events) // EVENT_SIZE
+    _complete(remote, ctx, null, count, reap=False, step=step)
+    for i in range(count):
+        remote.mem.write(ctx + _HEADER.size + (head + i) % nr * EVENT_SIZE, events[i * EVENT_SIZE:(i + 1) * EVENT_SIZE])
 
 
 def _complete(remote, ctx: int, null: int, count: int, *, reap: bool, step: str) -> None:
