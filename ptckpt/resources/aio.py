@@ -28,8 +28,8 @@ then holds exactly (nr - 1) mod batch) and every CPU's cache emptied,
 in flight = nr - 1 - that remainder - completions in the ring.  Draining is
 done in the frozen process, pinned to each CPU in turn, with writes of nothing
 to /dev/null, which complete at once; afterwards they are reaped and the
-completions the program had not reaped are put back (as at restore: the ring's
-head and tail move on, its contents are the same).  A CPU the thread may not run
+completions the program had not reaped are put back, the ring taken round to
+the same head and tail (as at restore).  A CPU the thread may not run
 on keeps its cache out of reach: the count is then an upper bound, and a
 non-zero one is refused as "cannot tell".  A completion arriving while the tree
 is frozen is seen too: :func:`check_rings_quiet` reads each tail again just
@@ -164,13 +164,15 @@ def _count_in_flight(remote, tid: int, ctx: int, null: int, cpus: list[int], whe
                     taken += done
         finally:
             # the ring holds what the program had not reaped, then `taken` writes: reap all,
+            # go round the ring to its head again (head and tail are the program's to read),
             # then make the program's completions again
             left = unreaped + taken
             while left:
                 got = remote.checked("io_getevents", ctx, min(left, _BATCH), min(left, _BATCH), slots, 0,
                                      step=f"{where}: reap the writes that counted its requests")
                 left -= got
-            _id, nr, head, tail, *_rest = _HEADER.unpack(remote.mem.read(ctx, _HEADER.size))
+            _complete(remote, ctx, null, (nr - (unreaped + taken) % nr) % nr, reap=True,
+                      step=f"{where}: its ring back to its head")
             _unreaped_again(remote, ctx, nr, head, null, events, step=f"{where}: its completions, back")
     return (nr - 1) - (nr - 1) % batch - unreaped - taken, unsure
 
