@@ -41,15 +41,20 @@ while True: time.sleep(0.05)
 """
 
 
+def _family(spawn, tmp_path, source: str):
+    """(parent Target, child pid) of a family program (it prints KID before READY)."""
+    script = tmp_path / "family.py"
+    script.write_text(source)
+    parent = spawn(str(script))
+    return parent, int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+
+
 def _shared_kib(pid: int, ppid: int) -> int:
     return sum(e - s for runs in memory.shared_with_parent(pid, ppid).values() for s, e in runs) // 1024
 
 
 def test_pages_shared_copy_on_write_stay_shared(spawn, ptckpt, tmp_path):
-    script = tmp_path / "family.py"
-    script.write_text(FAMILY)
-    parent = spawn(str(script))
-    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    parent, child = _family(spawn, tmp_path, FAMILY)
     members = [parent.pid, child]
     try:
         before = _shared_kib(child, parent.pid)
@@ -77,10 +82,7 @@ def test_a_dump_that_leaves_the_tree_running_leaves_its_pages_shared(spawn, ptck
     """Reading a page through process_vm_readv pins it, and a pin of a page shared
     copy-on-write gives the pinned process a copy: the parent's shared pages are read
     through /proc/PID/mem instead, so the running tree's memory use does not grow."""
-    script = tmp_path / "family.py"
-    script.write_text(FAMILY)
-    parent = spawn(str(script))
-    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    parent, child = _family(spawn, tmp_path, FAMILY)
     try:
         assert _shared_kib(child, parent.pid) >= 32 * 1024
         res = ptckpt("dump", parent.pid, "-D", tmp_path / "img", "--leave-running")
@@ -123,10 +125,7 @@ while True: time.sleep(0.05)
 
 
 def test_a_python_tree_whose_mappings_grew_after_the_fork_stays_shared(spawn, ptckpt, tmp_path):
-    script = tmp_path / "pyfamily.py"
-    script.write_text(PYTHON_FAMILY)
-    parent = spawn(str(script))
-    child = int(next(l for l in parent.preamble if l.startswith("KID")).split()[1])
+    parent, child = _family(spawn, tmp_path, PYTHON_FAMILY)
     members = [parent.pid, child]
     try:
         parts = [(c.start, c.end) for c in procfs.read_maps(child) if not c.shared

@@ -59,11 +59,20 @@ def _log(info: dict) -> str:
     return Path(info["log"]).read_text()
 
 
-def _dump_kill(ptckpt, target, image: Path) -> None:
-    res = ptckpt("dump", target.pid, "-D", image, "--kill")
+def _dump_kill(ptckpt, target, image: Path, *extra) -> None:
+    res = ptckpt("dump", target.pid, "-D", image, "--kill", *extra)
     assert res.returncode == 0, res.stderr
     target.wait_exit(10)
     wait_pid_free(target.pid)
+
+
+def _flip_byte(path: Path, at: int, mask: int) -> None:
+    """The byte at offset `at` of `path` XORed with `mask` (a damaged image)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def _heap_vma(pid: int, heap: int) -> tuple[int, int, str]:
@@ -148,12 +157,7 @@ def test_lazy_corrupt_block_ends_the_process_naming_the_bytes(spawn, ptckpt, tmp
     image = tmp_path / "img"
     _dump_kill(ptckpt, target, image)
     pages = image / f"pages-{target.pid}.img"
-    where = PAGE_SIZE + 5 * BLOCK + 12345
-    with open(pages, "r+b") as f:
-        f.seek(where)
-        b = f.read(1)
-        f.seek(where)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_byte(pages, PAGE_SIZE + 5 * BLOCK + 12345, 0x01)
     pid, info = lazy(image)
     _gone(pid)
     _gone(info["server"])
@@ -170,10 +174,7 @@ def test_lazy_compressed_image_is_decompressed_as_its_pages_are_needed(spawn, pt
     needed (most of them after the process started), and the heap is intact."""
     target = spawn("bigheap", 64)
     image = tmp_path / "img"
-    res = ptckpt("dump", target.pid, "-D", image, "--kill", "--compress", "zstd:1")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
+    _dump_kill(ptckpt, target, image, "--compress", "zstd:1")
     pid, info = lazy(image)
     assert info["bytes"] >= 64 << 20
     target.signal(signal.SIGUSR1)
@@ -194,17 +195,9 @@ def test_lazy_compressed_frame_damaged_ends_the_process_naming_it(spawn, ptckpt,
     is first needed (zstd's checksum), named in the log, and the process killed."""
     target = spawn("bigheap", 16)
     image = tmp_path / "img"
-    res = ptckpt("dump", target.pid, "-D", image, "--kill", "--compress", "zstd:1")
-    assert res.returncode == 0, res.stderr
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
+    _dump_kill(ptckpt, target, image, "--compress", "zstd:1")
     pages = image / f"pages-{target.pid}.img"
-    where = pages.stat().st_size * 2 // 3
-    with open(pages, "r+b") as f:
-        f.seek(where)
-        b = f.read(1)
-        f.seek(where)
-        f.write(bytes([b[0] ^ 0x5A]))
+    _flip_byte(pages, pages.stat().st_size * 2 // 3, 0x5A)
     pid, info = lazy(image)
     _gone(pid)
     _gone(info["server"])
