@@ -42,6 +42,7 @@ from ptckpt.formats.model import (FD_STATE_TYPES, GP_REG_NAMES, PAGE_SIZE, Epoll
                                   TimerfdState, UnixSocket, Vma, VmaKind)
 
 from .resources.memory import ZERO_DROPPABLE
+from .resources.tcp import CRAFTED_INTO
 from .resources.threads import resume_regs
 from .show import _printable, _table, record_to_json
 
@@ -92,7 +93,6 @@ def _fs(*names: str) -> frozenset[str]:
 # (_RESUMED, _Comparer.thread_regs), and memory without the kernel's fields of each rseq
 # area (_RSEQ_REASON, _rseq_masks).
 _TCP_MAXSEG = (6, 2)                # (IPPROTO_TCP, TCP_MAXSEG)
-_FIN_WAIT2 = 5
 
 
 def _without_maxseg(options) -> list:
@@ -141,10 +141,10 @@ EXPECTED: tuple[Expected, ...] = (
              "out again on each send from the path and the window (a repaired connection reads 536 less its "
              "options until it first sends)",
              lambda a, b, s: _without_maxseg(a.options) == _without_maxseg(b.options)),
-    Expected(InetSocket, _fs("window"), "snd_wl1 of a connection in FIN_WAIT2 is the sequence number of the "
-             "segment that acknowledged its FIN: at restore, the acknowledgement that takes the rebuilt "
-             "connection there",
-             lambda a, b, s: a.state == b.state == _FIN_WAIT2 and a.window[1:] == b.window[1:]),
+    Expected(InetSocket, _fs("window"), "snd_wl1 of a half-closed connection is the sequence number of the "
+             "segment that last updated its send window: at restore, the crafted FIN or ACK that takes the "
+             "rebuilt connection into its state (FIN_WAIT2, CLOSE_WAIT, LAST_ACK, CLOSING)",
+             lambda a, b, s: a.state == b.state and a.state in CRAFTED_INTO and a.window[1:] == b.window[1:]),
     Expected(Fd, _fs("ino", "mtime_ns"), "a deleted file (ghost) is made again: a new inode",
              lambda a, b, s: a.path.endswith(" (deleted)") and a.path == b.path),
     Expected(Vma, _fs("inode", "file_mtime_ns"), "a deleted file (ghost) is made again: a new inode",

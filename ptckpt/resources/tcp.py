@@ -65,6 +65,7 @@ REPAIRABLE = frozenset({ESTABLISHED, FIN_WAIT1, FIN_WAIT2, CLOSE_WAIT, LAST_ACK,
 _OUR_FIN = frozenset({FIN_WAIT1, FIN_WAIT2, LAST_ACK, CLOSING})     # in write_seq
 _OUR_FIN_ACKED = frozenset({FIN_WAIT2})
 _PEER_FIN = frozenset({CLOSE_WAIT, LAST_ACK, CLOSING})              # in rcv_nxt
+CRAFTED_INTO = _OUR_FIN_ACKED | _PEER_FIN    # states a restore reaches with a crafted FIN or ACK
 _U32 = 0xFFFFFFFF
 
 
