@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from .callable import make_callable
 from . import __version__, appblock, claims, entry, procfs
+from . import plan as restore_plan
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
@@ -249,6 +250,9 @@ def dump(pid: int, directory: str | None = None, *,
         ), shared)
         for member in pids:                      # a completion while frozen: requests in flight
             aio.check_rings_quiet(member, images[member].aio_rings)
+        if not pre_dump:                         # never yes to an image the restore would refuse
+            log.info("plan a restore of the image")
+            restore_plan.check_restorable(writer.temp_path)
         if pre_dump:                             # the memory is written while the tree runs
             net.release(killed=False)
             session.resume_all()

@@ -47,6 +47,7 @@ from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
                      UnsupportedResource, UsageError)
+from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, root_stdio
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
@@ -108,7 +109,9 @@ class Host:
 
 
 def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: bool,
-                  handed: dict[int, Fd] | None = None) -> None:
+                  handed: dict[int, Fd], objects: set) -> None:
+    """Refuse what a restore of `proc` cannot make here: this host's checks (arch, page
+    size, vdso layout, xsave features, free pids), then ptckpt.plan's that hold on any host."""
     inv = image.inventory
     if inv.arch != os.uname().machine:
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
@@ -126,15 +129,7 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         if len(t.xstate) != xsize:
             raise Incompatible(f"thread {t.tid} has a {len(t.xstate)}-byte xstate area, this CPU "
                                f"{xsize} bytes")
-    ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
-    bad = files.restore_plan_problems(list(proc.fds), handed or {})
-    for v in proc.vmas:
-        if (v.file_deleted and memory.shared_object_key(v) is None and not memory.is_sysv(v)
-                and v.kind is not VmaKind.ANON_SHARED and files.ghost_key(v) not in ghosts
-                and not (aio.is_aio_ring(v) and any(r.start == v.start for r in proc.aio_rings))):
-            bad.append(f"mapping {v.start:#x}-{v.end:#x} of deleted file {v.path}")
-        if memory.is_sysv(v) and v.inode not in {o.shmid for o in image.sysv if isinstance(o, ShmImage)}:
-            bad.append(f"SysV shared memory mapping {v.start:#x}-{v.end:#x} (its segment is not in the image)")
+    bad = image_problems(image, proc, handed, objects)
     if bad:
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
     if not pidns:
@@ -170,10 +165,11 @@ def preflight(directory: str) -> list[Finding]:
                            0 if not inv.memory_only else ExitCode.USAGE))
         procs = {p: image.process(p) for p in inv.pids}
         host = Host.probe()
+        handoff = plan_handoff(image, procs)
         bad = []
         for p, proc in procs.items():
             try:
-                plan_problems(image, proc, host, pidns=True)
+                plan_problems(image, proc, host, pidns=True, handed=handoff, objects=memory_objects(procs))
             except PtckptError as err:
                 bad.append(err)
         out.append(Finding("this host", not bad, "; ".join(str(e) for e in bad) or
@@ -295,7 +291,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         handoff = plan_handoff(image, procs)
         host = Host.probe()
         for p in members:
-            plan_problems(image, procs[p], host, pidns=pidns, handed=handoff)
+            plan_problems(image, procs[p], host, pidns=pidns, handed=handoff, objects=memory_objects(procs))
             creds.check_restorable(p, procs[p].creds)
         saved = {f.path for f in image.saved_files}
         identities = file_identities(procs, saved)
@@ -669,7 +665,7 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
 def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
     """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
     the tree that is the controlling terminal of a session of the tree."""
-    slaves = _pty_slaves(image, procs)
+    slaves = pty_slaves(image, procs)
     virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
     out = {}
     for rec in image.ptys:
@@ -794,70 +790,6 @@ def group_helpers(procs: dict[int, ProcessImage], zombies) -> list[GroupHelper]:
     return list(out.values())
 
 
-def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int, Fd]:
-    """The open file descriptions ptckpt makes itself and hands to the stubs ({desc: an fd of it}):
-
-    * the pipes and FIFOs of the tree (from their PIPE records, with their bytes);
-    * its unix sockets (from their UNIX_SOCKET records: names, connections, queues);
-    * the root's stdio (fds 0-2 on a terminal, pipe or socket): ptckpt restore's own,
-      also for the members that share them;
-    * files whose description several fds share (after dup or fork).
-    """
-    root = procs[image.inventory.root_pid]
-    uses: dict[int, int] = {}
-    # A stdio description is represented by its lowest fd: build_handoff dups ptckpt
-    # restore's fd of that number, which must be one of its own fds 0-2 (top's fd 3,
-    # a dup of its fd 0, once made fds 0, 1 and 3 a copy of ptckpt's fd 3: its pages file).
-    rep: dict[int, Fd] = {}
-    for f in sorted(root.fds, key=lambda f: f.fd):
-        if f.desc:
-            rep.setdefault(f.desc, f)
-    for proc in procs.values():
-        for f in proc.fds:
-            if f.desc:
-                uses[f.desc] = uses.get(f.desc, 0) + 1
-                rep.setdefault(f.desc, f)
-    for f in image.in_flight:                 # held by no process, maybe: in flight in a socket
-        rep.setdefault(f.desc, f)
-    flying = {f.desc for f in image.in_flight}
-    stdio = _root_stdio(root)
-    pipe_inos = {b.ino for b in image.pipes}
-    socket_inos = ({u.ino for u in image.unix_sockets} | {r.ino for r in image.inet_sockets}
-                   | {r.ino for r in image.netlink_sockets})
-    ghosts = {("ghost", g.dev, g.ino) for g in image.ghost_files}
-    states = {s.desc for s in image.fd_states}
-    ptys = {p.desc for p in image.ptys} | set(_pty_slaves(image, procs))
-    out = {}
-    for d, f in rep.items():
-        if f.skipped or f.external:
-            continue
-        if d in ptys:
-            out[d] = f
-            continue
-        if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos:
-            out[d] = f
-        elif f.kind is FdKind.SOCKET and f.ino in socket_inos:
-            out[d] = f
-        elif d in stdio:
-            out[d] = f
-        elif files.ghost_key(f) in ghosts or d in states:
-            out[d] = f
-        elif (uses.get(d, 0) > 1 or d in flying) and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
-            out[d] = f
-    return out
-
-
-def _pty_slaves(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int, int]:
-    """{slave description: pty index} of the slaves of the ptys whose master the tree holds."""
-    indices = {p.index for p in image.ptys}
-    return {f.desc: terminals.slave_index(f.rdev) for proc in procs.values() for f in proc.fds
-            if f.kind is FdKind.PTY_SLAVE and f.desc and terminals.slave_index(f.rdev) in indices}
-
-
-def _root_stdio(root: ProcessImage) -> set[int]:
-    return {f.desc for f in root.fds if f.desc and f.fd <= 2 and f.kind in files.STDIO_KINDS}
-
-
 def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
                   new_pty: bool = False, installs: Sequence[tuple[int, int, int]] = (),
                   channel: bool = False, net: inet.InetRestore | None = None,
@@ -865,7 +797,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
-    stdio = _root_stdio(procs[image.inventory.root_pid])
+    stdio = root_stdio(procs[image.inventory.root_pid])
     pipe_inos = {b.ino for b in image.pipes}
     pipe_descs = {d: f for d, f in plan.items() if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos}
     opened: dict = {}
@@ -890,7 +822,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         netlink_inos = {r.ino for r in image.netlink_sockets}
         opened.update(netlink.create_netlink_sockets(
             image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
-        slaves = _pty_slaves(image, procs)
+        slaves = pty_slaves(image, procs)
         for rec in image.ptys:                       # the tree's own pty pairs, master and slaves
             mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
             opened[rec.desc], slave_fds = terminals.create_pty(rec, len(mine))
@@ -898,11 +830,16 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         made = {}
         for state in image.fd_states:
             f = plan.get(state.desc)
-            if f is not None:
-                opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                                      else anonfds.create_anon_fd(state, f.flags, ghost_paths))
-                if f.kind is FdKind.MEMFD:            # the same object for its mappings
-                    made[(os.major(f.dev), os.minor(f.dev), f.ino)] = opened[state.desc]
+            if f is None:
+                continue
+            key = (os.major(f.dev), os.minor(f.dev), f.ino) if f.kind is FdKind.MEMFD else None
+            if key in made:                           # another description of one memfd
+                opened[state.desc] = anonfds.reopen_memfd(made[key], state, f.flags)
+                continue
+            opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
+                                  else anonfds.create_anon_fd(state, f.flags, ghost_paths))
+            if key is not None:                       # the same object for its mappings
+                made[key] = opened[state.desc]
         for d, f in plan.items():
             if d in opened or f.kind is FdKind.SOCKET and f.ino in socket_inos:
                 continue

@@ -786,6 +786,22 @@ def ptckpt_cmd() -> list[str]:
     return [sys.executable, "-m", "ptckpt"]
 
 
+def plan_accepts(directory: str) -> None:
+    """What a dump said yes to, restore's plan here says yes to as well (pids and changed
+    files aside, which depend on when the restore runs): every image a test makes."""
+    from ptckpt.formats.image import ImageReader
+    from ptckpt.restore import preflight
+    if not os.path.isdir(directory):
+        return                                       # --page-server and the like: no image here
+    with ImageReader(directory, verify_pages=False) as image:
+        if image.inventory.memory_only:
+            return                                   # a pre-dump: restored through its child
+    refused = [f for f in preflight(directory) if not f.ok and f.what in ("image", "this host")]
+    if refused:
+        pytest.fail(f"the dump accepted {directory}, restore's plan refuses it: "
+                    + "; ".join(f.detail for f in refused))
+
+
 def _option(args: Sequence[str], name: str) -> str | None:
     for i, a in enumerate(args[:-1]):
         if a == name:
@@ -826,6 +842,8 @@ def ptckpt(ptckpt_cmd: list[str], tmp_path: Path, request: pytest.FixtureRequest
                 pass
 
     def after(args: list[str], cwd: Path | str | None, result: CliResult) -> None:
+        if args and args[0] == "dump" and result.returncode == 0:
+            plan_accepts(image_of(args, cwd) or os.path.join(cwd or os.getcwd(), f"ckpt-{args[1]}"))
         if not args or args[0] != "restore" or result.returncode != 0 or "--detach" not in args:
             return
         if proccheck.CHANGING_FLAGS & set(args) or image_of(args, cwd) not in snapshots:
