@@ -118,6 +118,18 @@ def test_fds_in_flight_come_back_with_their_files(spawn, ptckpt, tmp_path, stype
     assert _after(t, 4) == SCM_LINES
 
 
+@pytest.mark.parametrize("stype", ["stream", "seqpacket", "dgram"])
+def test_messages_of_a_closed_sender_still_arrive(spawn, ptckpt, tmp_path, stype):
+    """The sending end closed, its messages (with fds in flight) still queued on the
+    reader (CRIU's scm09, socket_close_data): they all arrive after the round trip, then
+    the end of the stream, or nothing more for a datagram socket."""
+    t = spawn("unixkinds.py", "scm", stype, "closed")
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    end = "END nothing queued" if stype == "dgram" else "END b''"
+    assert _after(t, 5) == SCM_LINES + [end]
+
+
 def test_fds_in_flight_stay_queued_after_a_leave_running_dump(spawn, ptckpt, tmp_path):
     """The dump peeks at them (copies, closed again): the program then reads every
     message with its file, as if no dump had happened."""

@@ -971,6 +971,20 @@ def _make_memfd(state: MemfdState, flags: int) -> int:
     return fd
 
 
+def reopen_memfd(fd: int, state: MemfdState, flags: int) -> int:
+    """Another open file description of the memfd `fd` (which holds state's contents
+    already): its own access mode, offset and status flags, as another process's open of
+    /proc/PID/fd/N made it.  The caller owns the fd."""
+    try:
+        again = os.open(f"/proc/self/fd/{fd}", flags & O_ACCMODE | O_CLOEXEC)
+    except OSError as err:
+        raise RestoreFailed(f"cannot open {describe(state)} again: {err.strerror or err}") from None
+    with _closing_on_error(again):
+        os.lseek(again, state.pos, os.SEEK_SET)
+        _set_status_flags(again, flags)
+    return again
+
+
 def _memfd_create(name: str, mfd_flags: int) -> int:
     """memfd_create, without MFD_EXEC / MFD_NOEXEC_SEAL on kernels before 6.3."""
     try:

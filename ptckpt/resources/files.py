@@ -254,7 +254,10 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
                 what.kind is FdKind.PATH and (_stat.S_ISREG(what.mode) or _stat.S_ISDIR(what.mode)))):
             return ("ghost", what.dev, what.ino)
         return None
-    if (what.file_deleted and what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
+    # A deleted POSIX shared memory object (shm_open, then shm_unlink: MPI's pattern) mapped
+    # MAP_SHARED shows as shmem: a file of /dev/shm all the same, made again like any other.
+    if (what.file_deleted and (what.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED)
+                               or what.kind is VmaKind.SHMEM and what.path.startswith("/dev/shm/"))
             and what.path.startswith("/") and not what.path.startswith(("/memfd:", "/SYSV", "/dev/zero"))
             and what.path != "/[aio]"):                   # an AIO ring: resources/aio.py
         return ("ghost", os.makedev(what.dev_major, what.dev_minor), what.inode)

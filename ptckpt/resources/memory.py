@@ -370,7 +370,7 @@ SHARED_OBJECT_KINDS = frozenset({VmaKind.ANON_SHARED, VmaKind.SHMEM})
 def _made_object(vma: Vma, shared: dict) -> int | None:
     """The fd (in the stub) of the object ptckpt made for `vma`: a MAP_SHARED anonymous or
     memfd object, or a deleted file made again; None for any other mapping."""
-    for key in (ghost_key(vma), shared_object_key(vma)):
+    for key in (ghost_key(vma), object_key(vma)):
         if key is not None and key in shared:
             return shared[key]
     return None
@@ -389,6 +389,16 @@ def shared_object_key(vma: Vma) -> tuple[int, int, int] | None:
     if vma.kind is VmaKind.SHMEM and vma.shared and vma.path.startswith("/memfd:"):
         return (vma.dev_major, vma.dev_minor, vma.inode)
     return None
+
+
+def object_key(vma: Vma) -> tuple[int, int, int] | None:
+    """The memory object a mapping maps when it is one a restore makes itself: the
+    shared_object_key of a MAP_SHARED one, and of a MAP_PRIVATE mapping of a memfd (whose
+    object is made for the memfd's fd or for its shared mappings, and mapped privately)."""
+    key = shared_object_key(vma)
+    if key is None and vma.kind is VmaKind.FILE_PRIVATE and vma.path.startswith("/memfd:"):
+        key = (vma.dev_major, vma.dev_minor, vma.inode)
+    return key
 
 
 def shared_object_ranges(pid: int, vma: Vma) -> list[tuple[int, int]] | None:
@@ -843,6 +853,7 @@ def create_shared_objects(vmas: Iterable[Vma], made: dict | None = None) -> dict
     shared mapping, opened through /proc/self/map_files, then unmapped), so the restored
     mappings show "/dev/zero (deleted)" again; a memfd is made with its name.
     """
+    vmas = list(vmas)
     sizes: dict[tuple[int, int, int], int] = {}
     names: dict[tuple[int, int, int], str] = {}
     for v in vmas:
@@ -856,6 +867,9 @@ def create_shared_objects(vmas: Iterable[Vma], made: dict | None = None) -> dict
         for key, size in sizes.items():
             # an object an fd of the image also holds (a memfd) is made once, with that fd
             out[key] = os.dup(made[key]) if key in made else _new_object(names[key], page_align(size))
+        for key in {object_key(v) for v in vmas} - set(out) - {None}:
+            if key in made:                       # mapped privately only: its fd's object
+                out[key] = os.dup(made[key])
     except BaseException:
         for fd in out.values():
             os.close(fd)

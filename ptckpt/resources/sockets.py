@@ -430,6 +430,32 @@ def _sender_pid(r: UnixSocket, pid: int, real: Mapping[int, int]) -> int:
     return real[pid]
 
 
+def queue_sender(r: UnixSocket, by_ino: Mapping[int, UnixSocket]) -> str | None:
+    """What sends r's receive queue again at restore: "peer" (its peer, made too), "name" (a
+    datagram socket's messages, sent to its name), "stand-in" (a socket whose peer had closed:
+    made as one end of a pair whose other end sends, then goes), None (nothing can).
+    A queue no socket of the image sends that way is refused (:func:`queue_problems`)."""
+    peer = by_ino.get(r.peer)
+    if r.state == TCP_LISTEN:
+        return None
+    if peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM):
+        return "peer"
+    if r.type == socket.SOCK_DGRAM:
+        if r.name:
+            return "name"
+        # A datagram socket whose peer (a socketpair's other end, maybe) was closed; its own
+        # connection, if any, went with it: the messages still there come from a stand-in.
+        return "stand-in" if not r.peer_name and (peer is None or not r.peer) else None
+    return "stand-in" if r.state == TCP_ESTABLISHED and peer is None else None
+
+
+def queue_problems(records: Sequence[UnixSocket]) -> list[str]:
+    """The queued messages of the image's unix sockets that no restore could send again."""
+    by_ino = {r.ino: r for r in records}
+    return [f"socket:[{r.ino}] with {len(r.queue)} queued message(s) and no end to send them from"
+            for r in records if r.queue and not r.pending and queue_sender(r, by_ino) is None]
+
+
 def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
                         cwd_of: Mapping[int, str] | None = None,
                         passing: Mapping[int, int] | None = None,
@@ -471,15 +497,15 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
             peer = by_ino.get(r.peer)
             if peer is not None and peer.peer == r.ino and not (r.name or peer.name):
                 made[r.ino], made[peer.ino] = socket.socketpair(socket.AF_UNIX, r.type)
-            elif r.type == socket.SOCK_DGRAM or r.state != TCP_ESTABLISHED:
-                made[r.ino] = _new(r, names)
-            elif peer is not None:
-                made.update(_accepted_pair(r, peer, listeners, temps, names))
-            else:
+            elif queue_sender(r, by_ino) == "stand-in" and (r.queue or r.type != socket.SOCK_DGRAM):
                 # Its peer was closed: a pair whose other end goes away again after the refill.
                 made[r.ino], other = socket.socketpair(socket.AF_UNIX, r.type)
                 temps.append(other)
                 senders[r.ino] = other
+            elif r.type == socket.SOCK_DGRAM or r.state != TCP_ESTABLISHED:
+                made[r.ino] = _new(r, names)
+            else:
+                made.update(_accepted_pair(r, peer, listeners, temps, names))
         for e in (r for r in records if r.pending):  # accept queues, in queue order
             _queue_connection(e, by_ino.get(e.peer), made, names, temps)
             refilled.add(e.ino)
