@@ -8,6 +8,7 @@ named after the command's flags.
     proc.signal(signal.SIGUSR1)
     status = proc.wait(timeout=30)                                   # its exit status
     proc.kill()                                                      # (nothing if it ended)
+    ptckpt.api.stop("/tmp/pid")                                      # ptckpt stop /tmp/pid
 
 Errors are the CLI's: every one is a :class:`ptckpt.errors.PtckptError` with the message the
 command prints and the exit code it exits with (``err.exit_code``).
@@ -24,13 +25,17 @@ import signal as _signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .dump import DumpMode, DumpResult, dump as _dump
 from .errors import UsageError
 from .plugins import Plugin, load_plugin
 from .resources.filepolicy import FilePolicy, parse_policy
 
-__all__ = ["dump", "restore", "Restored", "DumpResult"]
+if TYPE_CHECKING:
+    from .stop import Stopped
+
+__all__ = ["dump", "restore", "stop", "Restored", "DumpResult"]
 
 
 def _plugins(plugins: Sequence[Plugin | str]) -> list[Plugin]:
@@ -113,7 +118,9 @@ class Restored:
                 break
             if got == self.waited:
                 from .restore import shell_status
+                from .restored import forget
                 self._status = shell_status(status)
+                forget(self.pid)                # the tree ended: `ptckpt stop` has nothing to end
                 break
             if time.monotonic() >= deadline:
                 return None
@@ -163,3 +170,14 @@ def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = 
     if result.exit_status is not None and not result.init_pid:
         restored._status = shell_status(result.exit_status)
     return restored
+
+
+def stop(target: int | str | os.PathLike, *, timeout: float = 5.0, force: bool = False) -> Stopped:
+    """``ptckpt stop PID|PIDFILE``: end a tree ptckpt restored (SIGTERM to its root, SIGKILL
+    after `timeout` seconds, a --pidns tree's init too).  `target` is its pid or the file
+    ``restore --pidfile`` wrote.  A process ptckpt did not restore is refused
+    (:class:`ptckpt.errors.NotRestored`) unless `force` (``--force``).  Returns what the
+    command summarises (pid, killed, init_pid)."""
+    from .stop import stop as _stop, target_pid
+    pid = target if isinstance(target, int) else target_pid(os.fspath(target))
+    return _stop(pid, timeout, force=force)

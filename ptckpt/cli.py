@@ -291,6 +291,8 @@ def restore(
         return
     forward_to(result.pid)                       # said: ^C & co now go to the restored process
     status = wait_restored(result)
+    from .restored import forget
+    forget(result.pid)                           # it ended: its record with it
     if result.lazy_log and status == 128 + signal.SIGKILL:
         from .lazypages import why_killed
         why = why_killed(result.lazy_log)
@@ -487,16 +489,18 @@ def show(
 def stop(
     target: Annotated[str, typer.Argument(metavar="PID|PIDFILE", help="The restored process (its pid as seen here, or the file restore --pidfile wrote).")],
     timeout: Annotated[str, typer.Option("--timeout", help="How long it has to end on SIGTERM before SIGKILL.")] = "5s",
+    force: Annotated[bool, typer.Option("--force", help="Stop it even if ptckpt did not restore it (no record of it): any process, as kill would.")] = False,
 ) -> None:
     """End a detached restored tree: SIGTERM to its root, SIGKILL after --timeout, and with
     --pidns the namespace's init too (it ignores SIGTERM), which ends the rest of it.
+    A process ptckpt did not restore is refused (exit 26) unless --force.
 
     Example: ptckpt restore -D /tmp/ckpt --pidns --detach --pidfile /tmp/pid; ptckpt stop /tmp/pid
     """
     from .stop import stop as _stop, target_pid
     from .units import parse_duration
     try:
-        result = _stop(target_pid(target), parse_duration(timeout))
+        result = _stop(target_pid(target), parse_duration(timeout), force=force)
     except PtckptError as err:
         raise _fail(err) from None
     _summary(result.summary())

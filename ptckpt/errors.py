@@ -41,6 +41,7 @@ class ExitCode:
     EXHAUSTED = 23        # out of a resource: open files, memory, processes
     TRANSFER = 24         # page server, push, migrate: no connection, denied, broken, or it refused
     RUNS_FAILED = 25      # campaign: some runs could not be restored (outcome "error")
+    NOT_RESTORED = 26     # `ptckpt stop`: the process is not a tree ptckpt restored
 
 
 class PtckptError(Exception):
@@ -77,6 +78,18 @@ class NoSuchProcess(ProcessError):
 
     def __init__(self, pid: int, what: str = "process"):
         super().__init__(pid, f"no such {what}: {pid}")
+
+
+class NotRestored(ProcessError):
+    """`ptckpt stop` was given a process that ptckpt did not restore (no live record of it)."""
+
+    exit_code = ExitCode.NOT_RESTORED
+
+    def __init__(self, pid: int, record_dir: str):
+        super().__init__(pid, f"process {pid} is not a tree ptckpt restored (no live record of it in "
+                              f"{record_dir}): left alone; `ptckpt stop --force {pid}` or `kill {pid}` "
+                              f"ends it anyway")
+        self.record_dir = record_dir
 
 
 class TargetVanished(ProcessError):

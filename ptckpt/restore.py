@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .callable import make_callable
-from . import appblock, breakpoints, entry, procfs, progress, testhooks
+from . import appblock, breakpoints, entry, procfs, progress, restored, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
@@ -408,6 +408,9 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 traced = {created[p].tgid: p for p in members if breaks[p]}
                 if server is not None:
                     _start_lazy_server(server, result, [created[p].tgid for p in members])
+                unrecorded = restored.record(result.pid, image.path)   # `ptckpt stop` may end it
+                if unrecorded is not None:
+                    result.warnings.append(unrecorded)
                 # From the first thread let go the tree is restored: a signal no longer
                 # unwinds it (that would kill a running program and say "interrupted").
                 testhooks.reached("restore-resume")
@@ -429,6 +432,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     if status is not None and tgid == result.pid:
                         result.exit_status = status
             except BaseException as err:
+                restored.forget(result.pid)
                 net.abort()
                 if server is not None:
                     server.abort()

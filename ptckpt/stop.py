@@ -1,5 +1,9 @@
 """`ptckpt stop PID|PIDFILE`: end a detached restored tree cleanly.
 
+Only a tree ptckpt restored: the restore left a record of its root (ptckpt.restored), and
+a pid without a live one (another process, or the pid reused since) is refused
+(NotRestored), unless `force`.
+
 The root gets SIGTERM and a while to end (its own handlers run, as under a shell's kill);
 then SIGKILL.  A tree restored with --pidns lives in a pid namespace whose init is
 ptckpt's minimal one (it ignores SIGTERM, as every init does): once the root is gone the
@@ -13,8 +17,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from . import procfs
-from .errors import NoSuchProcess, PtckptError, UsageError
+from . import procfs, restored
+from .errors import NoSuchProcess, NotRestored, PtckptError, UsageError
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,12 @@ def namespace_init(pid: int) -> int:
     return 0
 
 
-def stop(pid: int, timeout: float = 5.0) -> Stopped:
+def stop(pid: int, timeout: float = 5.0, force: bool = False) -> Stopped:
+    """End the restored tree whose root is `pid`; with `force`, whatever process `pid` is."""
     if not _running(pid):
         raise NoSuchProcess(pid)
+    if not force and restored.recorded(pid) is None:
+        raise NotRestored(pid, restored.record_dir())
     init = namespace_init(pid)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -79,4 +86,5 @@ def stop(pid: int, timeout: float = 5.0) -> Stopped:
             os.kill(init, signal.SIGKILL)          # the rest of the namespace goes with it
         except ProcessLookupError:
             pass
+    restored.forget(pid)
     return Stopped(pid, killed, init)
