@@ -51,8 +51,8 @@ from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
                             InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes,
-                        process, signals, sockets, sysvipc, terminals, threads, timers)
+from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, pids,
+                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -1091,6 +1091,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
                     epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
             warnings += process.restore_task_frozen(remote, proc.task, dirs)
             process.restore_mm_frozen(remote, proc.mm)
+            membarrier.restore_registrations_frozen(remote, proc.mm.membarrier)
             process.restore_root_frozen(remote, proc.task, dirs)
             for fd in set(dirs.values()) & set(inherited) if own_table else ():   # a deleted cwd or root
                 remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
