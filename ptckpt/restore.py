@@ -404,8 +404,13 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 log.info("resume %s", " ".join(map(str, members)))
                 for p in members:
                     if procs[p].task.state == "T":
-                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go.
-                        os.kill(created[p].tgid, signal.SIGSTOP)
+                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go,
+                        # by the same signal (its parent's waitpid(WUNTRACED) tells which).
+                        tgid = created[p].tgid
+                        sig, why = signals.stop_signal_again(procs[p], lambda: pids.pgrp_orphaned(tgid))
+                        if why:
+                            result.warnings.append(why)
+                        os.kill(tgid, sig)
                 for obj in image.sysv:
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
