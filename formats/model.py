@@ -144,6 +144,8 @@ class Task:
     cgroups: str = ""               # /proc/PID/cgroup as it read at dump (since format 8)
     coredump_filter: int = -1       # /proc/PID/coredump_filter; -1: not recorded (since format 8)
     loginuid: int = 2**32 - 1       # /proc/PID/loginuid (audit); unset (since format 8)
+    stop_signal: int = 0            # state "T": the signal of its group stop (SIGSTOP, SIGTSTP,
+                                    # SIGTTIN, SIGTTOU); 0: not recorded, SIGSTOP (since format 13)
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,8 @@ class Mm:
     env_end: int
     exe_file: str
     auxv: tuple[tuple[int, int], ...]   # (AT_* type, value) pairs, AT_NULL excluded
+    membarrier: int = 0             # membarrier(2) registrations: the MEMBARRIER_CMD_REGISTER_*
+                                    # bits MEMBARRIER_CMD_GET_REGISTRATIONS returns (since format 13)
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 12                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 13                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -155,6 +155,7 @@ FORMAT_VERSION = 12                # 2: trees (desc, zombies, pipes, unix socket
                                    # 11: files open for appending hashed up to their size
                                    # 12: incremental images (parent, PAGE_PARENT), compressed
                                    #     page data (PAGE_FRAMES), image ids, pre-dumps
+                                   # 13: membarrier registrations, the signal of a group stop
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -396,6 +397,7 @@ TaskRecord = Record(Task, Struct(
     "cgroups" / Since(8, Text),               # /proc/PID/cgroup
     "coredump_filter" / Since(8, Int32sl),    # /proc/PID/coredump_filter (core(5))
     "loginuid" / Since(8, Int32ul),           # /proc/PID/loginuid
+    "stop_signal" / Since(13, Int32ul),       # the group stop's signal (PTRACE_EVENT_STOP status)
 ))
 
 # --- CREDS -------------------------------------------------------------------
@@ -422,7 +424,9 @@ CredsRecord = Record(Creds, Struct(
 # struct mm_struct (include/linux/mm_types.h) as man 5 proc /proc/PID/stat
 # fields 26-28 (startcode, endcode, startstack) and 45-51 (start_data ..
 # env_end), start_brk/brk from prctl(PR_SET_MM_MAP) semantics, /proc/PID/auxv
-# (Elf64_auxv_t pairs, include/uapi/linux/auxvec.h), exe_file: /proc/PID/exe.
+# (Elf64_auxv_t pairs, include/uapi/linux/auxvec.h), exe_file: /proc/PID/exe;
+# mm->membarrier_state as membarrier(2) MEMBARRIER_CMD_GET_REGISTRATIONS reports it
+# (enum membarrier_cmd, include/uapi/linux/membarrier.h).
 MmRecord = Record(Mm, Struct(
     "start_code" / Int64ul,
     "end_code" / Int64ul,
@@ -437,6 +441,7 @@ MmRecord = Record(Mm, Struct(
     "env_end" / Int64ul,
     "exe_file" / Text,
     "auxv" / PrefixedArray(VarInt, CSequence(Int64ul, Int64ul)),
+    "membarrier" / Since(13, Int32ul),        # membarrier(MEMBARRIER_CMD_GET_REGISTRATIONS)
 ))
 
 # --- RLIMIT ------------------------------------------------------------------

@@ -33,6 +33,8 @@ FD_MAX = 1 << 30                  # fs.nr_open's ceiling
 XSTATE_MAX = 64 * 1024
 RLIMITS = 16
 SIGINFO_SIZE = 128
+STOP_SIGNALS = (0, 19, 20, 21, 22)    # not recorded, SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU
+MEMBARRIER_REGISTRATIONS = 0x154      # MEMBARRIER_CMD_REGISTER_{GLOBAL,PRIVATE}_EXPEDITED, _SYNC_CORE, _RSEQ
 
 
 class _Refused(Exception):
@@ -160,6 +162,11 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
         _fail(name, "TASK speculation controls malformed")
     if not -1 <= task.exit_signal <= NSIG or not 0 <= task.pdeath_signal <= NSIG:
         _fail(name, "TASK exit or parent-death signal out of range")
+    if task.stop_signal not in STOP_SIGNALS or (task.stop_signal and task.state != "T"):
+        _fail(name, f"TASK stop signal {task.stop_signal} (state {task.state!r}): not a stop signal "
+                    f"of a stopped process")
+    if proc.mm.membarrier & ~MEMBARRIER_REGISTRATIONS:
+        _fail(name, f"MM membarrier registrations {proc.mm.membarrier:#x}: unknown bits")
     if not proc.threads:
         _fail(name, "no THREAD entry")
     _unique(name, "thread", [t.tid for t in proc.threads])

@@ -638,8 +638,10 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
-    # shows in how the freeze found it.
+    # shows in how the freeze found it, and by which one in that stop's status
+    # (PTRACE_EVENT_STOP carries the group stop's signal: SIGTSTP for a ^Z).
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
+    stop_signal = leader.stop.signo if group_stopped else 0     # taken now: injections change .stop
     vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, _BUILD_IDS))
     memory.check_vmas(pid, vmas)
     if parent is not None and cow:
@@ -669,7 +671,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
                     claims.check_namespaces(pid)
                     claims.check_label(pid)
                     if group_stopped:
-                        task_record = dataclasses.replace(task_record, state="T")
+                        task_record = dataclasses.replace(task_record, state="T", stop_signal=stop_signal)
                     plan.prepare(pid, vpid, remote)
                     aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))

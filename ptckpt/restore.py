@@ -52,8 +52,8 @@ from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
                             InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids, pipes,
-                        process, signals, sockets, sysvipc, terminals, threads, timers)
+from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, pids,
+                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -400,8 +400,13 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 log.info("resume %s", " ".join(map(str, members)))
                 for p in members:
                     if procs[p].task.state == "T":
-                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go.
-                        os.kill(created[p].tgid, signal.SIGSTOP)
+                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go,
+                        # by the same signal (its parent's waitpid(WUNTRACED) tells which).
+                        tgid = created[p].tgid
+                        sig, why = signals.stop_signal_again(procs[p], lambda: pids.pgrp_orphaned(tgid))
+                        if why:
+                            result.warnings.append(why)
+                        os.kill(tgid, sig)
                 for obj in image.sysv:
                     if isinstance(obj, ShmImage) and obj.destroyed:
                         sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
@@ -1032,6 +1037,7 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
                     epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
             warnings += process.restore_task_frozen(remote, proc.task, dirs)
             process.restore_mm_frozen(remote, proc.mm)
+            membarrier.restore_registrations_frozen(remote, proc.mm.membarrier)
             process.restore_root_frozen(remote, proc.task, dirs)
             for fd in set(dirs.values()) & set(inherited) if own_table else ():   # a deleted cwd or root
                 remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")

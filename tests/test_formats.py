@@ -374,7 +374,7 @@ def test_parent_pages_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0c00" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0d00" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
@@ -393,12 +393,25 @@ def test_golden_bytes():
         "ffffffff" "0105000000" "010178" "02000000"        # exit_signal tids cmdline dumpable
         "0f000000" "01"                                     # pdeath_signal child_subreaper (format 2)
         "00" "00000000" "00" "00" "00" "00" "00"            # thp_disable mdwe memory_merge spec_ctrl
-        "ffffffff" "ffffffff")                              # coredump_filter loginuid
+        "ffffffff" "ffffffff"                               # coredump_filter loginuid
                                                             # shares_files shares_fs cgroups (format 8)
+        "00000000")                                         # stop_signal (format 13)
     # A format-1 image has no format-2 fields: they take their defaults.
-    old = parse_record(EntryKind.TASK, build_record(task)[:-23], version=1)
+    old = parse_record(EntryKind.TASK, build_record(task)[:-27], version=1)
     assert (old.pdeath_signal, old.child_subreaper) == (0, False)
     assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
+
+
+def test_stop_signal_and_membarrier_since_format_13():
+    task = dataclasses.replace(make_task(), state="T", stop_signal=20)
+    raw = build_record(task)
+    assert raw.endswith(bytes.fromhex("14000000")) and parse_record(EntryKind.TASK, raw) == task
+    old = parse_record(EntryKind.TASK, raw[:-4], version=12)             # a format-12 image
+    assert old == dataclasses.replace(task, stop_signal=0)
+    mm = Mm(*range(1, 12), exe_file="/bin/x", auxv=((6, 4096),), membarrier=0x14)
+    raw = build_record(mm)
+    assert raw.endswith(bytes.fromhex("14000000")) and parse_record(EntryKind.MM, raw) == mm
+    assert parse_record(EntryKind.MM, raw[:-4], version=12) == dataclasses.replace(mm, membarrier=0)
 
 
 def test_unix_socket_queue_credentials_since_format_9():

@@ -106,8 +106,12 @@ def test_a_mapping_kind_no_version_knows(counter_image, ptckpt, tmp_path):
      ("cgroup line", "ID:CONTROLLERS:/PATH")),
     (lambda p: dataclasses.replace(p, vmas=(dataclasses.replace(p.vmas[0], dev_major=1 << 20),) + p.vmas[1:]),
      ("device", "out of range")),
+    (lambda p: dataclasses.replace(p, task=dataclasses.replace(p.task, state="T", stop_signal=9)),
+     ("TASK stop signal 9",)),
+    (lambda p: dataclasses.replace(p, mm=dataclasses.replace(p.mm, membarrier=1 << 3)),
+     ("membarrier", "0x8", "unknown bits")),
 ], ids=["overlapping-mappings", "unaligned-mapping", "thread-twice", "short-xstate", "signal-4114",
-        "fd-twice", "cgroup-line", "device-number"])
+        "fd-twice", "cgroup-line", "device-number", "stop-signal-9", "membarrier-bits"])
 def test_records_that_contradict_each_other(counter_image, ptckpt, tmp_path, change, words):
     _refused_alike(ptckpt, _edited(counter_image, tmp_path / "bad", proc=change), *words)
 

@@ -207,6 +207,26 @@ def pid_holder(pid: int) -> str | None:
     return f"{what} {pid} ({status.name})"
 
 
+def pgrp_orphaned(pid: int, *, procfs_root: str = "/proc") -> bool:
+    """Whether the process group of `pid` is orphaned (POSIX; the kernel's
+    will_become_orphaned_pgrp): no member that is not a zombie has a parent outside the
+    group but in its session, init aside.  The kernel discards SIGTSTP, SIGTTIN and SIGTTOU
+    sent to a member of such a group."""
+    stats = {}
+    for name in os.listdir(procfs_root):
+        if name.isdigit():
+            with contextlib.suppress(PtckptError):
+                stats[int(name)] = procfs.read_stat(int(name), procfs=procfs_root)
+    pgrp = stats[pid].pgrp if pid in stats else procfs.read_stat(pid, procfs=procfs_root).pgrp
+    for st in stats.values():
+        if st.pgrp != pgrp or st.state in ("Z", "X") or st.ppid <= 1:
+            continue
+        parent = stats.get(st.ppid)
+        if parent is not None and parent.pgrp != pgrp and parent.session == st.session:
+            return False
+    return True
+
+
 ZOMBIE_WAIT = 5.0    # seconds a pid held by a zombie is waited for (its parent reaps it soon:
                      # the target of a `dump --kill`, a stub of a killed restore, both
                      # reparented to an init that reaps when it gets to it)

@@ -22,6 +22,7 @@ from .. import procfs
 from ..errors import PtckptError, UnsupportedResource
 from ..formats.model import Mm, ProcessImage, Rlimit, Task
 from ..tracee import KCMP_FILES, KCMP_FS, RemoteSyscalls, same_kernel_object
+from . import membarrier
 from .files import ghost_dir_key
 
 PR_GET_DUMPABLE = 3
@@ -115,7 +116,8 @@ def dump_rlimits(pid: int) -> list[Rlimit]:
 
 
 def dump_mm_frozen(pid: int, st: procfs.Stat, remote: RemoteSyscalls) -> Mm:
-    """mm_struct fields: /proc/PID/stat gives all but brk, which brk(0) returns from inside."""
+    """mm_struct fields: /proc/PID/stat gives all but brk, which brk(0) returns from inside,
+    and the membarrier registrations (:mod:`.membarrier`)."""
     brk = remote.checked("brk", 0, step="dump mm")
     exe = ""
     with contextlib.suppress(Exception):
@@ -128,6 +130,7 @@ def dump_mm_frozen(pid: int, st: procfs.Stat, remote: RemoteSyscalls) -> Mm:
         env_start=st.env_start, env_end=st.env_end,
         exe_file=exe,
         auxv=tuple(procfs.read_auxv(pid)),
+        membarrier=membarrier.dump_registrations_frozen(pid, remote),
     )
 
 

@@ -1,14 +1,17 @@
 """Signals: dispositions (by injection) and queued signals (PTRACE_PEEKSIGINFO).
 
 Dump half: :func:`dump_sigactions_frozen`, :func:`dump_pending_frozen`.
+Restore half: the dispositions, the queues, and :func:`stop_signal_again` for a process
+that was stopped (job control).
 """
 
 from __future__ import annotations
 
+import signal
 import struct
-from typing import Iterable
+from typing import Callable, Iterable
 
-from ..formats.model import PendingSignal, Sigaction
+from ..formats.model import PendingSignal, ProcessImage, Sigaction
 from ..tracee import RemoteSyscalls, Task
 
 NSIG = 64
@@ -72,3 +75,34 @@ def restore_pending_frozen(remote: RemoteSyscalls, tgid: int, pending: Iterable[
             else:
                 remote.checked("rt_sigqueueinfo", tgid, signo, int(info),
                                step=f"queue signal {signo} for the process")
+
+
+def stop_signal_again(proc: ProcessImage, orphaned: Callable[[], bool]) -> tuple[int, str]:
+    """The signal that stops a restored process that was stopped: the one that stopped it,
+    so that its parent's waitpid(WUNTRACED) reports the same WSTOPSIG (CRIU's zdtm
+    stopped03); SIGSTOP for an image that did not record it.  SIGTSTP, SIGTTIN and SIGTTOU
+    stop only by their default action, unblocked, and the kernel discards them in an
+    orphaned process group (`orphaned()`, asked only for those): where one would not stop
+    it, SIGSTOP does, and the second value says why (else "")."""
+    sig = proc.task.stop_signal or SIGSTOP
+    if sig == SIGSTOP:
+        return sig, ""
+    name = _signal_name(sig)
+    why = ""
+    if any(a.signo == sig and a.handler != 0 for a in proc.sigactions):
+        why = f"it has a disposition for {name} now"
+    elif proc.threads and all(t.sigmask & (1 << (sig - 1)) for t in proc.threads):
+        why = f"every thread blocks {name}"
+    elif orphaned():
+        why = f"its process group {proc.task.pgid} is orphaned here (the kernel discards {name})"
+    if why:
+        return SIGSTOP, (f"process {proc.task.pid} was stopped by {name} and is stopped by SIGSTOP "
+                         f"instead: {why}")
+    return sig, ""
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
