@@ -55,6 +55,8 @@ def test_madvise_hints_locks_names_guards_and_seals_survive(spawn, ptckpt, tmp_p
     line = target.wait_for_line(r"^CHECKED ", timeout=15).string
     assert target.wait_exit(10) == 0, target.describe()
     assert int(line.split()[1]) == len(areas) + 3
+    if "droppable" in areas:                      # MAP_DROPPABLE pages are not saved (CRIU's maps11)
+        assert "DROPPED droppable" in target.stdout_lines(), target.describe()
 
 
 def _vma(flags: str, kind=VmaKind.ANON_PRIVATE, path="") -> Vma:

@@ -239,7 +239,7 @@ _PM_ENTRY = struct.Struct("<Q")
 VMFLAGS_MADE = {
     "rd": "protections", "wr": "protections", "ex": "protections", "sh": "MAP_SHARED",
     "mr": "protections", "mw": "protections", "me": "protections", "ms": "MAP_SHARED",
-    "gd": "MAP_GROWSDOWN", "nr": "MAP_NORESERVE", "dp": "MAP_DROPPABLE",
+    "gd": "MAP_GROWSDOWN", "nr": "MAP_NORESERVE", "dp": "MAP_DROPPABLE (its pages zeroed)",
     "lo": "mlock", "lf": "mlock2(MLOCK_ONFAULT)",
     "sr": "madvise(MADV_SEQUENTIAL)", "rr": "madvise(MADV_RANDOM)",
     "dc": "madvise(MADV_DONTFORK)", "wf": "madvise(MADV_WIPEONFORK)",
@@ -328,6 +328,11 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     absent from the page tables and so are never saved.
     """
     if vma.kind in _NO_PAGES or not vma.prot & 1 and vma.kind is VmaKind.OTHER:
+        return []
+    if "dp" in vma.vmflags.split():
+        # MAP_DROPPABLE: the kernel frees its pages whenever it likes and the program must
+        # cope; a restore gives them zeroed, as CRIU does (and glibc's vgetrandom state,
+        # kept there, is reseeded rather than repeated by every restore of one image).
         return []
     if is_sysv(vma):
         return []                      # the segment's bytes are in its SYSV_SHM record
