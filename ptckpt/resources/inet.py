@@ -10,7 +10,7 @@ each comes back (:class:`~ptckpt.formats.model.InetMode`):
   classic BPF filter;
 * established and half-closed TCP connections: REPAIRED with ``--tcp-established``
   (locked with :mod:`ptckpt.netlock`, then read in repair mode, :mod:`.tcp`), CLOSED
-  with ``--tcp-close``, else refused naming the connection and the ways out
+  with ``--tcp-close`` (as CRIU: over, both ways shut, no error pending), else refused naming the connection and the ways out
   (:class:`~ptckpt.errors.ConnectionNotAllowed`);
 * connections in a listener's accept queue: PENDING.  The dump takes them out of
   the queue (accept on its copy of the listener) to read what their peers sent;
@@ -622,7 +622,8 @@ class InetRestore:
         return s
 
     def _closed(self, r: InetSocket) -> socket.socket:
-        """dump --tcp-close: a socket whose connection was reset (ECONNRESET once, then EOF),
+        """dump --tcp-close, CRIU's meaning: a socket whose connection is over, both ways shut
+        (state CLOSE, reads give end of file, poll POLLHUP, writes EPIPE), no error pending;
         made by connecting it in repair mode (no packet) and disconnecting it."""
         s = self._new(r)
         try:
@@ -631,8 +632,9 @@ class InetRestore:
             s.connect(_addr(r.family, r.dst or _loopback(r.family), r.dport or 9))
             s.setsockopt(socket.IPPROTO_TCP, tcp.TCP_REPAIR, tcp.REPAIR_OFF_NO_WP)
             _disconnect(s)
-            with contextlib.suppress(OSError):    # both ways shut, as after a reset: EOF, not ENOTCONN
+            with contextlib.suppress(OSError):    # both ways shut: EOF, not ENOTCONN
                 s.shutdown(socket.SHUT_RDWR)
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)   # the disconnect's ECONNRESET, taken
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR,
                          sockopts.option_value(r.options, socket.SOL_SOCKET, socket.SO_REUSEADDR))
         except BaseException:
