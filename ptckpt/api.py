@@ -45,14 +45,14 @@ def _plugins(plugins: Sequence[Plugin | str]) -> list[Plugin]:
 
 
 def dump(pid: int, directory: str | os.PathLike | None = None, *, leave_running: bool = True,
-         tcp_established: bool = False, tcp_close: bool = False,
+         tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
          plugins: Sequence[Plugin | str] = (), external: Sequence[str] = (),
          critical_timeout: float = 10.0, prev: str | os.PathLike | None = None, track_mem: bool = False,
          compress: str | None = None, background: bool | None = None) -> DumpResult:
     """``ptckpt dump PID -D DIRECTORY``: checkpoint `pid` and all its descendants.
 
-    `leave_running=False` is ``--kill``.  `save_files`, `skip_files` and `external` take
+    `leave_running=False` is ``--kill``; `ext_unix_sk` is ``--ext-unix-sk``.  `save_files`, `skip_files` and `external` take
     what ``--save-file``, ``--skip-file`` and ``--external`` take, one item each.  `prev`,
     `track_mem`, `compress` ("zstd[:LEVEL]") and `background` (None: by size; False is
     ``--freeze-all``) are the options of the same names.  Returns the result the command
@@ -65,7 +65,7 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *, leave_running:
                  mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                  save_files=save_files, skip_files=skip_files, plugins=loaded,
                  critical_timeout=critical_timeout, tcp_established=tcp_established, tcp_close=tcp_close,
-                 prev=os.fspath(prev) if prev is not None else None, track_mem=track_mem,
+                 ext_unix_sk=ext_unix_sk, prev=os.fspath(prev) if prev is not None else None, track_mem=track_mem,
                  compress=_compression(compress),
                  background=background if leave_running or background else False)
 

@@ -105,7 +105,8 @@ def dump(
                                                            help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long to wait for a critical section the program marked (ptckpt.app, ptckpt.h) to end before giving up.")] = "10s",
     tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (TCP_REPAIR: sequence numbers, both queues, options) under a network lock; without it (or --tcp-close, --external fd:N) a tree holding one is refused.")] = False,
-    tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed (the program sees a reset, then EOF); connections not yet accepted are dropped.")] = False,
+    tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed, as CRIU's (state CLOSE, both ways shut: reads give EOF, writes EPIPE); connections not yet accepted are dropped.")] = False,
+    ext_unix_sk: Annotated[bool, typer.Option("--ext-unix-sk", help="A unix datagram socket connected to a socket outside the tree bound to a path is connected to that path again at restore (CRIU's --ext-unix-sk); without it such a tree is refused.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (schema in the README) instead of the directory and a summary line.")] = False,
     prev: Annotated[Optional[str], typer.Option("--prev", metavar="DIR", help="Incremental: write only the pages changed since image DIR (a dump or pre-dump of this tree made with --track-mem, --prev or pre-dump); the image refers to DIR for the rest, and tracks on.")] = None,
     track_mem: Annotated[bool, typer.Option("--track-mem", help="Leave the memory write-protected (userfaultfd, asynchronous) so that a later dump --prev of this image writes only the pages changed since.")] = False,
@@ -118,7 +119,8 @@ def dump(
     """
     _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
                   tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False,
-                  background=False if not leave_running and background is None else background)
+                  background=False if not leave_running and background is None else background,
+                  ext_unix_sk=ext_unix_sk)
 
 
 @app.command("pre-dump")
@@ -140,7 +142,7 @@ def pre_dump(
 
 def _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
                   tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool,
-                  background: bool | None = False) -> None:
+                  background: bool | None = False, ext_unix_sk: bool = False) -> None:
     from .dump import DumpMode, dump as _dump
     from .plugins import load_plugin
     try:
@@ -158,7 +160,7 @@ def _dump_command(pid, directory, leave_running, save_file, external, plugin, sk
             result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
                            save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
                            critical_timeout=parse_duration(critical_timeout),
-                           tcp_established=tcp_established, tcp_close=tcp_close,
+                           tcp_established=tcp_established, tcp_close=tcp_close, ext_unix_sk=ext_unix_sk,
                            prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec,
                            background=background)
     except PtckptError as err:

@@ -109,7 +109,7 @@ def dump(pid: int, directory: str | None = None, *,
          mode: DumpMode = DumpMode.LEAVE_RUNNING,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
          plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
-         tcp_established: bool = False, tcp_close: bool = False,
+         tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
          compress: tuple[str, int] | None = None, background: bool | None = False,
          before_release=None) -> DumpResult:
@@ -118,6 +118,10 @@ def dump(pid: int, directory: str | None = None, *,
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
     network lock: ptckpt.resources.inet), come back closed with `tcp_close`, and refuse
     the dump otherwise (ConnectionNotAllowed, naming the connection and the ways out).
+
+    With `ext_unix_sk` (CRIU's --ext-unix-sk) a unix datagram socket connected to a socket
+    outside the tree that is bound to a path is recorded with that path, and connected to
+    it again at restore (the socket there must be bound then); otherwise it is refused.
 
     `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
 
@@ -220,7 +224,7 @@ def dump(pid: int, directory: str | None = None, *,
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
         if events:
             images = _plugins_frozen(events, session, images, view)
-        images, shared = capture_sharing_frozen(pid, images, net, flight)
+        images, shared = capture_sharing_frozen(pid, images, net, flight, ext_unix_sk)
         shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)
@@ -435,7 +439,7 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
 
 
 def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet.InetDump | None = None,
-                           flight: sockets.InFlight | None = None):
+                           flight: sockets.InFlight | None = None, ext_unix_sk: bool = False):
     """What the members of a frozen tree share (their fd descriptions numbered already):
     (the images, image-wide records of the pipes and sockets inside the tree).
 
@@ -508,7 +512,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
            + flight.records())
     # Last: reading a pending connection's data accepts it, which only a kill makes good.
     return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
-                                                   flight=flight)
+                                                   flight=flight, external=ext_unix_sk)
 
 
 def _check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:

@@ -13,7 +13,7 @@ import pytest
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
-from conftest import descendants, wait_pid_free
+from conftest import descendants, idle_script, wait_pid_free
 from test_restore import _one_line, _restore
 
 
@@ -21,8 +21,8 @@ def _dump(ptckpt, t, image, *flags):
     return ptckpt("dump", t.pid, "-D", image, *flags)
 
 
-def _dump_kill(ptckpt, t, image):
-    res = _dump(ptckpt, t, image, "--kill")
+def _dump_kill(ptckpt, t, image, *flags):
+    res = _dump(ptckpt, t, image, "--kill", *flags)
     assert res.returncode == 0, res.stderr
     t.wait_exit(10)
     wait_pid_free(t.pid)
@@ -186,3 +186,26 @@ def test_queued_credentials_of_a_sender_gone_are_refused(spawn, ptckpt, tmp_path
     _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "credentials of pid",
               "not a process of the tree", "SO_PASSCRED")
     assert _after(t, 3) == _creds_lines()
+
+
+def test_a_datagram_peer_outside_the_tree_with_ext_unix_sk(spawn, ptckpt, tmp_path):
+    """A datagram socket connected to a socket outside the tree bound to a path (CRIU's
+    socket-ext): refused by name, the way out said; with --ext-unix-sk it is connected to
+    that path again at restore, and what it sends reaches the socket outside."""
+    path = str(tmp_path / "outside.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as outside:
+        outside.bind(path)
+        outside.settimeout(10)
+        script = idle_script(tmp_path, "extsk.py", (
+            "import os, signal, socket, time\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+            f"s.connect({path!r})\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: s.send(b'after restore'))\n"))
+        t = spawn(str(script), out=False)
+        res = _dump(ptckpt, t, tmp_path / "refused", "--kill")
+        _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, "outside.sock", "--ext-unix-sk")
+        assert t.alive()
+        _dump_kill(ptckpt, t, tmp_path / "img", "--ext-unix-sk")
+        t.adopt(_restore(ptckpt, tmp_path / "img"))
+        t.signal(signal.SIGUSR1)
+        assert outside.recv(100) == b"after restore"

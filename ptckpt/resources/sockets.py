@@ -159,7 +159,8 @@ def _kind_name(f: Fd) -> str:
 
 
 def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
-                      leave_running: bool = False, flight: InFlight | None = None) -> list[UnixSocket]:
+                      leave_running: bool = False, flight: InFlight | None = None,
+                      external: bool = False) -> list[UnixSocket]:
     """A UnixSocket for every AF_UNIX socket the tree holds (descriptions in `skip` are the
     root's stdio, which a restore takes from ptckpt restore instead), and a pending one for
     each connection waiting in the accept queue of one of its listeners.  `flight` holds
@@ -173,7 +174,7 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
         return []
     diag = sockdiag.unix_sockets()
     members = set(fds)
-    _refuse_outside(holders, diag, members)
+    _refuse_outside(holders, diag, members, external)
     names = {d.name: d.ino for d in diag.values() if d.listening and d.name}
     flight = flight or InFlight()
     desc_of = {f.fd: f.desc for f in flight.fds}
@@ -270,14 +271,22 @@ def _socket_file(pid: int, d) -> dict:
     return {"file_mode": st.st_mode, "file_uid": st.st_uid, "file_gid": st.st_gid}
 
 
-def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set[int]) -> None:
+def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set[int],
+                    external: bool = False) -> None:
     """A connection that leaves the tree, in either direction, cannot be rebuilt from it;
-    nor can one waiting to be accepted by a listener on the other side."""
+    nor can one waiting to be accepted by a listener on the other side.  With `external`
+    (--ext-unix-sk), a datagram socket connected to a socket outside bound to a path is
+    connected to that path again at restore: the connection is one way, its peer is found
+    by name."""
     for ino, (pid, f) in holders.items():
         d = diag.get(ino)
         if d is not None and d.peer and d.peer not in holders:
+            if external and external_peer(d, diag.get(d.peer)):
+                continue
+            hint = (" (or --ext-unix-sk, to connect it to its name again at restore)"
+                    if external_peer(d, diag.get(d.peer)) else "")
             raise SharedOutside(pid, f.fd, f.path, f"its peer socket:[{d.peer}]"
-                                f"{_named(diag.get(d.peer))} is {_holder(d.peer, members)}")
+                                f"{_named(diag.get(d.peer))} is {_holder(d.peer, members)}{hint}")
         for c in d.icons if d is not None and d.listening else ():
             if c and c not in holders:
                 raise SharedOutside(pid, f.fd, f.path, f"socket:[{c}]{_named(diag.get(c))} waits to be "
@@ -293,6 +302,13 @@ def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set
                     pid, f = holders[c]
                     raise SharedOutside(pid, f.fd, f.path, f"it waits to be accepted by socket:[{d.ino}]"
                                         f"{_named(d)}, {_holder(d.ino, members)}")
+
+
+def external_peer(d, peer) -> bool:
+    """A datagram socket connected one way to a socket bound to a path, which a restore can
+    connect to again by name (--ext-unix-sk)."""
+    return (d.type == socket.SOCK_DGRAM and peer is not None and peer.peer != d.ino
+            and _is_path(peer.name or b""))
 
 
 def _holder(ino: int, members: set[int]) -> str:
@@ -509,8 +525,8 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
         for e in (r for r in records if r.pending):  # accept queues, in queue order
             _queue_connection(e, by_ino.get(e.peer), made, names, temps)
             refilled.add(e.ino)
-        for r in records:                            # datagram connections, by name
-            if r.type == socket.SOCK_DGRAM and r.peer and r.peer_name:
+        for r in records:                            # datagram connections, by name (in the tree or not)
+            if r.type == socket.SOCK_DGRAM and r.peer_name:
                 _call(f"connect to {_show(r.peer_name)}", made[r.ino].connect, _addr(r.peer_name))
         for r in records:
             if r.ino not in refilled and r.queue:
