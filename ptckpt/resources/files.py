@@ -386,14 +386,17 @@ def is_unix(f: Fd) -> bool:
 
 
 def restorable_socket(f: Fd) -> bool:
-    """A socket of a family and type a restore makes again: unix, TCP and UDP over IPv4 and
-    IPv6, netlink (its family, type and protocol come from the dump's socket details)."""
+    """A socket of a family and type a restore makes again: unix, netlink, and over IPv4 and
+    IPv6 TCP, UDP, UDP-Lite and ICMP "ping" sockets (its family, type and protocol come from
+    the dump's socket details)."""
     d = dict(f.details)
     family, kind, proto = d.get("family", ""), d.get("type", ""), d.get("protocol", "")
     if family in ("AF_UNIX", "AF_NETLINK"):
         return True
+    ping = "1" if family == "AF_INET" else "58"
     return family in ("AF_INET", "AF_INET6") and (kind, proto) in (
-        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"))
+        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"),
+        ("SOCK_DGRAM", "136"), ("SOCK_DGRAM", ping))
 
 
 def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
