@@ -614,7 +614,13 @@ class InetRestore:
             raise
 
     def _new(self, r: InetSocket) -> socket.socket:
-        return socket.socket(r.family, r.type, r.protocol)
+        try:
+            return socket.socket(r.family, r.type, r.protocol)
+        except PermissionError as err:
+            if not is_ping(r.protocol):
+                raise
+            raise OSError(err.errno, f"{describe(r)}: no ping socket for group {os.getgid()} in this network "
+                                     f"namespace (add it to net.ipv4.ping_group_range)") from None
 
     def _plain_tcp(self, r: InetSocket) -> socket.socket:
         s = self._new(r)
