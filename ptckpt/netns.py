@@ -52,6 +52,9 @@ What the kernel does, as measured on Linux 6.18 (x86_64, root)
   mount) refers to it; the helper thread that created it may exit at once.
 * Ports are per namespace: 127.0.0.1:PORT bound inside does not conflict
   with the same address and port bound outside.
+* So are net sysctls: a fresh namespace has net.ipv4.ping_group_range "1 0"
+  (no group, not even root's, may open an ICMP ping socket), whatever the
+  creator's says; :func:`new_netns` copies the creator's value in.
 """
 
 from __future__ import annotations
@@ -274,12 +277,35 @@ def new_netns() -> int:
     with :func:`entered`).
     """
     def make() -> int:
+        inherited = _read_sysctls()
         _unshare_netns()
         fd = _open_ns("thread-self")
         try:
             _set_loopback_up()
+            _write_sysctls(inherited)
         except BaseException:
             os.close(fd)
             raise
         return fd
     return _in_helper_thread(make)
+
+
+# Per-namespace settings a fresh namespace takes from the one it is made from: without
+# them a program restored there could not do what it did (ping_group_range: a fresh
+# namespace says "1 0", no group may open ping sockets, root's neither).
+INHERITED_SYSCTLS = ("net/ipv4/ping_group_range",)
+
+
+def _read_sysctls() -> dict[str, str]:
+    """The calling thread's namespace's values (/proc/sys/net is the current thread's)."""
+    out = {}
+    for name in INHERITED_SYSCTLS:
+        with contextlib.suppress(OSError), open(f"/proc/sys/{name}") as f:
+            out[name] = f.read().strip()
+    return out
+
+
+def _write_sysctls(values: dict[str, str]) -> None:
+    for name, value in values.items():
+        with contextlib.suppress(OSError), open(f"/proc/sys/{name}", "w") as f:
+            f.write(value)

@@ -14,7 +14,7 @@ import os
 from .errors import UnsupportedResource
 from .formats.image import ImageReader
 from .formats.model import Fd, FdKind, ProcessImage, ShmImage, VmaKind
-from .resources import aio, files, memory, pipes, sockets, terminals
+from .resources import aio, files, memory, nsfs, pipes, sockets, terminals
 
 
 def memory_objects(procs: dict[int, ProcessImage]) -> set[tuple[int, int, int]]:
@@ -82,7 +82,8 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     * its unix sockets (from their UNIX_SOCKET records: names, connections, queues);
     * the root's stdio (fds 0-2 on a terminal, pipe or socket): ptckpt restore's own,
       also for the members that share them;
-    * files whose description several fds share (after dup or fork).
+    * files whose description several fds share (after dup or fork);
+    * fds of namespaces their process is not in, by the mount point the dump found them at.
     """
     root = procs[image.inventory.root_pid]
     uses: dict[int, int] = {}
@@ -121,7 +122,7 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
             out[d] = f
         elif d in stdio:
             out[d] = f
-        elif files.ghost_key(f) in ghosts or d in states:
+        elif files.ghost_key(f) in ghosts or d in states or nsfs.bound_path(f):
             out[d] = f
         elif (uses.get(d, 0) > 1 or d in flying) and (f.kind in files.BY_PATH_KINDS or f.kind is FdKind.TTY):
             out[d] = f

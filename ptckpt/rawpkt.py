@@ -13,6 +13,7 @@ Grammar of what goes on the wire (all fields big-endian, built with struct)::
     ip6      = ver 6 / tc 0 / flow 0, payload len, next header, hop limit 64, src, dst
                (RFC 8200 section 3; no extension headers)
     udp      = sport, dport, len, csum                                  (RFC 768)
+    udplite  = sport, dport, coverage 0 (the whole datagram), csum      (RFC 3828 3.1)
     tcp      = sport, dport, seq, ack, doff/flags, window, csum, urg 0, options
                (RFC 9293 3.1); options = NOP NOP TS(kind 8, len 10, tsval, tsecr)
                when a timestamp is asked for (RFC 7323 3.2, the layout of
@@ -74,6 +75,7 @@ TCP_URG = 0x20
 IPV6_HDRINCL = getattr(socket, "IPV6_HDRINCL", 36)     # include/uapi/linux/in6.h
 SO_MARK = getattr(socket, "SO_MARK", 36)                # asm-generic/socket.h
 
+UDPLITE = 136                                           # IPPROTO_UDPLITE
 _TTL = 64
 _IP_DF = 0x4000
 _IPV4_MAX_TOTAL = 0xFFFF           # the total length field
@@ -205,13 +207,17 @@ def _ip_packet(ep: _Endpoints, proto: int, l4: bytes) -> bytes:
     return _IP6.pack(6 << 28, len(l4), proto, _TTL, ep.src, ep.dst) + l4
 
 
-def _build_udp(ep: _Endpoints, sport: int, dport: int, payload: bytes) -> bytes:
+def _build_udp(ep: _Endpoints, sport: int, dport: int, payload: bytes,
+               proto: int = socket.IPPROTO_UDP) -> bytes:
+    """A UDP datagram, or a UDP-Lite one (proto 136): the same header with the checksum
+    coverage where the length was (0: the whole datagram, its length taken from IP's)."""
     length = _UDP.size + len(payload)
     if length > 0xFFFF:
         raise UsageError(f"a UDP datagram of {len(payload)} bytes does not fit the length field")
-    header = _UDP.pack(sport, dport, length, 0)
-    csum = _csum(_pseudo_header(ep, socket.IPPROTO_UDP, length) + header + payload) or 0xFFFF
-    return _ip_packet(ep, socket.IPPROTO_UDP, _UDP.pack(sport, dport, length, csum) + payload)
+    third = length if proto == socket.IPPROTO_UDP else 0
+    header = _UDP.pack(sport, dport, third, 0)
+    csum = _csum(_pseudo_header(ep, proto, length) + header + payload) or 0xFFFF
+    return _ip_packet(ep, proto, _UDP.pack(sport, dport, third, csum) + payload)
 
 
 def _build_tcp(ep: _Endpoints, sport: int, dport: int, seq: int, ack: int, flags: int,
@@ -318,13 +324,18 @@ class RawSender:
         self._send(ep, packet, f"TCP segment {_hostport(src, sport)} -> {_hostport(dst, dport)} "
                                f"flags {_flag_names(flags)} seq {seq}")
 
-    def udp(self, src: str, sport: int, dst: str, dport: int, payload: bytes) -> None:
-        """Send one UDP datagram src:sport -> dst:dport (see :func:`send_udp`)."""
+    def udp(self, src: str, sport: int, dst: str, dport: int, payload: bytes, *,
+            protocol: int = socket.IPPROTO_UDP) -> None:
+        """Send one UDP datagram src:sport -> dst:dport (see :func:`send_udp`); protocol
+        UDPLITE (136): a UDP-Lite one, checksummed whole."""
         ep = _endpoints(src, dst)
         _check_port(sport, "source")
         _check_port(dport, "destination")
-        packet = _build_udp(ep, sport, dport, bytes(payload))
-        self._send(ep, packet, f"UDP datagram {_hostport(src, sport)} -> {_hostport(dst, dport)}")
+        if protocol not in (socket.IPPROTO_UDP, UDPLITE):
+            raise UsageError(f"protocol {protocol} is not UDP or UDP-Lite")
+        packet = _build_udp(ep, sport, dport, bytes(payload), protocol)
+        name = "UDP" if protocol == socket.IPPROTO_UDP else "UDP-Lite"
+        self._send(ep, packet, f"{name} datagram {_hostport(src, sport)} -> {_hostport(dst, dport)}")
 
 
 def _hostport(addr: str, port: int) -> str:

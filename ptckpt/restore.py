@@ -52,8 +52,8 @@ from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
                             InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, pids,
-                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, nsfs,
+                        pids, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -132,6 +132,9 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     bad = image_problems(image, proc, handed, objects)
     if bad:
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
+    gone = nsfs.host_problems(proc.fds)
+    if gone:
+        raise Incompatible(f"process {proc.task.pid}: " + "; ".join(gone))
     if not pidns:
         pids.check_pids_free(list(proc.task.tids))
 
@@ -861,6 +864,8 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                 except OSError:
                     raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
                                         f"restore has no fd {f.fd} of its own to give it") from None
+            elif nsfs.bound_path(f):
+                opened[d] = nsfs.open_bound(f)
             else:
                 opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
         # Unix sockets last: their queues may carry any of the others in flight.

@@ -29,7 +29,7 @@ from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
 from .anonfds import ANON_FD_KINDS, file_handle, is_mqueue, open_file_handle
-from . import filepolicy
+from . import filepolicy, nsfs
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
@@ -78,6 +78,8 @@ def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = 
         return FdKind.PATH
     if fstype == "mqueue":
         return FdKind.MQUEUE
+    if fstype == "nsfs":              # opened through a bind mount: the link is its path
+        return FdKind.NSFS
     if st is None:
         return FdKind.UNKNOWN
     mode = st.st_mode
@@ -171,6 +173,8 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
     details = [(k, v.strip()) for k, values in info.extra.items() for v in values]
     if kind is FdKind.SOCKET:
         details.extend(_socket_details(pid, fd))
+    elif kind is FdKind.NSFS:
+        details.extend(nsfs.dump_details(pid, fd, link, st))
     if kind in TTY_KINDS and st is not None and st.st_rdev == ctty:
         details.append(CONTROLLING_TTY)
     return Fd(
@@ -386,14 +390,17 @@ def is_unix(f: Fd) -> bool:
 
 
 def restorable_socket(f: Fd) -> bool:
-    """A socket of a family and type a restore makes again: unix, TCP and UDP over IPv4 and
-    IPv6, netlink (its family, type and protocol come from the dump's socket details)."""
+    """A socket of a family and type a restore makes again: unix, netlink, and over IPv4 and
+    IPv6 TCP, UDP, UDP-Lite and ICMP "ping" sockets (its family, type and protocol come from
+    the dump's socket details)."""
     d = dict(f.details)
     family, kind, proto = d.get("family", ""), d.get("type", ""), d.get("protocol", "")
     if family in ("AF_UNIX", "AF_NETLINK"):
         return True
+    ping = "1" if family == "AF_INET" else "58"
     return family in ("AF_INET", "AF_INET6") and (kind, proto) in (
-        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"))
+        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"),
+        ("SOCK_DGRAM", "136"), ("SOCK_DGRAM", ping))
 
 
 def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
@@ -412,6 +419,11 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
                        f"process holding its master too)")
             continue
         if f.kind in RESTORABLE_KINDS:
+            continue
+        if f.kind is FdKind.NSFS:
+            why = nsfs.refusal(f)
+            if why:
+                out.append(why)
             continue
         if f.kind is FdKind.SOCKET:
             if restorable_socket(f):
@@ -535,7 +547,7 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
         if f.kind in BY_PATH_KINDS and f.path.endswith(DELETED):
             out.append(f"fd {f.fd} -> {f.path} (a deleted file the image does not hold)")
             continue
-        if (f.kind in BY_PATH_KINDS or is_controlling_tty(f)
+        if (f.kind in BY_PATH_KINDS or is_controlling_tty(f) or nsfs.own_entry(f)
                 or (f.kind is FdKind.TTY and f.path.startswith("/dev/"))):
             continue
         out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
@@ -738,7 +750,7 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
             remote.checked("fcntl", f.fd, 2, 1, step=f"set FD_CLOEXEC on fd {f.fd}")   # F_SETFD
             continue
         flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC) | O_NOCTTY
-        path = CTTY_PATH if is_controlling_tty(f) else f.path
+        path = CTTY_PATH if is_controlling_tty(f) else nsfs.reopen_path(f) if nsfs.own_entry(f) else f.path
         step = f"reopen fd {f.fd} ({path})"
         # A FIFO is opened non-blocking (a blocking open would wait for the other end
         # inside the injected syscall), then gets its own flags back.

@@ -1,4 +1,5 @@
-"""Inet sockets held inside a tree: TCP and UDP over IPv4 and IPv6.
+"""Inet sockets held inside a tree: TCP, UDP, UDP-Lite and ICMP "ping" sockets over IPv4
+and IPv6.
 
 Dump half: :class:`InetDump` looks at every AF_INET/AF_INET6 socket of a frozen tree
 through a copy of its fd (pidfd_getfd) and decides, before it changes anything, how
@@ -7,7 +8,14 @@ each comes back (:class:`~ptckpt.formats.model.InetMode`):
 * unbound, bound and listening TCP sockets and UDP sockets: PLAIN, from their
   addresses, options (:mod:`.sockopts`), backlog, and for UDP the datagrams queued
   (peeked with SO_PEEK_OFF, each with its sender), multicast memberships and a
-  classic BPF filter;
+  classic BPF filter; UDP-Lite sockets the same way (their checksum coverage is an
+  option);
+* ping sockets (SOCK_DGRAM, IPPROTO_ICMP / IPPROTO_ICMPV6): PLAIN too, from their
+  echo id (the "port" getsockname reports: bound, or taken by the first send), the
+  peer they are connected to (getpeername refuses one with no port: it is read from
+  /proc/PID/net/icmp and icmp6) and their options.  A reply or error queued and not
+  read yet is refused: a ping socket has no SO_PEEK_OFF, so no dump can read its
+  queue without taking it from the program;
 * established and half-closed TCP connections: REPAIRED with ``--tcp-established``
   (locked with :mod:`ptckpt.netlock`, then read in repair mode, :mod:`.tcp`), CLOSED
   with ``--tcp-close`` (as CRIU: over, both ways shut, no error pending), else refused naming the connection and the ways out
@@ -58,6 +66,10 @@ O_ACCMODE = 0o3
 PENDING_BASE = 1 << 62          # ids of accept-queue connections (they have no inode)
 SO_PEEK_OFF = 42
 _TCP, _UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+UDPLITE, ICMP, ICMPV6 = 136, socket.IPPROTO_ICMP, socket.IPPROTO_ICMPV6
+DATAGRAM_PROTOCOLS = (_UDP, UDPLITE)            # datagrams peeked and refilled, multicast
+PING_PROTOCOLS = {socket.AF_INET: ICMP, socket.AF_INET6: ICMPV6}
+PROTOCOL_NAMES = {_TCP: "TCP", _UDP: "UDP", UDPLITE: "UDP-Lite", ICMP: "ICMP", ICMPV6: "ICMPv6"}
 _MAXSEG = (socket.IPPROTO_TCP, socket.TCP_MAXSEG)
 
 
@@ -73,7 +85,13 @@ def is_inet(f: Fd) -> bool:
         return False
     kind = dict(f.details).get("type", "")
     proto = dict(f.details).get("protocol", "")
-    return (kind == "SOCK_STREAM" and proto in ("0", "6")) or (kind == "SOCK_DGRAM" and proto in ("0", "17"))
+    ping = str(PING_PROTOCOLS[inet_family(f)])
+    return (kind == "SOCK_STREAM" and proto in ("0", "6")) or (
+        kind == "SOCK_DGRAM" and proto in ("0", "17", str(UDPLITE), ping))
+
+
+def is_ping(proto: int) -> bool:
+    return proto in (ICMP, ICMPV6)
 
 
 def endpoint(addr: str, port: int) -> str:
@@ -82,10 +100,11 @@ def endpoint(addr: str, port: int) -> str:
 
 def describe(r: InetSocket) -> str:
     """'TCP 127.0.0.1:8080 -> 127.0.0.1:45000 (ESTABLISHED)', as show and messages print it."""
-    proto = "TCP" if r.protocol == _TCP else "UDP"
+    proto = PROTOCOL_NAMES.get(r.protocol, str(r.protocol))
     here = endpoint(r.src, r.sport) if r.src or r.sport else "unbound"
-    there = f" -> {endpoint(r.dst, r.dport)}" if r.dport else ""
-    state = tcp.state_name(r.state) if r.protocol == _TCP else ("connected" if r.dport else "")
+    connected = r.state == tcp.ESTABLISHED if is_ping(r.protocol) else r.dport
+    there = f" -> {endpoint(r.dst, r.dport)}" if connected else ""
+    state = tcp.state_name(r.state) if r.protocol == _TCP else ("connected" if connected else "")
     return f"{proto} {here}{there}" + (f" ({state})" if state else "")
 
 
@@ -171,6 +190,12 @@ class InetDump:
             s.dst, s.dport = sock.getpeername()[:2]
         if s.proto == _TCP:
             s.state = tcp.tcp_info_head(sock)[0]
+        elif is_ping(s.proto):
+            # connected to a peer with no port: getpeername says ENOTCONN; the kernel's
+            # table of ping sockets has the peer and the state
+            row = ping_table(pid, s.family).get(f.ino)
+            if row is not None and row[0] == tcp.ESTABLISHED:
+                s.state, s.dst, s.dport = tcp.ESTABLISHED, row[1], 0
         elif s.dport:
             s.state = tcp.ESTABLISHED
         if s.sport == 0 and s.src in ("0.0.0.0", "::"):
@@ -182,7 +207,18 @@ class InetDump:
 
     def _classify(self, s: _Sock, diag, inodes: set[int], fds) -> None:
         """Decide how `s` comes back; refuse what cannot (nothing is changed here)."""
-        if s.proto == _UDP:
+        if is_ping(s.proto):
+            events = _poll(s.sock, select.POLLRDHUP)
+            if events & select.POLLERR:
+                self._refuse(s, "an error queued and not read yet (IP_RECVERR; a ping socket's error "
+                                "queue cannot be read without taking it: let the program read it, or dump "
+                                "again once it did)")
+            if events & select.POLLIN and not events & select.POLLRDHUP:
+                self._refuse(s, "an ICMP reply queued and not read yet (a ping socket cannot be peeked "
+                                "past its first reply, so no dump can copy its queue without taking it "
+                                "from the program: dump again once it read its replies)")
+            return
+        if s.proto in DATAGRAM_PROTOCOLS:
             if tcp.ioctl_int(s.sock, tcp.SIOCOUTQ):
                 self._refuse(s, "a datagram being built and not sent yet (UDP_CORK or MSG_MORE: dump "
                                 "again once it is sent)")
@@ -317,7 +353,7 @@ class InetDump:
             self._refuse(s, "an eBPF socket filter (SO_ATTACH_BPF), which cannot be read back")
         groups: tuple = ()
         datagrams: tuple = ()
-        if s.proto == _UDP:
+        if s.proto in DATAGRAM_PROTOCOLS:
             try:
                 groups = sockopts.multicast_groups(s.sock, sockopts.host_groups())
             except sockopts.SourceFilter as why:
@@ -326,7 +362,7 @@ class InetDump:
         backlog = _listener_counts(s.sock)[0] if s.proto == _TCP and s.state == tcp.LISTEN else 0
         return InetSocket(ino=s.fd.ino, family=s.family,
                           type=socket.SOCK_STREAM if s.proto == _TCP else socket.SOCK_DGRAM,
-                          protocol=s.proto, state=s.state if s.proto == _UDP or s.state == tcp.LISTEN else tcp.CLOSE,
+                          protocol=s.proto, state=s.state if s.proto != _TCP or s.state == tcp.LISTEN else tcp.CLOSE,
                           mode=InetMode.CLOSED if s.mode is InetMode.CLOSED else InetMode.PLAIN,
                           src=s.src, sport=s.sport, dst=s.dst, dport=s.dport,
                           shutdown=diag.shutdown(s), backlog=backlog, options=options,
@@ -383,14 +419,15 @@ class InetDump:
 
 
 def _short(s: _Sock) -> str:
-    proto = "TCP" if s.proto == _TCP else "UDP"
+    proto = PROTOCOL_NAMES.get(s.proto, str(s.proto))
     here = endpoint(s.src, s.sport) if s.sport else "unbound"
-    return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if s.dport else "")
+    connected = s.state == tcp.ESTABLISHED if is_ping(s.proto) else s.dport
+    return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if connected else "")
 
 
-def _poll(sock: socket.socket) -> int:
+def _poll(sock: socket.socket, extra: int = 0) -> int:
     p = select.poll()
-    p.register(sock.fileno(), select.POLLIN | select.POLLERR)
+    p.register(sock.fileno(), select.POLLIN | select.POLLERR | extra)
     events = p.poll(0)
     return events[0][1] if events else 0
 
@@ -429,10 +466,44 @@ class _Index:
         return self.by_ends.get((_norm(conn.dst), conn.dport, _norm(conn.src), conn.sport))
 
     def shutdown(self, s: _Sock) -> int:
+        if is_ping(s.proto):
+            return _ping_shutdown(s.sock)
         d = self.by_ino.get(s.fd.ino)
-        if d is None and s.proto == _UDP and s.sport:
-            d = next(iter(inetdiag.inet_sockets(protocols=(_UDP,), families=(s.family,), inodes={s.fd.ino})), None)
+        if d is None and s.proto in DATAGRAM_PROTOCOLS and s.sport:
+            d = next(iter(inetdiag.inet_sockets(protocols=(s.proto,), families=(s.family,), inodes={s.fd.ino})), None)
         return d.shutdown if d is not None else 0
+
+
+def _ping_shutdown(sock: socket.socket) -> int:
+    """RCV_SHUTDOWN of a ping socket (sock_diag has no handler for them): datagram_poll
+    reports it as POLLRDHUP, both ways shut as POLLHUP.  A send side shut alone shows
+    nowhere but in a send, which a dump cannot try: it comes back open."""
+    events = _poll(sock, select.POLLRDHUP)
+    if events & select.POLLHUP:
+        return RCV_SHUTDOWN | SEND_SHUTDOWN
+    return RCV_SHUTDOWN if events & select.POLLRDHUP else 0
+
+
+def ping_table(pid: int | str, family: int) -> dict[int, tuple[int, str]]:
+    """{inode: (state, peer address)} of the ping sockets of the network namespace of `pid`,
+    from /proc/PID/net/icmp or icmp6 (net/ipv4/ping.c ping_v4_format_sock: addresses as
+    the hex of their 32-bit words in host byte order, then ":port" (the echo id), the
+    state, queues, ..., the inode as the tenth field)."""
+    name = "icmp" if family == socket.AF_INET else "icmp6"
+    out: dict[int, tuple[int, str]] = {}
+    try:
+        with open(f"/proc/{pid}/net/{name}") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        words = fields[2].split(":")[0]
+        raw = b"".join(struct.pack("<I", int(words[i:i + 8], 16)) for i in range(0, len(words), 8))
+        out[int(fields[9])] = (int(fields[3], 16), socket.inet_ntop(family, raw))
+    return out
 
 
 def _norm(addr: str) -> str:
@@ -526,7 +597,7 @@ class InetRestore:
                     elif r.mode is InetMode.CLOSED:
                         self.made[r.ino] = self._closed(r)
                     else:
-                        self.made[r.ino] = self._udp(r, raw)
+                        self.made[r.ino] = self._datagram(r, raw)
             out: dict[int, int] = {}
             for d, f in descs.items():
                 s = self.made.get(f.ino)
@@ -543,7 +614,13 @@ class InetRestore:
             raise
 
     def _new(self, r: InetSocket) -> socket.socket:
-        return socket.socket(r.family, r.type, r.protocol)
+        try:
+            return socket.socket(r.family, r.type, r.protocol)
+        except PermissionError as err:
+            if not is_ping(r.protocol):
+                raise
+            raise OSError(err.errno, f"{describe(r)}: no ping socket for group {os.getgid()} in this network "
+                                     f"namespace (add it to net.ipv4.ping_group_range)") from None
 
     def _plain_tcp(self, r: InetSocket) -> socket.socket:
         s = self._new(r)
@@ -642,7 +719,9 @@ class InetRestore:
             raise
         return s
 
-    def _udp(self, r: InetSocket, raw: rawpkt.RawSender) -> socket.socket:
+    def _datagram(self, r: InetSocket, raw: rawpkt.RawSender) -> socket.socket:
+        """A UDP, UDP-Lite or ping socket: its options, address (a ping socket's port is its
+        echo id), queued datagrams (UDP, UDP-Lite), peer, groups, filter and shutdown."""
         s = self._new(r)
         try:
             sockopts.apply_options(s, r.options)
@@ -651,9 +730,9 @@ class InetRestore:
             if r.datagrams:
                 to = r.src if r.src and not ipaddress.ip_address(r.src).is_unspecified else _loopback(r.family)
                 for sender, port, payload in r.datagrams:
-                    raw.udp(sender, port, to, r.sport, payload)
+                    raw.udp(sender, port, to, r.sport, payload, protocol=r.protocol)
                 _check_refill(s, r)
-            if r.dport:
+            if r.dport or is_ping(r.protocol) and r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, r.dport))
             sockopts.join_groups(s, r.multicast)
             sockopts.attach_filter(s, r.filter)

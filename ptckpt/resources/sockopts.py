@@ -39,12 +39,15 @@ _INT = struct.Struct("i")
 
 # (level, name, optname, size or 0 for an int, families or None for any, protocols or None)
 # Order matters at restore: what bind() and listen() depend on comes first.
-_TCP, _UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+_TCP, _UDP, _UDPLITE = socket.IPPROTO_TCP, socket.IPPROTO_UDP, 136
+_DGRAM = (_UDP, _UDPLITE)                   # UDP's options hold for UDP-Lite too
+_PING = (socket.IPPROTO_ICMP, socket.IPPROTO_ICMPV6)
+SOL_UDPLITE = 136
 OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_IPV6, "IPV6_V6ONLY", IPV6_V6ONLY, 0, (socket.AF_INET6,), None),
     (SOL_SOCKET, "SO_REUSEADDR", SO_REUSEADDR, 0, None, None),
     (SOL_SOCKET, "SO_REUSEPORT", 15, 0, None, None),
-    (SOL_SOCKET, "SO_BROADCAST", 6, 0, None, (_UDP,)),
+    (SOL_SOCKET, "SO_BROADCAST", 6, 0, None, _DGRAM + _PING),
     (SOL_SOCKET, "SO_DONTROUTE", 5, 0, None, None),
     (SOL_SOCKET, "SO_NO_CHECK", 11, 0, None, None),
     (SOL_SOCKET, "SO_PASSCRED", 16, 0, None, None),
@@ -74,14 +77,14 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_IP, "IP_FREEBIND", 15, 0, None, None),
     (SOL_IP, "IP_TRANSPARENT", 19, 0, None, None),
     (SOL_IP, "IP_BIND_ADDRESS_NO_PORT", 24, 0, None, None),
-    (SOL_IP, "IP_MULTICAST_IF", 32, 4, (socket.AF_INET,), (_UDP,)),
-    (SOL_IP, "IP_MULTICAST_TTL", 33, 0, None, (_UDP,)),
-    (SOL_IP, "IP_MULTICAST_LOOP", 34, 0, None, (_UDP,)),
-    (SOL_IP, "IP_MULTICAST_ALL", 49, 0, (socket.AF_INET,), (_UDP,)),
+    (SOL_IP, "IP_MULTICAST_IF", 32, 4, (socket.AF_INET,), _DGRAM),
+    (SOL_IP, "IP_MULTICAST_TTL", 33, 0, None, _DGRAM),
+    (SOL_IP, "IP_MULTICAST_LOOP", 34, 0, None, _DGRAM),
+    (SOL_IP, "IP_MULTICAST_ALL", 49, 0, (socket.AF_INET,), _DGRAM),
     (SOL_IPV6, "IPV6_UNICAST_HOPS", 16, 0, (socket.AF_INET6,), None),
-    (SOL_IPV6, "IPV6_MULTICAST_IF", 17, 0, (socket.AF_INET6,), (_UDP,)),
-    (SOL_IPV6, "IPV6_MULTICAST_HOPS", 18, 0, (socket.AF_INET6,), (_UDP,)),
-    (SOL_IPV6, "IPV6_MULTICAST_LOOP", 19, 0, (socket.AF_INET6,), (_UDP,)),
+    (SOL_IPV6, "IPV6_MULTICAST_IF", 17, 0, (socket.AF_INET6,), _DGRAM),
+    (SOL_IPV6, "IPV6_MULTICAST_HOPS", 18, 0, (socket.AF_INET6,), _DGRAM),
+    (SOL_IPV6, "IPV6_MULTICAST_LOOP", 19, 0, (socket.AF_INET6,), _DGRAM),
     (SOL_IPV6, "IPV6_RECVERR", 25, 0, (socket.AF_INET6,), None),
     (SOL_IPV6, "IPV6_RECVPKTINFO", 49, 0, (socket.AF_INET6,), None),
     (SOL_IPV6, "IPV6_TCLASS", 67, 0, (socket.AF_INET6,), None),
@@ -99,9 +102,11 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_TCP, "TCP_USER_TIMEOUT", 18, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_FASTOPEN", 23, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_NOTSENT_LOWAT", 25, 0, None, (_TCP,)),
-    (SOL_UDP, "UDP_CORK", 1, 0, None, (_UDP,)),
+    (SOL_UDP, "UDP_CORK", 1, 0, None, _DGRAM),
     (SOL_UDP, "UDP_SEGMENT", 103, 0, None, (_UDP,)),
     (SOL_UDP, "UDP_GRO", 104, 0, None, (_UDP,)),
+    (SOL_UDPLITE, "UDPLITE_SEND_CSCOV", 10, 0, None, (_UDPLITE,)),
+    (SOL_UDPLITE, "UDPLITE_RECV_CSCOV", 11, 0, None, (_UDPLITE,)),
     (SOL_NETLINK, "NETLINK_PKTINFO", 3, 0, (AF_NETLINK,), None),
     (SOL_NETLINK, "NETLINK_BROADCAST_ERROR", 4, 0, (AF_NETLINK,), None),
     (SOL_NETLINK, "NETLINK_NO_ENOBUFS", 5, 0, (AF_NETLINK,), None),
