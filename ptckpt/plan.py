@@ -82,7 +82,9 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
     * its unix sockets (from their UNIX_SOCKET records: names, connections, queues);
     * the root's stdio (fds 0-2 on a terminal, pipe or socket): ptckpt restore's own,
       also for the members that share them;
-    * files whose description several fds share (after dup or fork).
+    * files whose description several fds share (after dup or fork);
+    * the fds whose state the image holds (eventfd ... epoll, pidfd): pidfds are made once
+      the tree exists, and passed to the stubs then (restore.py, resources.pidfds).
     """
     root = procs[image.inventory.root_pid]
     uses: dict[int, int] = {}
