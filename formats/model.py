@@ -691,6 +691,25 @@ class EpollState:
 
 
 @dataclass(frozen=True)
+class PidfdState:
+    """A pidfd (pidfd_open(2), since format 14): the process it refers to, as the tree sees it
+    (fdinfo Pid:, a member or a zombie of the tree), or -1 once that process has exited and
+    been reaped; the description's PIDFD_NONBLOCK (O_NONBLOCK) and PIDFD_THREAD (O_EXCL) flags.
+    `target` numbers the processes the image's pidfds refer to, from 1: descriptions with
+    the same number refer to one process (the pidfs inode at dump), which is how the
+    pidfds of one dead process come back referring to one dead process again."""
+
+    pid: int
+    flags: int
+    target: int
+    desc: int = 0
+
+    @property
+    def dead(self) -> bool:
+        return self.pid == -1
+
+
+@dataclass(frozen=True)
 class Terminal:
     """A terminal the root's stdio was on: its settings and job control (since format 3)."""
 
@@ -756,7 +775,7 @@ class Pty:
 
 
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,
-                  EpollState, FanotifyState)
+                  EpollState, FanotifyState, PidfdState)
 
 
 # --- System V IPC objects the tree uses (inventory.img, since format 2) --------

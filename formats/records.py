@@ -23,6 +23,7 @@ Grammar (every integer little-endian)::
     INVENTORY file := INVENTORY PLUGIN* ZOMBIE* PIPE* UNIX_SOCKET* SYSV_SHM* SYSV_SEM* SYSV_MSG* GHOST_FILE*
                       SAVED_FILE* EVENTFD* TIMERFD* SIGNALFD* INOTIFY* MEMFD* MQUEUE*
                       EPOLL* TERMINAL* INET_SOCKET* NETLINK_SOCKET* IN_FLIGHT_FD* FANOTIFY* PTY*
+                      PIDFD*
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
@@ -100,6 +101,7 @@ from ptckpt.formats.model import (
     InotifyWatch,
     MemfdState,
     MqueueState,
+    PidfdState,
     SignalfdState,
     Terminal,
     TimerfdState,
@@ -142,7 +144,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 13                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 14                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -156,6 +158,7 @@ FORMAT_VERSION = 13                # 2: trees (desc, zombies, pipes, unix socket
                                    # 12: incremental images (parent, PAGE_PARENT), compressed
                                    #     page data (PAGE_FRAMES), image ids, pre-dumps
                                    # 13: membarrier registrations, the signal of a group stop
+                                   # 14: pidfds (PIDFD)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -199,6 +202,7 @@ class EntryKind(enum.IntEnum):
     FANOTIFY = 45
     IN_FLIGHT_FD = 49
     PTY = 53
+    PIDFD = 54
     TASK = 10
     CREDS = 11
     MM = 12
@@ -891,6 +895,17 @@ FanotifyRecord = Record(FanotifyState, Struct(
 ))
 
 
+# pidfd_open(2): fdinfo "Pid:" (-1 once the process is reaped; kernel/pid.c pidfd_show_fdinfo),
+# the description's flags (PIDFD_NONBLOCK = O_NONBLOCK, PIDFD_THREAD = O_EXCL,
+# include/uapi/linux/pidfd.h), and which descriptions refer to one process (pidfs inode).
+PidfdRecord = Record(PidfdState, Struct(
+    "desc" / VarInt,
+    "pid" / Int32sl,
+    "flags" / Int32ul,
+    "target" / VarInt,
+))
+
+
 class _TargetAdapter(Adapter):
     """(tfd, events, data) <-> EpollTarget."""
 
@@ -1059,6 +1074,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.FD_OWNER: FdOwnerRecord,
     EntryKind.AIO_RING: AioRingRecord,
     EntryKind.FANOTIFY: FanotifyRecord,
+    EntryKind.PIDFD: PidfdRecord,
 }
 KIND_OF: dict[type, EntryKind] = {rec.cls: kind for kind, rec in RECORDS.items()}
 
@@ -1071,7 +1087,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
                                    EntryKind.INOTIFY, EntryKind.MEMFD, EntryKind.MQUEUE,
                                    EntryKind.EPOLL, EntryKind.TERMINAL, EntryKind.INET_SOCKET,
                                    EntryKind.NETLINK_SOCKET, EntryKind.IN_FLIGHT_FD,
-                                   EntryKind.FANOTIFY, EntryKind.PTY}),
+                                   EntryKind.FANOTIFY, EntryKind.PTY, EntryKind.PIDFD}),
     FileKind.CORE: frozenset({
         EntryKind.TASK, EntryKind.CREDS, EntryKind.MM, EntryKind.RLIMIT,
         EntryKind.VMA, EntryKind.THREAD, EntryKind.SIGACTION,
@@ -1111,7 +1127,7 @@ AnyRecord = Union[Inventory, Task, Creds, Mm, Rlimit, Vma, Thread, Sigaction,
                   SemImage, MsgImage, GhostFile, SavedFile, EventfdState, TimerfdState,
                   SignalfdState, InotifyState, MemfdState, MqueueState, EpollState, HeldLock,
                   Terminal, PluginData, InetSocket, NetlinkSocket, PosixTimer, Itimer, FdOwner, InFlightFd,
-                  AioRing, FanotifyState, Pty,
+                  AioRing, FanotifyState, Pty, PidfdState,
                   RawEntry]
 
 

@@ -35,6 +35,7 @@ RLIMITS = 16
 SIGINFO_SIZE = 128
 STOP_SIGNALS = (0, 19, 20, 21, 22)    # not recorded, SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU
 MEMBARRIER_REGISTRATIONS = 0x154      # MEMBARRIER_CMD_REGISTER_{GLOBAL,PRIVATE}_EXPEDITED, _SYNC_CORE, _RSEQ
+PIDFD_FLAGS = 0o4200                  # PIDFD_NONBLOCK (O_NONBLOCK) | PIDFD_THREAD (O_EXCL)
 
 
 class _Refused(Exception):
@@ -258,6 +259,12 @@ def check_shared(name: str, records, pids: set[int], descs: set[int]) -> None:
     for z in records:
         if isinstance(z, model.Zombie) and (not 0 < z.pid < PID_MAX or z.pid in pids):
             _fail(name, f"zombie {z.pid}: out of range or also a live process")
+    zombies = {z.pid for z in records if isinstance(z, model.Zombie)}
+    for r in records:
+        if isinstance(r, model.PidfdState) and (
+                r.pid != -1 and r.pid not in pids | zombies or r.flags & ~PIDFD_FLAGS or r.target < 1):
+            _fail(name, f"pidfd (description {r.desc}) of {r.pid}: not a process or zombie of the image, "
+                        f"nor -1 (dead), or flags {r.flags:#o} / target {r.target} out of range")
     for u in records:
         if isinstance(u, model.UnixSocket) and u.queue_creds and (
                 len(u.queue_creds) != len(u.queue) or any(c[0] and c[0] not in pids for c in u.queue_creds)):

@@ -163,6 +163,8 @@ FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
     "FANOTIFY": {k: _restored("resources.anonfds (which refuses content classes and unread events)")
                  for k in ("fanotify flags", "fanotify ino", "fanotify mnt_id", "fanotify sdev")},
     "EPOLL": {"tfd": _restored("resources.epoll")},
+    "PIDFD": {k: _restored("resources.pidfds (the process it refers to: a member, a zombie of the "
+                           "tree or a dead one; others refused)") for k in ("Pid", "NSpid")},
     "SOCKET": {"scm_fds": _restored("resources.sockets (fds in flight in a unix socket: dumped with "
                                     "their files, passed again; kinds it cannot pass are refused there)")},
 }

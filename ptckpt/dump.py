@@ -40,7 +40,7 @@ from .increment import MemoryPlan
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
 from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
-                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+                        pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -224,7 +224,11 @@ def dump(pid: int, directory: str | None = None, *,
         images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
         if events:
             images = _plugins_frozen(events, session, images, view)
+        # pidfds first: a refusal there comes before capture_sharing_frozen takes pending connections
+        pidfd_states = pidfds.dump_pidfds({p: im.fds for p, im in images.items()},
+                                          {p: im.task.tids for p, im in images.items()}, zombies)
         images, shared = capture_sharing_frozen(pid, images, net, flight, ext_unix_sk)
+        shared += pidfd_states
         shared += events.image_records()
         if save_files:
             shared += files.dump_saved_files(_file_holders(images), save_files)

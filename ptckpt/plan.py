@@ -84,6 +84,8 @@ def plan_handoff(image: ImageReader, procs: dict[int, ProcessImage]) -> dict[int
       also for the members that share them;
     * files whose description several fds share (after dup or fork);
     * fds of namespaces their process is not in, by the mount point the dump found them at.
+    * the fds whose state the image holds (eventfd ... epoll, pidfd): pidfds are made once
+      the tree exists, and passed to the stubs then (restore.py, resources.pidfds).
     """
     root = procs[image.inventory.root_pid]
     uses: dict[int, int] = {}

@@ -51,9 +51,9 @@ from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, root
 from .plugins import Plugin, Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
-                            InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
+                            InotifyState, MsgImage, PidfdState, ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, nsfs,
-                        pids, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+                        pids, pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -317,6 +317,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         pages = {}
         handed: dict = {}
         channel = -1
+        pidfd_states = [s for s in image.fd_states if isinstance(s, PidfdState)]
+        pidfds_made: dict[int, int] = {}      # made once the tree exists, passed over the channel
         net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
         credentials = sockets.QueuedCredentials()      # queues filled once their senders exist
         ns_fd = netns_mod.new_netns() if netns else -1
@@ -333,8 +335,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             files.put_back_saved_files(list(image.saved_files))
             with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
                 # the tree's sockets are made in its network namespace, and it is born there
-                handed = build_handoff(image, procs, handoff, new_pty, events.installs(), bool(events), net,
-                                       credentials)
+                handed = build_handoff(image, procs, handoff, new_pty, events.installs(),
+                                       bool(events) or bool(pidfd_states), net, credentials)
                 master = handed.pop("pty-master", -1)
                 channel = handed.pop("plugin-channel-ours", -1)
                 log.info("create %d", root)
@@ -364,10 +366,15 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                     if p in early and p not in rebuilt:
                         rebuild_memory(created[p], procs[p], image.page_runs(p), pages[p], handed)
                         rebuilt.add(p)
+
+                def make_pidfds(everyone: dict) -> None:
+                    # every member and zombie exists now (the zombies not ended yet)
+                    pidfds_made.update(pidfds.create_pidfds(pidfd_states, {p: t.tgid for p, t in everyone.items()}))
                 _create_tree(procs, image.zombies, helpers, created,
                              _new_tty(image, procs, handed) if new_pty else None,
                              events.bind_mounts() if events else [], own_session=not joins, lead=leads,
-                             ptys=_pty_ttys(image, procs, handed), memory_first=memory_first)
+                             ptys=_pty_ttys(image, procs, handed), memory_first=memory_first,
+                             all_made=make_pidfds)
                 procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
                 credentials.fill({p: created[p].tgid for p in members})
                 to_detach = []
@@ -376,7 +383,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 for p in fix_up_order(procs):
                     warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), pages[p],
                                               handed, epolls.get(p, []), events, channel, breaks[p],
-                                              memory_done=p in rebuilt, lazy=server)
+                                              memory_done=p in rebuilt, lazy=server, pidfds_made=pidfds_made)
                     result.warnings += warnings
                     to_detach += tasks
                     testhooks.reached("restore-fixup")
@@ -475,6 +482,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             raise
         finally:
             credentials.close()
+            pidfds.close_all(pidfds_made)
             if ns_fd >= 0:
                 os.close(ns_fd)
             for sources in pages.values():
@@ -690,7 +698,8 @@ def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
                  binds: Sequence[tuple[str, str]] = (), own_session: bool = True, lead: bool = False,
-                 ptys: dict[int, tuple[int, int]] | None = None, memory_first=lambda pid: None) -> None:
+                 ptys: dict[int, tuple[int, int]] | None = None, memory_first=lambda pid: None,
+                 all_made=lambda created: None) -> None:
     """Every member, zombie and group helper as a stub, children cloned inside their parent's
     stub; then sessions and process groups; then the zombies and helpers end.
 
@@ -708,7 +717,9 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
     lead=True: a root that did not lead its session leads one (with the members of
     its session), so that the new pty can be its controlling terminal.
     `memory_first(pid)` runs before a member's first child is cloned (a parent whose
-    children share pages with it copy-on-write gets its memory first).
+    children share pages with it copy-on-write gets its memory first).  `all_made(created)`
+    runs once every member, zombie and helper exists, before the zombies end (pidfds
+    are made on them then).
     """
     members = list(procs)
     records = {p: procs[p].task for p in members}
@@ -752,6 +763,7 @@ def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict
         if fg in created and leader in created:
             with _stub_syscalls(created[leader]) as remote:
                 terminals.set_foreground_frozen(remote, fd, fg)
+    all_made(created)
     for z in zombies:
         task = created.pop(z.pid)
         pids.end_stub(task, task.gadget or gadget_address(), z.wait_status)
@@ -840,9 +852,10 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             opened[rec.desc], slave_fds = terminals.create_pty(rec, len(mine))
             opened.update(zip(mine, slave_fds))
         made = {}
+        later = {s.desc for s in image.fd_states if isinstance(s, PidfdState)}   # once the tree exists
         for state in image.fd_states:
             f = plan.get(state.desc)
-            if f is None:
+            if f is None or state.desc in later:
                 continue
             key = (os.major(f.dev), os.minor(f.dev), f.ino) if f.kind is FdKind.MEMFD else None
             if key in made:                           # another description of one memfd
@@ -853,7 +866,7 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             if key is not None:                       # the same object for its mappings
                 made[key] = opened[state.desc]
         for d, f in plan.items():
-            if d in opened or f.kind is FdKind.SOCKET and f.ino in socket_inos:
+            if d in opened or d in later or f.kind is FdKind.SOCKET and f.ino in socket_inos:
                 continue
             tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
             if tty is not None and "pty-master" not in opened:
@@ -1018,7 +1031,8 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 
 def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
-            channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None):
+            channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None,
+            pidfds_made: dict | None = None):
     """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
     the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
     still stopped)."""
@@ -1034,10 +1048,15 @@ def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
             own_table = not proc.task.shares_files       # else its parent makes the fds for both
             if own_table:
-                files.restore_fds_frozen(remote, list(proc.fds), inherited, handed,
+                # the pidfds ptckpt made once the tree existed come over the channel, above every fd
+                received = pidfds.install_pidfds_frozen(
+                    remote, channel, chan, pidfds_made, proc.fds,
+                    1 + max([2, *inherited] + [f.fd for f in proc.fds])) if pidfds_made else {}
+                files.restore_fds_frozen(remote, list(proc.fds), inherited, {**handed, **received},
                                          extra=[(fd, key[2]) for key, fd in handed.items()
                                                 if isinstance(key, tuple) and key[:2] == ("install", vpid)],
                                          keep={chan, *dirs.values()})
+                pidfds.close_received_frozen(remote, received)
                 for epfd, state in epolls:
                     epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
             warnings += process.restore_task_frozen(remote, proc.task, dirs)

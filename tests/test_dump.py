@@ -197,13 +197,13 @@ def test_fds_are_recorded_with_kind_flags_and_position(spawn, ptckpt, tmp_path):
 
 
 def test_unrestorable_fd_kind_is_refused_by_name(spawn, ptckpt, tmp_path):
-    script = idle_script(tmp_path, "pidfd.py", "import os, time\npfd = os.pidfd_open(os.getpid())\n")
+    script = idle_script(tmp_path, "nsfd.py", "import os, time\nns = os.open('/proc/self/ns/uts', os.O_RDONLY)\n")
     target = spawn(str(script), out=False)
-    fd = next(int(n) for n in os.listdir(f"/proc/{target.pid}/fd")
-              if os.readlink(f"/proc/{target.pid}/fd/{n}").startswith("anon_inode:[pidfd]"))
+    links = {int(n): os.readlink(f"/proc/{target.pid}/fd/{n}") for n in os.listdir(f"/proc/{target.pid}/fd")}
+    fd, link = next((n, link) for n, link in links.items() if link.startswith("uts:["))
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
     assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
-    assert f"fd {fd} -> anon_inode:[pidfd] (pidfd) is not supported" in res.stderr
+    assert f"fd {fd} -> {link} (nsfs) is not supported" in res.stderr
     assert not (tmp_path / "img").exists() and pid_alive(target.pid)
 
 

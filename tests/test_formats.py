@@ -43,6 +43,7 @@ from ptckpt.formats.model import (
     InotifyWatch,
     MemfdState,
     MqueueState,
+    PidfdState,
     SignalfdState,
     Terminal,
     TimerfdState,
@@ -240,6 +241,8 @@ def sample_records() -> list:
             FanotifyState(init_flags=0x200, event_flags=0o100000, flags=0o4000, desc=12,
                           marks=(FanotifyMark(0, ODD_PATH, 0x40, 0, 0x8), FanotifyMark(1, "/", 0, 2**40, 0),
                                  FanotifyMark(2, "/tmp", 0x200, 0x20, 0))),
+            PidfdState(pid=100, flags=0o4200, target=1, desc=13),
+            PidfdState(pid=-1, flags=0, target=2, desc=14),
             PluginData(name="vendor", version="1.2", pid=-1, key="", data=b""),
             PluginData(name="vendor", version="1.2", pid=100, key="emulator-state", data=b"\x00state")]
 
@@ -374,7 +377,7 @@ def test_parent_pages_fast_path_matches_construct():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0d00" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0e00" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
@@ -412,6 +415,13 @@ def test_stop_signal_and_membarrier_since_format_13():
     raw = build_record(mm)
     assert raw.endswith(bytes.fromhex("14000000")) and parse_record(EntryKind.MM, raw) == mm
     assert parse_record(EntryKind.MM, raw[:-4], version=12) == dataclasses.replace(mm, membarrier=0)
+
+
+def test_pidfd_entry_since_format_14():
+    assert encode_entry(PidfdState(pid=-1, flags=0o4200, target=3, desc=300)) == bytes.fromhex(
+        "3600" "0000" "0b000000" "ac02" "ffffffff" "80080000" "03")    # desc pid flags target
+    assert parse_record(EntryKind.PIDFD, bytes.fromhex("05" "64000000" "00000000" "01")) == PidfdState(
+        pid=100, flags=0, target=1, desc=5)
 
 
 def test_unix_socket_queue_credentials_since_format_9():
@@ -800,6 +810,20 @@ def test_missing_per_process_file(image_dir):
     os.unlink(image_dir / "pagemap-200.img")
     with pytest.raises(CorruptImage, match="pagemap-200.img: corrupt image: missing"):
         ImageReader(image_dir).open()
+
+
+@pytest.mark.parametrize("state", [PidfdState(pid=999, flags=0, target=1, desc=1),      # not in the image
+                                   PidfdState(pid=100, flags=0o2, target=1, desc=1),      # O_RDWR: no pidfd flag
+                                   PidfdState(pid=-1, flags=0, target=0, desc=1)])
+def test_pidfd_of_no_process_of_the_image_is_corrupt(tmp_path, state):
+    with ImageWriter(tmp_path / "ckpt") as image:
+        image.write_inventory(make_inventory((100, 200)), [state])
+        for pid in (100, 200):
+            image.write_process(make_process(pid))
+            with image.pages_writer(pid) as pages:
+                pages.add_run(0x7f0000000000, 1, pages.write(PAGE_A))
+    with pytest.raises(CorruptImage, match="pidfd"):
+        ImageReader(tmp_path / "ckpt").open()
 
 
 def _rewrite_core(path, records):

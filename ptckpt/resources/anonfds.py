@@ -630,7 +630,7 @@ def _unescape(field: bytes) -> str:
 def _dump_memfd(t: _Target, info: procfs.FdInfo) -> MemfdState:
     name = t.link.removeprefix("/memfd:").removesuffix(" (deleted)")
     with _copy(t) as copy:
-        if _fs_type(copy) == HUGETLBFS_MAGIC:
+        if fs_type(copy) == HUGETLBFS_MAGIC:
             raise t.unsupported("a hugetlb memfd (MFD_HUGETLB)")
         st = os.fstat(copy)
         seals = fcntl.fcntl(copy, F_GET_SEALS)
@@ -651,7 +651,8 @@ def _pread_all(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _fs_type(fd: int) -> int:
+def fs_type(fd: int) -> int:
+    """The file system magic (statfs f_type) of the file `fd` is open on."""
     buf = _Statfs()
     _check(_fstatfs(fd, ctypes.byref(buf)), "fstatfs")
     return buf.f_type & 0xFFFFFFFF
@@ -662,7 +663,7 @@ def is_mqueue(pid: int, fd: int) -> bool:
     namespace's internal mount, which /proc/PID/mountinfo does not list.)"""
     try:
         with _copy(_Target(pid, fd, "")) as copy:
-            return _fs_type(copy) == MQUEUE_MAGIC
+            return fs_type(copy) == MQUEUE_MAGIC
     except OSError:
         return False
 
@@ -671,7 +672,7 @@ def _dump_mqueue(t: _Target, info: procfs.FdInfo) -> MqueueState:
     path = t.link.removesuffix(" (deleted)")
     name = "/" + path.rsplit("/", 1)[-1]
     with _copy(t) as copy:
-        if _fs_type(copy) != MQUEUE_MAGIC:
+        if fs_type(copy) != MQUEUE_MAGIC:
             raise t.unsupported("not a POSIX message queue")
         attr = _getattr(copy)
         st = os.fstat(copy)

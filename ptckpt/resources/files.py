@@ -50,11 +50,12 @@ _ANON_KINDS = {
 _NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "time:")
 
 # Kinds the restore side recreates (regular files and directories by path,
-# the stdio terminal/pipe of a shell job, character devices like /dev/null).
+# the stdio terminal/pipe of a shell job, character devices like /dev/null; a pidfd
+# of a process outside the tree is refused by resources.pidfds).
 RESTORABLE_KINDS = frozenset({
     FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
     FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
-}) | ANON_FD_KINDS | {FdKind.EPOLL}
+}) | ANON_FD_KINDS | {FdKind.EPOLL, FdKind.PIDFD}
 
 
 def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = "") -> FdKind:

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import procfs, testhooks
-from ..formats.model import MsgImage, ProcessImage, SemImage, ShmImage, Terminal, UnixSocket, Zombie
+from ..formats.model import MsgImage, PidfdState, ProcessImage, SemImage, ShmImage, Terminal, UnixSocket, Zombie
 from ..errors import PidBusy, PrivilegeNeeded, PtckptError, TargetVanished, TraceeError, UnsupportedResource
 from ..restorer.stub import stub_memfd
 from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
@@ -189,6 +189,8 @@ def virtual_records(view: PidView, records: list) -> list:
             r = dataclasses.replace(r, pids=tuple(map(v, r.pids)))
         elif isinstance(r, MsgImage):
             r = dataclasses.replace(r, lspid=v(r.lspid), lrpid=v(r.lrpid))
+        elif isinstance(r, PidfdState):
+            r = dataclasses.replace(r, pid=v(r.pid))
         elif isinstance(r, UnixSocket) and r.queue_creds:
             r = dataclasses.replace(r, queue_creds=tuple((v(p) if p else 0, u, g) for p, u, g in r.queue_creds))
         out.append(r)
