@@ -841,7 +841,8 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
             mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
             if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
                 mine.append(ctty_key(rec))           # (it may hold none: opened and closed it)
-            master, slave_fds = terminals.create_pty(rec, len(mine))
+            master, slave_fds = terminals.create_pty(rec, [plan[d].flags if d in plan else os.O_RDWR
+                                                           for d in mine])
             if master >= 0:
                 opened[rec.desc] = master
             opened.update(zip(mine, slave_fds))

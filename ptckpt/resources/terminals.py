@@ -78,6 +78,7 @@ PTMX_DEV = (5, 2)                          # every master is an open of a ptmx i
 
 O_NOCTTY = 0o400
 O_CLOEXEC = 0o2000000
+O_LARGEFILE = 0o100000          # what open(2) adds by itself on 64-bit
 
 # relay(): the exit status when until_pid was not our child and had been reaped
 # by its own parent before its status could be read.
@@ -525,9 +526,10 @@ def _write_raw(slave: int, tio: Termios, data: bytes) -> None:
         _set_termios(slave, tio)
 
 
-def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
-    """A new pty pair for image record `rec`: (its master, `slaves` opens of its slave), all
-    O_NOCTTY and close-on-exec, with the recorded termios, window size, packet mode and lock,
+def create_pty(rec: Pty, slaves: Sequence[int]) -> tuple[int, list[int]]:
+    """A new pty pair for image record `rec`: (its master, an open of its slave for each of
+    the open flags `slaves`), all O_NOCTTY and close-on-exec (FD_CLOEXEC: TIOCGPTPEER would
+    keep an O_CLOEXEC among the file's own flags), with the recorded termios, window size, packet mode and lock,
     the recorded output waiting in the master and the recorded input in the slave side.
     The same index when it is free (devpts gives the lowest free one: lower free ones are
     held meanwhile).  A hung-up pty (the tree had closed its master): its slaves are
@@ -545,8 +547,10 @@ def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
                 break
             held.append(fd)
         fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(0))
-        for _ in range(max(slaves, 1)):
-            opened.append(fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC))
+        for flags in slaves or [os.O_RDWR]:
+            flags = flags & ~(O_CLOEXEC | os.O_NONBLOCK) | O_NOCTTY | O_LARGEFILE
+            opened.append(fcntl.ioctl(master, TIOCGPTPEER, flags))
+            fcntl.fcntl(opened[-1], fcntl.F_SETFD, fcntl.FD_CLOEXEC)
         if rec.hung_up:
             os.close(master)                    # tty_vhangup of the slaves
             master = -1
