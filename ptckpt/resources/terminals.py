@@ -314,10 +314,12 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
     master and written back at once on the slave with output processing off; the input
     is read from the slave (a line per canonical read, then the unfinished line with
     ICANON off) and typed back at once (:func:`type_in`), so a tree left running reads
-    both again.  Packet mode is off meanwhile (turning it on again clears the status
-    byte, which must be empty: a status not read yet is refused), so that neither our
-    reads nor our termios changes leave a status behind.  Typing back needs TIOCSTI, so
-    CAP_SYS_ADMIN: without it a pty with typed input waiting is refused.
+    both again.  Packet mode is off meanwhile (turning it on again clears the status byte,
+    which must be empty: a status not read yet is refused), so that neither our reads nor
+    our termios changes leave a status behind.  Typing back needs TIOCSTI, so CAP_SYS_ADMIN:
+    without it a pty with complete lines typed and unread is refused, and a line not
+    ended yet (which TIOCINQ does not count, and which cannot be seen without taking it)
+    stays for a tree left running but is not in the image.
     """
     copy = pidfd_getfd(pid, fd)
     slave = -1
@@ -338,7 +340,9 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
                 raise UnsupportedResource(pid, f"{what} in packet mode with a status byte (TIOCPKT_*) "
                                                f"its program has not read yet (dump again once it has)")
         slave = fcntl.ioctl(copy, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC | os.O_NONBLOCK)
-        if not can_type_in():
+        typing = can_type_in()
+        if not typing:
+            # (an unfinished canonical line is not counted, and cannot be seen without taking it)
             typed = _int_ioctl(slave, TIOCINQ)
             if typed:
                 raise UnsupportedResource(pid, f"{what} with {typed} bytes typed into the pty that the "
@@ -348,8 +352,13 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
             fcntl.ioctl(copy, TIOCPKT, PID_T.pack(0))
             paused = True
         output = _read_pending(copy)
-        typed, lines = take_typed(slave, tio)
-        type_in(slave, tio, typed, lines)
+        typed, lines = take_typed(slave, tio) if typing else (b"", ())
+        try:
+            type_in(slave, tio, typed, lines)
+        except OSError as err:
+            raise PtckptError(f"cannot type the {len(typed)} bytes waiting in /dev/pts/{index} back into "
+                              f"it (process {pid} fd {fd}): {err.strerror}; the program on it lost "
+                              f"them") from None
         if output:
             _write_raw(slave, tio, output)
     except OSError as err:
