@@ -743,7 +743,7 @@ class Pty:
     len(input_lines) lines (each as one canonical read returned it) then the rest, a line
     not ended yet (all of it when the slave was not in canonical mode).  `hung_up`: the tree
     had closed the master (the slaves it holds are hung up, /dev/pts/N (deleted)); `desc`
-    is then a number of no description, and the settings are not recorded.
+    is then 0 (no master), and the settings are not recorded.
     """
 
     desc: int                 # the master's open file description
