@@ -757,7 +757,12 @@ class Pty:
     """A pty pair whose master the tree holds (a tmux server, script, expect; since format 8).
 
     Its slaves in the tree are the Fds of the pty's index (st_rdev); `output` is what the
-    slave side wrote that the master had not read yet, given back to the new pair's master.
+    slave side wrote that the master had not read yet, given back to the new pair's master;
+    `input` what was typed into the master that the slave side had not read yet, its first
+    len(input_lines) lines (each as one canonical read returned it) then the rest, a line
+    not ended yet (all of it when the slave was not in canonical mode).  `hung_up`: the tree
+    had closed the master (the slaves it holds are hung up, /dev/pts/N (deleted)); `desc`
+    is then 0 (no master), and the settings are not recorded.
     """
 
     desc: int                 # the master's open file description
@@ -772,6 +777,9 @@ class Pty:
     locked: bool              # TIOCGPTLCK: the slave cannot be opened yet
     packet: bool              # TIOCGPKT: packet mode on the master
     output: bytes = b""
+    input: bytes = b""                      # since format 14
+    input_lines: tuple[int, ...] = ()       # since format 14
+    hung_up: bool = False                   # since format 14
 
 
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,

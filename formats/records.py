@@ -158,7 +158,7 @@ FORMAT_VERSION = 14                # 2: trees (desc, zombies, pipes, unix socket
                                    # 12: incremental images (parent, PAGE_PARENT), compressed
                                    #     page data (PAGE_FRAMES), image ids, pre-dumps
                                    # 13: membarrier registrations, the signal of a group stop
-                                   # 14: pidfds (PIDFD)
+                                   # 14: pidfds (PIDFD); ptys: typed input not read yet, hung-up slaves
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -943,7 +943,10 @@ TerminalRecord = Record(Terminal, Struct(
 # --- PTY ---------------------------------------------------------------------------
 # pty(7), tty_ioctl(4): TIOCGPTN (the index), TCGETS2 and TIOCGWINSZ on the master (they act
 # on the pair), TIOCGSID and TIOCGPGRP on the master (the slave's session and foreground
-# group), TIOCGPTLCK, TIOCGPKT; the bytes read from the master that the slave had written.
+# group), TIOCGPTLCK, TIOCGPKT; the bytes read from the master that the slave had written;
+# those read from the slave that the master had written (n_tty's read buffer: canonical
+# reads line by line, then the unfinished line with ICANON off); a slave whose master was
+# closed is hung up (tty_vhangup: its ioctls fail with EIO).
 PtyRecord = Record(Pty, Struct(
     "desc" / VarInt,
     "index" / VarInt,
@@ -957,6 +960,9 @@ PtyRecord = Record(Pty, Struct(
     "locked" / Flag,
     "packet" / Flag,
     "output" / Blob,
+    "input" / Since(14, Blob),
+    "input_lines" / Since(14, PrefixedArray(VarInt, VarInt)),
+    "hung_up" / Since(14, Flag),
 ))
 
 

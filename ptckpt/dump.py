@@ -469,9 +469,10 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     sockets.refuse_in_flight(flight)
     held = {**fds, flight.holder: flight.fds} if flight.fds else fds
     masters = _pty_masters(fds)
+    hung = _hung_up_ptys(fds, masters)
     inside = {d for d, _p, _f in masters.values()} | {
         f.desc for flist in fds.values() for f in flist
-        if f.kind is FdKind.PTY_SLAVE and terminals.slave_index(f.rdev) in masters}
+        if f.kind is FdKind.PTY_SLAVE and terminals.slave_index(f.rdev) in masters.keys() | hung.keys()}
     objects: dict[str, list[tuple[int, Fd]]] = {}
     for p, flist in held.items():
         for f in flist:
@@ -486,12 +487,18 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
                + files.owners_outside(p, list(images[p].owners), tree, {im.task.pgid for im in images.values()}))
         if bad:
             raise UnsupportedResource(p, bad[0])
-    outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}, set(images) | {os.getpid()})
+    outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}
+                                | {f.path for _p, f in hung.values()}, set(images) | {os.getpid()})
     for n, (_d, p, f) in masters.items():
         if f"/dev/pts/{n}" in outside:
             q, m = outside[f"/dev/pts/{n}"][0]
             raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
                                 f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
+    for n, (p, f) in hung.items():
+        if f.path in outside:
+            q, m = outside[f.path][0]
+            raise SharedOutside(p, f.fd, f"{f.path} (a hung-up pty slave: its master was closed)",
+                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds it too")
     internal_pipes = []
     for link, holders in objects.items():
         if all(f.desc in stdio for _p, f in holders):
@@ -512,7 +519,7 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         net = inet.InetDump(inet.Policy(), "")
     out = (pipes.dump_pipes(held, internal_pipes) + net.capture_frozen(fds, stdio)
            + netlink.dump_netlink_sockets(fds) + states + _terminals(root, fds[root])
-           + _ptys_frozen(masters, set(images)) + ghosts
+           + _ptys_frozen(masters, set(images)) + [terminals.hung_up_record(n) for n in hung] + ghosts
            + flight.records())
     # Last: reading a pending connection's data accepts it, which only a kill makes good.
     return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
@@ -565,6 +572,19 @@ def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:
             if f.kind is FdKind.PTY_MASTER and f.desc not in seen:
                 seen.add(f.desc)
                 out[terminals.master_index(p, f.fd)] = (f.desc, p, f)
+    return out
+
+
+def _hung_up_ptys(fds: dict[int, list[Fd]], masters) -> dict[int, tuple[int, Fd]]:
+    """{pty index: (a pid holding it, its fd)} for each pty whose slaves the tree holds and
+    whose master was closed (the slaves are hung up: /dev/pts/N (deleted), EIO)."""
+    out: dict[int, tuple[int, Fd]] = {}
+    for p, flist in fds.items():
+        for f in flist:
+            if f.kind is FdKind.PTY_SLAVE and not files.is_controlling_tty(f):
+                n = terminals.slave_index(f.rdev)
+                if n not in masters and n not in out and terminals.is_hung_up(p, f.fd):
+                    out[n] = (p, f)
     return out
 
 

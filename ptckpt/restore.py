@@ -685,15 +685,20 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
 def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
     """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
     the tree that is the controlling terminal of a session of the tree."""
-    slaves = pty_slaves(image, procs)
     virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
     out = {}
     for rec in image.ptys:
-        fd = next((handed[d] for d, n in slaves.items() if n == rec.index and d in handed), None)
+        fd = handed.get(ctty_key(rec))
         sid = virtual.get(rec.sid, rec.sid)
         if fd is not None and sid in procs and procs[sid].task.sid == sid:
             out[sid] = (fd, virtual.get(rec.fg_pgrp, rec.fg_pgrp))
     return out
+
+
+def ctty_key(rec) -> tuple[str, int]:
+    """build_handoff's key of the slave it opens for the session whose controlling terminal
+    pty `rec` is (closed in every stub at fix-up: no fd of the image)."""
+    return ("ctty", rec.index)
 
 
 def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
@@ -849,7 +854,12 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         slaves = pty_slaves(image, procs)
         for rec in image.ptys:                       # the tree's own pty pairs, master and slaves
             mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
-            opened[rec.desc], slave_fds = terminals.create_pty(rec, len(mine))
+            if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
+                mine.append(ctty_key(rec))           # (it may hold none: opened and closed it)
+            master, slave_fds = terminals.create_pty(rec, [plan[d].flags if d in plan else os.O_RDWR
+                                                           for d in mine])
+            if master >= 0:
+                opened[rec.desc] = master
             opened.update(zip(mine, slave_fds))
         made = {}
         later = {s.desc for s in image.fd_states if isinstance(s, PidfdState)}   # once the tree exists

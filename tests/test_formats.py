@@ -226,7 +226,10 @@ def sample_records() -> list:
             Terminal(termios=bytes(range(44)), rows=40, cols=120, xpixel=1920, ypixel=1280, fg_pgrp=77,
                      sid=-1, controlling=True, desc=11),
             Pty(desc=12, index=300, termios=bytes(range(44)), rows=25, cols=90, xpixel=0, ypixel=0, sid=4000,
-                fg_pgrp=-1, locked=False, packet=True, output=b"\r\nbash$ " * 100),
+                fg_pgrp=-1, locked=False, packet=True, output=b"\r\nbash$ " * 100, input=b"ls\nvi",
+                input_lines=(3,)),
+            Pty(desc=13, index=301, termios=b"", rows=0, cols=0, xpixel=0, ypixel=0, sid=-1, fg_pgrp=-1,
+                locked=False, packet=False, hung_up=True),
             InetSocket(ino=88, family=10, type=1, protocol=6, state=8, mode=InetMode.REPAIRED, src="::1",
                        sport=8080, dst="::ffff:127.0.0.1", dport=45000, shutdown=1, options=((1, 2, b"\1\0\0\0"),),
                        rcv_seq=2**32 - 1, snd_seq=5, recv_queue=b"r" * 3000, send_queue=b"s" * 70000, unsent=100,
@@ -372,6 +375,17 @@ def test_parent_pages_fast_path_matches_construct():
     assert blob == b"".join(RECORDS[EntryKind.PAGE_PARENT].build(r) and encode_entry(r) for r in ranges)
     assert decode_entries(blob) == ranges
     assert RECORDS[EntryKind.PAGE_PARENT].parse(blob[8:24]) == ranges[0]
+
+
+def test_pty_format_14_fields():
+    """A PTY record of format 14 ends with the typed input, its line lengths and hung_up; a
+    format-13 one has none of them and takes the defaults (no input, not hung up)."""
+    pty = Pty(desc=3, index=1, termios=b"", rows=0, cols=0, xpixel=0, ypixel=0, sid=-1, fg_pgrp=-1,
+              locked=False, packet=False, output=b"o", input=b"ab\nc", input_lines=(3,), hung_up=True)
+    payload = build_record(pty)
+    assert payload.endswith(bytes.fromhex("01" "6f" "04" "61620a63" "0103" "01"))
+    old = parse_record(EntryKind.PTY, payload[:-8], version=13)
+    assert old == dataclasses.replace(pty, input=b"", input_lines=(), hung_up=False)
 
 
 def test_golden_bytes():

@@ -78,6 +78,7 @@ PTMX_DEV = (5, 2)                          # every master is an open of a ptmx i
 
 O_NOCTTY = 0o400
 O_CLOEXEC = 0o2000000
+O_LARGEFILE = 0o100000          # what open(2) adds by itself on 64-bit
 
 # relay(): the exit status when until_pid was not our child and had been reaped
 # by its own parent before its status could be read.
@@ -298,17 +299,31 @@ def _int_ioctl(fd: int, request: int) -> int:
     return PID_T.unpack(fcntl.ioctl(fd, request, bytes(PID_T.size)))[0]
 
 
-def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
-    """The pty pair of master fd `fd` of frozen `pid`: settings, job control and the bytes
-    the slave side wrote that the master has not read.  Those are read from the master
-    (nothing else reads it while the tree is frozen) and written back at once on the
-    slave with output processing off, so a tree left running reads them again.
+TIOCSTI = 0x5412               # one byte into the tty's input, as if typed (CAP_SYS_ADMIN)
+EXTPROC = 0o200000
+CAP_SYS_ADMIN = 21
+_LINE_MAX = 4096               # n_tty's read buffer: a canonical line is shorter
 
-    Bytes typed into the pty that the program on the slave has not read yet cannot be
-    taken without being lost for it: a pty holding some is refused.
+
+def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
+    """The pty pair of master fd `fd` of frozen `pid`: settings, job control, the bytes the
+    slave side wrote that the master has not read, and those typed into the master that
+    the program on the slave has not read.
+
+    Nothing else reads either side while the tree is frozen.  The output is read from the
+    master and written back at once on the slave with output processing off; the input
+    is read from the slave (a line per canonical read, then the unfinished line with
+    ICANON off) and typed back at once (:func:`type_in`), so a tree left running reads
+    both again.  Packet mode is off meanwhile (turning it on again clears the status byte,
+    which must be empty: a status not read yet is refused), so that neither our reads nor
+    our termios changes leave a status behind.  Typing back needs TIOCSTI, so CAP_SYS_ADMIN:
+    without it a pty with complete lines typed and unread is refused, and a line not
+    ended yet (which TIOCINQ does not count, and which cannot be seen without taking it)
+    stays for a tree left running but is not in the image.
     """
     copy = pidfd_getfd(pid, fd)
     slave = -1
+    paused = False                              # packet mode turned off, to turn on again
     try:
         index = struct.unpack("<I", fcntl.ioctl(copy, TIOCGPTN, bytes(4)))[0]
         tio = _get_termios(copy)
@@ -317,28 +332,82 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
         fg = _ioctl_pid(copy, TIOCGPGRP)
         locked = bool(_int_ioctl(copy, TIOCGPTLCK))
         packet = bool(_int_ioctl(copy, TIOCGPKT))
+        what = f"fd {fd} -> /dev/ptmx (the master of /dev/pts/{index})"
+        if packet:
+            poller = select.poll()
+            poller.register(copy, select.POLLPRI)
+            if poller.poll(0):
+                raise UnsupportedResource(pid, f"{what} in packet mode with a status byte (TIOCPKT_*) "
+                                               f"its program has not read yet (dump again once it has)")
         slave = fcntl.ioctl(copy, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC | os.O_NONBLOCK)
-        typed = _int_ioctl(slave, TIOCINQ)
-        if typed:
-            raise UnsupportedResource(pid, f"fd {fd} -> /dev/ptmx (the master of /dev/pts/{index}) with "
-                                           f"{typed} bytes typed into the pty that the program on it has "
-                                           f"not read yet (dump again once it has)")
-        output = _read_pending(copy, packet)
+        typing = can_type_in()
+        if not typing:
+            # (an unfinished canonical line is not counted, and cannot be seen without taking it)
+            typed = _int_ioctl(slave, TIOCINQ)
+            if typed:
+                raise UnsupportedResource(pid, f"{what} with {typed} bytes typed into the pty that the "
+                                               f"program on it has not read yet: putting them back needs "
+                                               f"CAP_SYS_ADMIN (TIOCSTI); dump as root, or once it has read them")
+        if packet:
+            fcntl.ioctl(copy, TIOCPKT, PID_T.pack(0))
+            paused = True
+        output = _read_pending(copy)
+        typed, lines = take_typed(slave, tio) if typing else (b"", ())
+        try:
+            type_in(slave, tio, typed, lines)
+        except OSError as err:
+            raise PtckptError(f"cannot type the {len(typed)} bytes waiting in /dev/pts/{index} back into "
+                              f"it (process {pid} fd {fd}): {err.strerror}; the program on it lost "
+                              f"them") from None
         if output:
             _write_raw(slave, tio, output)
     except OSError as err:
         raise PtckptError(f"cannot read the pty of process {pid} fd {fd}: {err.strerror}") from None
     finally:
+        if paused:
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(copy, TIOCPKT, PID_T.pack(1))
         os.close(copy)
         if slave >= 0:
             os.close(slave)
     return Pty(desc=desc, index=index, termios=tio.pack(), rows=win.rows, cols=win.cols, xpixel=win.xpixel,
                ypixel=win.ypixel, sid=-1 if sid is None else sid, fg_pgrp=-1 if fg is None else fg,
-               locked=locked, packet=packet, output=output)
+               locked=locked, packet=packet, output=output, input=typed, input_lines=lines)
 
 
-def _read_pending(master: int, packet: bool) -> bytes:
-    """What the master can read now, without waiting (packet mode: the data bytes only)."""
+def is_hung_up(pid: int, fd: int) -> bool:
+    """Fd `fd` of `pid` is a tty that was hung up (a pty slave whose master was closed:
+    tty_vhangup gave its open files hung_up_tty_fops, whose ioctls fail with EIO)."""
+    copy = pidfd_getfd(pid, fd)
+    try:
+        _get_termios(copy)
+    except OSError as err:
+        return err.errno == errno.EIO
+    finally:
+        os.close(copy)
+    return False
+
+
+def hung_up_record(index: int) -> Pty:
+    """The PTY record of pty `index`, whose master the tree closed (its slaves are hung up)."""
+    return Pty(desc=0, index=index, termios=b"", rows=0, cols=0, xpixel=0, ypixel=0, sid=-1, fg_pgrp=-1,
+               locked=False, packet=False, hung_up=True)
+
+
+def can_type_in() -> bool:
+    """TIOCSTI on a tty that is not ours needs CAP_SYS_ADMIN in the initial user namespace."""
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+        with open("/proc/self/uid_map") as f:
+            initial = f.read().split() == ["0", "0", "4294967295"]
+    except (OSError, StopIteration, ValueError):
+        return False
+    return initial and bool(eff >> CAP_SYS_ADMIN & 1)
+
+
+def _read_pending(master: int) -> bytes:
+    """What the master can read now, without waiting (not in packet mode)."""
     flags = fcntl.fcntl(master, fcntl.F_GETFL)
     fcntl.fcntl(master, fcntl.F_SETFL, flags | os.O_NONBLOCK)
     out = b""
@@ -350,10 +419,104 @@ def _read_pending(master: int, packet: bool) -> bytes:
                 break
             if not data:
                 break
-            out += data[1:] if packet else data
+            out += data
     finally:
         fcntl.fcntl(master, fcntl.F_SETFL, flags)
     return out
+
+
+def _with(tio: Termios, *, iflag: int | None = None, lflag: int | None = None,
+          cc: Mapping[int, int] = {}) -> Termios:
+    chars = bytearray(tio.cc)
+    for i, v in cc.items():
+        chars[i] = v
+    return Termios(tio.iflag if iflag is None else iflag, tio.oflag, tio.cflag,
+                   tio.lflag if lflag is None else lflag, tio.line, bytes(chars), tio.ispeed, tio.ospeed)
+
+
+def _canonical(tio: Termios) -> bool:
+    return bool(tio.lflag & termios.ICANON) and not tio.lflag & EXTPROC
+
+
+def take_typed(slave: int, tio: Termios) -> tuple[bytes, tuple[int, ...]]:
+    """What was typed into the pty that its program has not read, read from `slave` (a
+    non-blocking open of it, `tio` its termios): (the bytes, the lengths of the complete
+    lines among them, first).  In canonical mode each read gives one line (a 0-byte read:
+    an empty line ended by VEOF); the unfinished line is read with ICANON off.  The slave
+    is left with ICANON off and VMIN 1: type_in puts `tio` back."""
+    data = bytearray()
+    lines: list[int] = []
+    if _canonical(tio):
+        while len(lines) <= _LINE_MAX:
+            try:
+                chunk = os.read(slave, _LINE_MAX)
+            except BlockingIOError:
+                break
+            lines.append(len(chunk))
+            data += chunk
+    _set_termios(slave, _with(tio, lflag=tio.lflag & ~termios.ICANON, cc={termios.VMIN: 1, termios.VTIME: 0}))
+    while True:
+        try:
+            chunk = os.read(slave, _CHUNK)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data), tuple(lines)
+
+
+def type_in(slave: int, tio: Termios, data: bytes, lines: Sequence[int]) -> None:
+    """`data` into the pty's input again, as take_typed read it, then `tio` on the slave.
+
+    Each byte goes in by TIOCSTI (synchronous, unlike a write on the master, whose bytes
+    the line discipline takes later, with whatever termios it has then), under termios
+    that take the bytes as they are: no input translation, echo or signals; in canonical
+    mode the complete lines end as they did (their last byte, or VEOF for a line that
+    had none) and a line end, VEOL or VEOL2 inside a line is quoted with VLNEXT.  The
+    editing characters are set to bytes the data does not hold.  ICANON is as in `tio`,
+    so putting `tio` back keeps the line boundaries (n_tty resets them on an ICANON change).
+    """
+    try:
+        if data or lines:
+            if _canonical(tio):
+                seq, replay = _canonical_keys(tio, data, lines)
+            else:
+                seq, replay = data, _with(tio, iflag=0, lflag=tio.lflag & EXTPROC)
+            _set_termios(slave, replay)
+            for b in seq:
+                fcntl.ioctl(slave, TIOCSTI, bytes((b,)))
+    finally:
+        _set_termios(slave, tio)
+
+
+def _canonical_keys(tio: Termios, data: bytes, lines: Sequence[int]) -> tuple[bytes, Termios]:
+    ends = {ord("\n"), tio.cc[termios.VEOL], tio.cc[termios.VEOL2]}
+    free = [b for b in range(1, 256) if b not in ends and b not in data]
+    if len(free) < 6:
+        raise OSError(errno.EINVAL, "typed input using every byte value: no free byte for the editing keys")
+    erase, kill, eof, werase, reprint, lnext = free[:6]
+    replay = _with(tio, iflag=0, lflag=termios.ICANON | termios.IEXTEN,
+                   cc={termios.VERASE: erase, termios.VKILL: kill, termios.VEOF: eof, termios.VWERASE: werase,
+                       termios.VREPRINT: reprint, termios.VLNEXT: lnext, termios.VMIN: 1, termios.VTIME: 0})
+    seq = bytearray()
+
+    def literal(chunk: bytes) -> None:
+        for b in chunk:
+            seq.extend((lnext, b) if b in ends else (b,))
+
+    pos = 0
+    for n in lines:
+        line = data[pos:pos + n]
+        pos += n
+        if line and line[-1] in ends:
+            literal(line[:-1])
+            seq.append(line[-1])
+        else:
+            literal(line)
+            seq.append(eof)
+    literal(data[pos:])
+    return bytes(seq), replay
 
 
 def _write_raw(slave: int, tio: Termios, data: bytes) -> None:
@@ -372,14 +535,18 @@ def _write_raw(slave: int, tio: Termios, data: bytes) -> None:
         _set_termios(slave, tio)
 
 
-def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
-    """A new pty pair for image record `rec`: (its master, `slaves` opens of its slave), all
-    O_NOCTTY and close-on-exec, with the recorded termios, window size, packet mode and lock,
-    the recorded output waiting in the master.  The same index when it is free (devpts
-    gives the lowest free one: lower free ones are held meanwhile)."""
+def create_pty(rec: Pty, slaves: Sequence[int]) -> tuple[int, list[int]]:
+    """A new pty pair for image record `rec`: (its master, an open of its slave for each of
+    the open flags `slaves`), all O_NOCTTY and close-on-exec (FD_CLOEXEC: TIOCGPTPEER would
+    keep an O_CLOEXEC among the file's own flags), with the recorded termios, window size, packet mode and lock,
+    the recorded output waiting in the master and the recorded input in the slave side.
+    The same index when it is free (devpts gives the lowest free one: lower free ones are
+    held meanwhile).  A hung-up pty (the tree had closed its master): its slaves are
+    opened, then the master is closed, which hangs them up; the master returned is -1."""
     held: list[int] = []
     master = -1
     opened: list[int] = []
+    step = "set it up"
     try:
         while True:
             fd = os.open("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
@@ -389,9 +556,17 @@ def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
                 break
             held.append(fd)
         fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(0))
+        for flags in slaves or [os.O_RDWR]:
+            flags = flags & ~(O_CLOEXEC | os.O_NONBLOCK) | O_NOCTTY | O_LARGEFILE
+            opened.append(fcntl.ioctl(master, TIOCGPTPEER, flags))
+            fcntl.fcntl(opened[-1], fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+        if rec.hung_up:
+            os.close(master)                    # tty_vhangup of the slaves
+            master = -1
+            if not slaves:
+                os.close(opened.pop())
+            return master, opened
         tio = Termios.unpack(rec.termios)
-        for _ in range(max(slaves, 1)):
-            opened.append(fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC))
         _set_termios(opened[0], tio)
         _set_winsize(opened[0], WinSize(rec.rows, rec.cols, rec.xpixel, rec.ypixel))
         if rec.output:
@@ -399,6 +574,11 @@ def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
             fcntl.fcntl(opened[0], fcntl.F_SETFL, flags | os.O_NONBLOCK)
             _write_raw(opened[0], tio, rec.output)
             fcntl.fcntl(opened[0], fcntl.F_SETFL, flags)
+        if rec.input or rec.input_lines:
+            step = (f"type the {len(rec.input)} bytes waiting in it again (TIOCSTI: it needs "
+                    f"CAP_SYS_ADMIN; restore as root)")
+            type_in(opened[0], tio, rec.input, rec.input_lines)
+            step = "set it up"
         if rec.packet:
             fcntl.ioctl(master, TIOCPKT, PID_T.pack(1))
         if rec.locked:
@@ -406,7 +586,7 @@ def create_pty(rec: Pty, slaves: int) -> tuple[int, list[int]]:
     except OSError as err:
         for fd in opened + ([master] if master >= 0 else []):
             os.close(fd)
-        raise RestoreFailed(f"cannot make the pty /dev/pts/{rec.index} again: {err.strerror}") from None
+        raise RestoreFailed(f"cannot make the pty /dev/pts/{rec.index} again: {step}: {err.strerror}") from None
     finally:
         for fd in held:
             os.close(fd)
