@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import UnsupportedResource
-from . import tracee
+from . import kinds, tracee
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,26 @@ def check_fdinfo(pid: int, fd: int, kind: str, text: str) -> None:
 # namespace of its own where asked: --pidns, --netns).  A target that lives in other
 # ones (a container) would lose them without a word: refused, with the way in.
 NAMESPACES = {"mnt": "-m", "uts": "-u", "ipc": "-i", "net": "-n", "user": "-U", "cgroup": "-C",
-              "time": "-T"}
+              "time": "-T", "time_for_children": "-T"}
 
 
 def check_namespaces(pid: int) -> None:
     """Refuse a member whose namespaces (but its pid namespace, which dump.py views) are
-    not ptckpt's."""
+    not ptckpt's, and one with a namespace file the table of kinds does not know."""
+    try:
+        present = sorted(os.listdir(f"/proc/{pid}/ns"))
+    except FileNotFoundError:
+        return                                   # gone: the dump meets it elsewhere
+    for ns in present:
+        if ns not in kinds.NAMESPACES:
+            raise UnsupportedResource(pid, f"/proc/{pid}/ns/{ns}, a kind of namespace this ptckpt does "
+                                      f"not know (a newer ptckpt may)")
+    try:
+        if os.stat(f"/proc/{pid}/ns/pid_for_children").st_ino != os.stat(f"/proc/{pid}/ns/pid").st_ino:
+            raise UnsupportedResource(pid, "a pid namespace for its next children other than its own "
+                                      "(unshare(CLONE_NEWPID) not yet followed by a fork)")
+    except FileNotFoundError:
+        pass
     for ns, flag in NAMESPACES.items():
         try:
             theirs, ours = os.stat(f"/proc/{pid}/ns/{ns}").st_ino, os.stat(f"/proc/self/ns/{ns}").st_ino

@@ -638,6 +638,7 @@ def diff(
 def check(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     image: Annotated[Optional[str], typer.Option("--image", metavar="DIR", help="Say instead whether image DIR can be restored on this host, and what stands in the way.")] = None,
+    kinds: Annotated[bool, typer.Option("--kinds", help="Print instead the table of every kind of kernel object ptckpt knows (fds, sockets, mappings, namespaces, status fields, fdinfo keys, VmFlags): the module that dumps and restores it, or why a dump refuses it.")] = False,
 ) -> None:
     """List the kernel, CPU and privilege features ptckpt uses, present or absent.
 
@@ -647,6 +648,17 @@ def check(
 
     Example: ptckpt check --image /tmp/ckpt-1234
     """
+    if kinds:
+        from .kinds import table
+        rows = table()
+        if as_json:
+            typer.echo(json.dumps([{"family": r.family, "kind": r.name, "restored": r.restored,
+                                    "by": r.by, "refusal": r.refusal} for r in rows], indent=2))
+            return
+        width = max(len(r.name) for r in rows)
+        for r in rows:
+            typer.echo(f"{r.family:<10}  {r.name:<{width}}  " + (r.by if r.restored else f"REFUSED: {r.refusal}"))
+        return
     if image is not None:
         from .restore import preflight
         findings = preflight(image)

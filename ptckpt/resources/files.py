@@ -1,8 +1,8 @@
 """File descriptors: what each fd of a process is, with enough detail to reopen it.
 
 Dump half: :func:`dump_fds`.  Kinds are decided by :func:`classify_fd` from
-the /proc/PID/fd link text and the stat of the open file; the table
-``RESTORABLE_KINDS`` says which kinds the restore side can recreate, and
+the /proc/PID/fd link text and the stat of the open file; the table of kinds
+(ptckpt.kinds) says which kinds the restore side can recreate, and
 :func:`unsupported_fds` names the others (a dump refuses them, by name).
 :func:`number_descriptions` gives fds that share one open file description
 (dup, fork) one number across the tree, found with kcmp(2).
@@ -24,38 +24,22 @@ import stat as _stat
 import struct
 from collections.abc import Mapping
 
-from .. import procfs
+from .. import kinds, procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
-from .anonfds import ANON_FD_KINDS, file_handle, is_mqueue, open_file_handle
+from .anonfds import file_handle, is_mqueue, open_file_handle
 from . import filepolicy, nsfs
 from .filepolicy import path_matches
 
 O_PATH = 0o10000000
 O_CLOEXEC = 0o2000000
 
-_ANON_KINDS = {
-    "[eventfd]": FdKind.EVENTFD,
-    "[eventpoll]": FdKind.EPOLL,
-    "[timerfd]": FdKind.TIMERFD,
-    "[signalfd]": FdKind.SIGNALFD,
-    "inotify": FdKind.INOTIFY,
-    "[fanotify]": FdKind.FANOTIFY,
-    "[io_uring]": FdKind.IO_URING,
-    "[userfaultfd]": FdKind.USERFAULTFD,
-    "[pidfd]": FdKind.PIDFD,
-    "[perf_event]": FdKind.PERF_EVENT,
-}
 _NS_PREFIXES = ("mnt:", "net:", "pid:", "user:", "uts:", "ipc:", "cgroup:", "time:")
 
-# Kinds the restore side recreates (regular files and directories by path,
-# the stdio terminal/pipe of a shell job, character devices like /dev/null; a pidfd
-# of a process outside the tree is refused by resources.pidfds).
-RESTORABLE_KINDS = frozenset({
-    FdKind.REGULAR, FdKind.DIRECTORY, FdKind.CHARDEV, FdKind.TTY,
-    FdKind.PTY_SLAVE, FdKind.PTY_MASTER, FdKind.PIPE, FdKind.FIFO, FdKind.PATH,
-}) | ANON_FD_KINDS | {FdKind.EPOLL, FdKind.PIDFD}
+# Kinds the restore side recreates (ptckpt.kinds, the table of every kind): sockets are
+# judged by family, type and protocol (restorable_socket), namespace files by nsfs.
+RESTORABLE_KINDS = frozenset(k for k, row in kinds.FD.items() if row.restored) - {FdKind.SOCKET, FdKind.NSFS}
 
 
 def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = "") -> FdKind:
@@ -65,10 +49,7 @@ def classify_fd(link: str, st: os.stat_result | None, flags: int, fstype: str = 
     if link.startswith("socket:["):
         return FdKind.SOCKET
     if link.startswith("anon_inode:"):
-        name = link[len("anon_inode:"):]
-        if name.startswith("bpf"):
-            return FdKind.BPF
-        return _ANON_KINDS.get(name, FdKind.ANON_INODE)
+        return kinds.anon_inode_kind(link[len("anon_inode:"):])
     if link.startswith("pidfd:"):
         return FdKind.PIDFD
     if link.startswith(_NS_PREFIXES):
@@ -391,17 +372,14 @@ def is_unix(f: Fd) -> bool:
 
 
 def restorable_socket(f: Fd) -> bool:
-    """A socket of a family and type a restore makes again: unix, netlink, and over IPv4 and
-    IPv6 TCP, UDP, UDP-Lite and ICMP "ping" sockets (its family, type and protocol come from
-    the dump's socket details)."""
+    """A socket of a family, type and protocol a restore makes again (ptckpt.kinds.SOCKETS;
+    they come from the dump's socket details)."""
+    return _socket_row(f).restored
+
+
+def _socket_row(f: Fd) -> kinds.Kind:
     d = dict(f.details)
-    family, kind, proto = d.get("family", ""), d.get("type", ""), d.get("protocol", "")
-    if family in ("AF_UNIX", "AF_NETLINK"):
-        return True
-    ping = "1" if family == "AF_INET" else "58"
-    return family in ("AF_INET", "AF_INET6") and (kind, proto) in (
-        ("SOCK_STREAM", "0"), ("SOCK_STREAM", "6"), ("SOCK_DGRAM", "0"), ("SOCK_DGRAM", "17"),
-        ("SOCK_DGRAM", "136"), ("SOCK_DGRAM", ping))
+    return kinds.socket_kind(d.get("family", ""), d.get("type", ""), d.get("protocol", ""))
 
 
 def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
@@ -431,13 +409,12 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
                 continue
             d = dict(f.details)
             family, kind = d.get("family", "an unknown family"), d.get("type", "")
-            noun = ("a packet socket" if family == "AF_PACKET" else "a raw socket" if kind == "SOCK_RAW"
-                    else "a socket of this family and type")
             proto = f", protocol {d['protocol']}" if d.get("protocol") not in (None, "0") else ""
-            out.append(f"fd {f.fd} -> {f.path} ({noun}: {family} {kind}{proto})")
+            out.append(f"fd {f.fd} -> {f.path} ({_socket_row(f).refusal}: {family} {kind}{proto})")
             continue
-        why = WHY_REFUSED.get(f.kind)
-        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()}{': ' + why.format(fd=f.fd) if why else ''})")
+        row = kinds.FD.get(f.kind)
+        why = row.refusal.format(fd=f.fd) if row is not None else "a kind this ptckpt does not know"
+        out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()}: {why})")
     return out
 
 
@@ -506,16 +483,6 @@ def restore_owners_frozen(remote, fds: list[Fd], owners: list[FdOwner]) -> None:
             step = f"O_ASYNC on fd {f.fd}"
             remote.checked("fcntl", f.fd, F_SETFL, remote.checked("fcntl", f.fd, F_GETFL, step=step) | O_ASYNC,
                            step=step)
-
-
-# Why a kind is refused, and the way out ({fd} is the fd number).
-WHY_REFUSED = {
-    FdKind.IO_URING: "an io_uring instance; its rings, registered files and buffers and the "
-                     "requests in flight live in the kernel, which lets no one read them back or "
-                     "make them again; checkpoint when the program has closed its ring (e.g. a "
-                     "build without io_uring), or name it with --external fd:{fd} for a plugin "
-                     "that makes one again",
-}
 
 
 # --- restore half ------------------------------------------------------------

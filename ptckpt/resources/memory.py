@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .. import procfs, progress
+from .. import kinds, procfs, progress
 from ..errors import AccessDenied, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, page_align
@@ -276,8 +276,9 @@ def check_vmas(pid: int, vmas: Sequence[Vma]) -> None:
         if unsupported_vmas([v]):
             continue                    # refused with its fds, by name (capture_sharing_frozen)
         where = f"mapping {v.start:#x}-{v.end:#x} {v.path or '[anon]'}"
-        if v.kind is VmaKind.OTHER:
-            raise UnsupportedResource(pid, f"{where} (a kind of mapping ptckpt cannot make again)")
+        row = kinds.MAPPINGS.get(v.kind)                 # the table of kinds (ptckpt.kinds)
+        if row is None or not row.restored:
+            raise UnsupportedResource(pid, f"{where} ({row.refusal if row else 'a kind of mapping this ptckpt does not know'})")
         for flag in v.vmflags.split():
             if flag in VMFLAGS_MADE or flag in VMFLAGS_DERIVED and (
                     flag in ("ac", "sd") or v.kind in _KERNEL_KINDS or "[aio]" in v.path):

@@ -1,0 +1,163 @@
+"""Every kind of kernel object a tree can hold, and who answers for it: one table.
+
+Each row names a kind as /proc or the kernel shows it (an fd kind, an anon_inode name, a
+socket's family, type and protocol, a mapping kind, a namespace file; and, kept beside the
+code that checks them, the fields of /proc status, the keys of fdinfo and the VmFlags of
+smaps) and either the module that dumps and restores it, or the refusal a dump gives,
+with the way out.  The dump's checks look kinds up here (resources.files for fds and
+sockets, resources.memory for mappings, ptckpt.claims for namespaces): a kind the table
+does not know is refused, never passed over.  ``ptckpt check --kinds`` prints the table.
+
+Adding a kind: its module under resources/ (dump and restore halves side by side), then
+its row here, naming that module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .formats.model import FdKind, VmaKind
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row: `by` the module that dumps and restores it, or `refusal` why a dump refuses
+    it and the way out ({fd} is the fd number where the row is an fd's)."""
+
+    family: str
+    name: str
+    by: str = ""
+    refusal: str = ""
+
+    @property
+    def restored(self) -> bool:
+        return bool(self.by)
+
+
+def _fds(family: str, rows: dict) -> dict:
+    return {k: Kind(family, getattr(k, "name", str(k)).lower(), *v) for k, v in rows.items()}
+
+
+_ANON = "resources.anonfds (state from fdinfo, object made again in ptckpt, handed over)"
+_BY_PATH = "resources.files (reopened by path at its offset and flags; deleted: a ghost file in the image)"
+
+# -- fds, by the kind resources.files.classify_fd gives them --------------------------
+FD: dict[FdKind, Kind] = _fds("fd", {
+    FdKind.REGULAR: (_BY_PATH,),
+    FdKind.DIRECTORY: (_BY_PATH,),
+    FdKind.PATH: ("resources.files (O_PATH, reopened by path)",),
+    FdKind.CHARDEV: ("resources.files (device nodes reopened by path)",),
+    FdKind.PIPE: ("resources.pipes (made in ptckpt with their bytes, handed over)",),
+    FdKind.FIFO: ("resources.pipes (FIFOs reopened by path, with their bytes)",),
+    FdKind.SOCKET: ("by family, type and protocol: see the socket rows",),
+    FdKind.EVENTFD: (_ANON,), FdKind.TIMERFD: (_ANON,), FdKind.SIGNALFD: (_ANON,),
+    FdKind.INOTIFY: (_ANON,), FdKind.FANOTIFY: (_ANON,), FdKind.MEMFD: (_ANON,),
+    FdKind.MQUEUE: (_ANON,),
+    FdKind.EPOLL: ("resources.epoll (its watches registered again once every fd exists)",),
+    FdKind.TTY: ("resources.terminals (by path; a shell job's terminal is the restore's own)",),
+    FdKind.PTY_MASTER: ("resources.terminals (the pair made again, queued data both ways)",),
+    FdKind.PTY_SLAVE: ("resources.terminals (with its master in the tree, or the controlling terminal)",),
+    FdKind.PIDFD: ("resources.pidfds (of a member, a zombie or a reaped process of the tree)",),
+    FdKind.NSFS: ("resources.nsfs (the process's own namespace, or one with a mount point)",),
+    FdKind.BLOCKDEV: ("", "a block device opened as a file; checkpoint when the program has closed it"),
+    FdKind.IO_URING: ("", "an io_uring instance; its rings, registered files and buffers and the "
+                          "requests in flight live in the kernel, which lets no one read them back or "
+                          "make them again; checkpoint when the program has closed its ring (e.g. a "
+                          "build without io_uring), or name it with --external fd:{fd} for a plugin "
+                          "that makes one again"),
+    FdKind.USERFAULTFD: ("", "a userfaultfd: the page faults it serves and its registrations live in "
+                             "the kernel; checkpoint when the program has closed it"),
+    FdKind.PERF_EVENT: ("", "a perf event counter; checkpoint when the program has closed it"),
+    FdKind.BPF: ("", "an eBPF object (map, program or link); checkpoint when the program has closed it"),
+    FdKind.ANON_INODE: ("", "an anonymous-inode kind this ptckpt does not know"),
+    FdKind.UNKNOWN: ("", "a kind of file this ptckpt does not know"),
+})
+
+# -- anon_inode:NAME links, and the fd kind each is -------------------------------------
+ANON_INODES: dict[str, FdKind] = {
+    "[eventfd]": FdKind.EVENTFD, "[eventpoll]": FdKind.EPOLL, "[timerfd]": FdKind.TIMERFD,
+    "[signalfd]": FdKind.SIGNALFD, "inotify": FdKind.INOTIFY, "[fanotify]": FdKind.FANOTIFY,
+    "[io_uring]": FdKind.IO_URING, "[userfaultfd]": FdKind.USERFAULTFD, "[pidfd]": FdKind.PIDFD,
+    "[perf_event]": FdKind.PERF_EVENT,
+}
+
+
+def anon_inode_kind(name: str) -> FdKind:
+    """The fd kind of anon_inode:NAME: one the table knows, else ANON_INODE (refused)."""
+    if name.startswith("bpf"):
+        return FdKind.BPF
+    return ANON_INODES.get(name, FdKind.ANON_INODE)
+
+
+# -- sockets, by (family, type, protocol); "*" matches any -------------------------------
+_TCP, _UDP = "resources.inet (TCP: listening, or established with --tcp-established / --tcp-close)", \
+    "resources.inet (UDP: addresses, options, queued datagrams sent again)"
+SOCKETS: dict[tuple[str, str, str], Kind] = {key: Kind("socket", " ".join(key), *v) for key, v in {
+    ("AF_UNIX", "*", "*"): ("resources.sockets (names, connections, queues, fds and credentials in flight)",),
+    ("AF_NETLINK", "*", "*"): ("resources.netlink (protocol, port id, groups)",),
+    **{(fam, "SOCK_STREAM", p): (_TCP,) for fam in ("AF_INET", "AF_INET6") for p in ("0", "6")},
+    **{(fam, "SOCK_DGRAM", p): (_UDP,) for fam in ("AF_INET", "AF_INET6") for p in ("0", "17")},
+    **{(fam, "SOCK_DGRAM", "136"): ("resources.inet (UDP-Lite, with its checksum coverage)",)
+       for fam in ("AF_INET", "AF_INET6")},
+    ("AF_INET", "SOCK_DGRAM", "1"): ("resources.inet (ICMP ping socket: echo id, peer, options)",),
+    ("AF_INET6", "SOCK_DGRAM", "58"): ("resources.inet (ICMPv6 ping socket: echo id, peer, options)",),
+    ("AF_INET", "SOCK_RAW", "*"): ("", "a raw socket"),
+    ("AF_INET6", "SOCK_RAW", "*"): ("", "a raw socket"),
+    ("AF_PACKET", "*", "*"): ("", "a packet socket"),
+}.items()}
+
+
+def socket_kind(family: str, type_: str, protocol: str) -> Kind:
+    """The row of a socket (its family, type and protocol as the dump's details name them);
+    one the table does not know is refused."""
+    for key in ((family, type_, protocol), (family, type_, "*"), (family, "*", "*")):
+        if key in SOCKETS:
+            return SOCKETS[key]
+    return Kind("socket", f"{family} {type_} {protocol}", "", "a socket of this family and type")
+
+
+# -- mappings, by resources.memory.classify_vma's kind ------------------------------------
+_MAPPED = "resources.memory (mapped again at its address, its saved pages filled)"
+MAPPINGS: dict[VmaKind, Kind] = _fds("mapping", {
+    VmaKind.ANON_PRIVATE: (_MAPPED,), VmaKind.HEAP: (_MAPPED,), VmaKind.STACK: (_MAPPED,),
+    VmaKind.ANON_SHARED: ("resources.memory (one object per shared mapping, made once for every process)",),
+    VmaKind.FILE_PRIVATE: ("resources.memory (the file by path, its written pages saved; a deleted "
+                           "file or memfd from the image)",),
+    VmaKind.FILE_SHARED: ("resources.memory (the file by path; deleted: a ghost file in the image)",),
+    VmaKind.SHMEM: ("resources.memory, resources.sysvipc (memfd, /dev/shm and SysV segments, "
+                    "with their data)",),
+    VmaKind.VDSO: ("resources.memory (this kernel's vdso moved to its address: the same kernel build)",),
+    VmaKind.VVAR: ("resources.memory (with the vdso)",), VmaKind.VVAR_VCLOCK: ("resources.memory (with the vdso)",),
+    VmaKind.VSYSCALL: ("the kernel's own (the same in every process)",),
+    VmaKind.DEVICE: ("resources.memory (the device node mapped again by path)",),
+    VmaKind.OTHER: ("", "a kind of mapping ptckpt cannot make again"),
+})
+
+# -- namespace files of /proc/PID/ns ------------------------------------------------------
+_OWN = "ptckpt's own: a member in another is refused (claims.check_namespaces), run ptckpt in it"
+NAMESPACES: dict[str, Kind] = {n: Kind("namespace", n, *v) for n, v in {
+    "pid": ("resources.pids (the same pids, or a pid namespace of its own with --pidns)",),
+    "pid_for_children": ("resources.pids: its own pid namespace (another, after an "
+                         "unshare(CLONE_NEWPID) not yet followed by a fork, is refused)",),
+    "net": ("ptckpt's own at dump (claims.check_namespaces); at restore the restore's own, or one "
+            "of its own with --netns (ptckpt.netns)",),
+    "mnt": (_OWN,), "uts": (_OWN,), "ipc": (_OWN,), "user": (_OWN,), "cgroup": (_OWN,),
+    "time": (_OWN,), "time_for_children": (_OWN,),
+}.items()}
+
+
+def table() -> list[Kind]:
+    """The whole table: the rows above, then /proc status fields, fdinfo keys and VmFlags
+    from the modules that check them."""
+    from . import claims
+    from .resources import memory
+    rows = [*FD.values(), *(Kind("anon_inode", n, f"as fd kind {k.name.lower()}") for n, k in ANON_INODES.items()),
+            *SOCKETS.values(), *MAPPINGS.values(), *NAMESPACES.values()]
+    rows += [Kind("status", k, c.by) for k, c in claims.STATUS.items()]
+    rows += [Kind("fdinfo", k, c.by) for k, c in claims.FDINFO_COMMON.items()]
+    rows += [Kind("fdinfo", f"{kind.lower()}: {k}", c.by) for kind, keys in claims.FDINFO_BY_KIND.items()
+             for k, c in keys.items()]
+    rows += [Kind("vmflag", k, v) for k, v in memory.VMFLAGS_MADE.items()]
+    rows += [Kind("vmflag", k, f"follows from the mapping: {v}") for k, v in memory.VMFLAGS_DERIVED.items()]
+    rows += [Kind("vmflag", k, "", v) for k, v in memory.VMFLAGS_REFUSED.items()]
+    return rows
