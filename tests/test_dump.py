@@ -197,13 +197,17 @@ def test_fds_are_recorded_with_kind_flags_and_position(spawn, ptckpt, tmp_path):
 
 
 def test_unrestorable_fd_kind_is_refused_by_name(spawn, ptckpt, tmp_path):
-    script = idle_script(tmp_path, "nsfd.py", "import os, time\nns = os.open('/proc/self/ns/uts', os.O_RDONLY)\n")
+    """A userfaultfd (a kind the table of kinds refuses): one line naming the fd, its kind and
+    why, no image, the target running on."""
+    script = idle_script(tmp_path, "uffd.py", "import ctypes, os, time\n"
+                                               "uffd = ctypes.CDLL(None).syscall(323, os.O_CLOEXEC)\n"
+                                               "assert uffd >= 0\n")
     target = spawn(str(script), out=False)
     links = {int(n): os.readlink(f"/proc/{target.pid}/fd/{n}") for n in os.listdir(f"/proc/{target.pid}/fd")}
-    fd, link = next((n, link) for n, link in links.items() if link.startswith("uts:["))
+    fd = next(n for n, link in links.items() if link == "anon_inode:[userfaultfd]")
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
     assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
-    assert f"fd {fd} -> {link} (nsfs) is not supported" in res.stderr
+    assert f"fd {fd} -> anon_inode:[userfaultfd] (userfaultfd: a userfaultfd: " in res.stderr
     assert not (tmp_path / "img").exists() and pid_alive(target.pid)
 
 

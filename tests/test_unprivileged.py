@@ -281,3 +281,20 @@ def test_what_a_user_cannot_read_is_refused_by_name_and_the_process_runs_on(user
         with open(f"/proc/{proc.pid}/status") as f:
             status = f.read()
         assert "\nState:\tS" in status and "\nTracerPid:\t0\n" in status, status
+
+
+def test_root_s_semaphore_sets_do_not_stand_in_a_user_s_way(user):
+    """A SysV semaphore set of root's (mode 0600) in the same IPC namespace: a user's dump
+    cannot read it, and its tree cannot use it either; the dump goes on without it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    semid = libc.semget(0, 1, 0o600 | 0o1000)                 # IPC_PRIVATE, IPC_CREAT
+    assert semid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        proc = user.start("./counter", "out")
+        user.started.append(proc.pid)
+        _ready(proc)
+        r = user.run("dump", proc.pid, "-D", "img", "--leave-running")
+        assert r.returncode == 0, r.stderr
+    finally:
+        libc.semctl(semid, 0, 0)                              # IPC_RMID

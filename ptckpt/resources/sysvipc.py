@@ -531,7 +531,9 @@ def used_by(pids: set[int], sysv_shmids: set[int], *, procfs_root: str = "/proc"
       A queue the tree only created, or last used before another process
       did, is missed.
 
-    Sets and queues removed while we look are skipped.  Each list is sorted by id.
+    Sets and queues removed while we look are skipped, and so are sets the dumper may not
+    read (a user's dump meeting root's sets: the tree, whose rights a dumper without
+    privileges shares, cannot use them either).  Each list is sorted by id.
     Note that dumping a segment makes the dumper its lpid.
     """
     shms = [s for s in list_shm(procfs_root=procfs_root)
@@ -542,6 +544,10 @@ def used_by(pids: set[int], sysv_shmids: set[int], *, procfs_root: str = "/proc"
             if pids.intersection(sem_pids(s.semid)):
                 sems.append(s)
         except IpcObjectGone:
+            continue
+        except IpcAccessDenied:
+            if os.geteuid() == 0:
+                raise                            # root reads every set: something else is wrong
             continue
     msgs = [q for q in list_msg(procfs_root=procfs_root) if q.lspid in pids or q.lrpid in pids]
     return (sorted(shms, key=lambda s: s.shmid), sorted(sems, key=lambda s: s.semid),
