@@ -158,7 +158,7 @@ def _require_netns_fd(fd: int) -> None:
                          f"(type {nstype:#x})")
 
 
-def _in_helper_thread(fn: Callable[[], T]) -> T:
+def in_helper_thread(fn: Callable[[], T]) -> T:
     """Run fn in a short-lived thread of its own and return (or raise) what it did.
 
     setns/unshare there move only that thread, never the caller.
@@ -264,7 +264,7 @@ def loopback_up(ns_fd: int) -> None:
     def inside() -> None:
         _setns(ns_fd)
         _set_loopback_up()
-    _in_helper_thread(inside)
+    in_helper_thread(inside)
 
 
 @_wrap_oserror("creating a network namespace", _REFUSED)
@@ -287,7 +287,7 @@ def new_netns() -> int:
             os.close(fd)
             raise
         return fd
-    return _in_helper_thread(make)
+    return in_helper_thread(make)
 
 
 # Per-namespace settings a fresh namespace takes from the one it is made from: without

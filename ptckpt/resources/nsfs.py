@@ -29,10 +29,10 @@ import ctypes
 import fcntl
 import os
 import struct
-import threading
 from collections.abc import Iterable
 
 from ..errors import RestoreFailed
+from ..netns import in_helper_thread
 from ..formats.model import Fd, FdKind
 
 NS_DETAIL = "ns"                # an entry of /proc/PID/ns: the process's own namespace
@@ -163,7 +163,7 @@ def open_bound(f: Fd) -> int:
     try:
         if kind not in _PER_THREAD:
             return os.open(path, flags)
-        return _in_thread(lambda: _enter_and_open(path, kind, flags))
+        return in_helper_thread(lambda: _enter_and_open(path, kind, flags))
     except OSError as err:
         raise RestoreFailed(f"cannot reopen fd {f.fd} ({f.path}) at {path}: {err.strerror}") from None
 
@@ -177,25 +177,6 @@ def _enter_and_open(path: str, kind: str, flags: int) -> int:
     finally:
         os.close(ns)
     return os.open(f"/proc/thread-self/ns/{kind}", flags)
-
-
-def _in_thread(fn):
-    """fn() in a thread of its own, which then ends where fn left it (never the caller)."""
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, fn()))
-        except BaseException as exc:            # handed back to the caller below
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name="ptckpt-nsfs", daemon=True)
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
 
 
 def host_problems(fds: Iterable[Fd]) -> list[str]:
