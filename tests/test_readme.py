@@ -56,6 +56,19 @@ def test_blocks_are_found_under_their_headings():
     assert [code.splitlines()[0] for _, code in plugin] == ["# conftest.py", "# test_counter.py"]
 
 
+def test_ci_runs_the_install_and_test_commands_verbatim():
+    """.ci/run runs README's Install and Test commands, each a line of its own, in README's order."""
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    commands = [line.strip() for heading in ("## Install", "## Test") for _, code in blocks_under(heading)
+                for line in code.splitlines() if line.strip()]
+    assert commands[:3] == ["python3 -m venv .venv", ". .venv/bin/activate",
+                            "pip install -e '.[test,cluster]' -e ./examples/emulator-link"]
+    at = [next((i for i, line in enumerate(ci) if line == c or line.startswith(f"if ! {c};")
+                or line.startswith(f"{c} ||")), None) for c in commands]
+    assert None not in at, [c for c, i in zip(commands, at) if i is None]
+    assert at == sorted(at), list(zip(commands, at))
+
+
 def _env() -> dict[str, str]:
     """README's shell: the venv active (its bin first on PATH)."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
