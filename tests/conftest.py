@@ -8,6 +8,10 @@ Fixtures (pytest) defined here:
   wait_until, read_counter, reap_orphans, wait_pid_free, cpu_has
                  the module-level helpers of the same names, as fixtures
 
+A test that runs a program from a Debian package (nft, tmux, gdb ...) says so with
+needs("nft") (a mark) or require("nft") (inside a test or fixture): without it the test
+is skipped, the reason naming the package and tests/install-debian-packages.sh.
+
 The pytest process makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) at
 start-up, so every process a test creates - restored ones included, whatever
 their parent was - stays a descendant of pytest and can be reaped here
@@ -24,6 +28,7 @@ import gc
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,14 +298,77 @@ def cpu_has(flag: str) -> bool:
     return False
 
 
+# --- programs from Debian packages ------------------------------------------------
+
+INSTALL_SCRIPT = "tests/install-debian-packages.sh"
+
+# The programs tests run, and the Debian package of each (the script above installs them
+# all; README, "Test").
+TOOL_PACKAGES = {
+    "gcc": "gcc", "readelf": "binutils",
+    "nft": "nftables",
+    "tmux": "tmux", "vim": "vim", "less": "less", "top": "procps", "ps": "procps",
+    "redis-server": "redis-server",
+    "gdb": "gdb",
+    "setpriv": "util-linux", "ipcrm": "util-linux", "nsenter": "util-linux",
+    "unshare": "util-linux", "prlimit": "util-linux",
+    "ip": "iproute2", "ss": "iproute2",
+    "mpicc": "libmpich-dev", "mpiexec": "mpich",
+    "iverilog": "iverilog", "vvp": "iverilog",
+}
+
+
+def tool(name: str) -> str | None:
+    """The path of program `name` on PATH (or in /usr/sbin, /sbin, where Debian puts nft and
+    ip and a non-root PATH may not look), or None."""
+    path = os.environ.get("PATH") or os.defpath
+    return shutil.which(name, path=path + os.pathsep + "/usr/sbin:/sbin")
+
+
+def missing(*tools: str) -> str | None:
+    """None when every program in `tools` is here, else the reason to skip: which are
+    missing, their Debian packages and the script that installs them."""
+    absent = [t for t in tools if tool(t) is None]
+    if not absent:
+        return None
+    packages = sorted({TOOL_PACKAGES.get(t, t) for t in absent})
+    return (f"needs {', '.join(absent)} (Debian's {', '.join(packages)}): "
+            f"{INSTALL_SCRIPT} installs {'it' if len(packages) == 1 else 'them'}")
+
+
+def needs(*tools: str) -> pytest.MarkDecorator:
+    """A mark skipping a test (or, as `pytestmark`, a module) when a program is missing:
+    ``@needs("tmux", "vim")``."""
+    reason = missing(*tools)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def needs_network_lock() -> pytest.MarkDecorator:
+    """needs("nft"), and a kernel that takes ptckpt's network lock (ptckpt.netlock.available()):
+    the mark of a test that dumps with --tcp-established."""
+    reason = missing("nft")
+    if reason is None:
+        from ptckpt import netlock
+        why = netlock.available()
+        reason = f"no network lock here: {why}" if why else None
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def require(*tools: str) -> None:
+    """Skip the running test (or fixture) when a program is missing."""
+    reason = missing(*tools)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 # --- compiled fixtures -------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def fixture_bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Compile every fixtures/*.c once per session: name -> executable path."""
     if fixture_build.find_cc() is None:
-        pytest.skip("gcc is not installed (or not on PATH): the C fixtures in "
-                    "fixtures/*.c cannot be compiled")
+        pytest.skip("needs gcc (Debian's gcc, libc6-dev) to compile the C fixtures in "
+                    f"fixtures/*.c: {INSTALL_SCRIPT} installs them")
     outdir = tmp_path_factory.mktemp("fixture-bins")
     try:
         return fixture_build.compile_all(outdir)

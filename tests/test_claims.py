@@ -4,14 +4,13 @@ follows from what is restored, or refuses the dump by name (ptckpt.claims)."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from ptckpt import claims
 from ptckpt.errors import ExitCode, UnsupportedResource
 
-from conftest import wait_until
+from conftest import require, tool, wait_until
 
 
 def test_every_status_field_of_this_kernel_is_claimed():
@@ -93,9 +92,8 @@ def test_fdinfo_state_no_restore_makes_is_refused_by_name(kind, text, words):
 
 @pytest.mark.parametrize("flag, ns", [("--uts", "uts"), ("--ipc", "ipc"), ("--mount", "mnt")])
 def test_a_process_in_namespaces_of_its_own_is_refused_by_name(spawn, ptckpt, tmp_path, flag, ns):
-    if not shutil.which("unshare"):
-        pytest.skip("unshare (util-linux) is not installed")
-    target = spawn(shutil.which("unshare"), flag, "sleep", "600", out=False, ready=False)
+    require("unshare")
+    target = spawn(tool("unshare"), flag, "sleep", "600", out=False, ready=False)
     wait_until(lambda: os.path.exists(f"/proc/{target.pid}/exe")
                and os.readlink(f"/proc/{target.pid}/exe").endswith("sleep"), 10)
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import struct
 import subprocess
 
-import pytest
 from elftools.elf.elffile import ELFFile
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
+from conftest import needs, tool
 from test_restore import _one_line
 
-GDB = shutil.which("gdb")
-needs_gdb = pytest.mark.skipif(GDB is None, reason="gdb is not installed (apt-get install gdb; .ci/run does)")
+GDB = tool("gdb")
 
 
 def _dump(ptckpt, pid, image):
@@ -53,7 +51,7 @@ def _core_bytes(path, loads, addr: int, size: int) -> bytes:
     raise AssertionError(f"{addr:#x} is in no PT_LOAD with bytes")
 
 
-@needs_gdb
+@needs("gdb")
 def test_gdb_reads_the_core_of_every_thread(spawn, ptckpt, tmp_path):
     target = spawn("threads")
     _dump(ptckpt, target.pid, tmp_path / "img")

@@ -20,7 +20,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import PAGE_SIZE
 
-from conftest import descendants, proc_stat, wait_pid_free, wait_until
+from conftest import needs_network_lock, descendants, proc_stat, wait_pid_free, wait_until
 
 
 def _dump(ptckpt, pid, image, *flags):
@@ -122,7 +122,7 @@ SELF_CHECK = [
     "counter", "threads", "sleeper", "bigheap", "filemap", "files", "forkserver", "vmflags", "sharedfd", "fdkinds",
     "privs", "blocked_read", "avx", "counter.py", "udpserver", "deleted",
     "unixkinds.py:pending:stream", "unixkinds.py:deleted:stream", "unixkinds.py:scm:stream",
-    "tcppair",
+    pytest.param("tcppair", marks=needs_network_lock()),        # dumped --tcp-established
     "timers:quiet",                            # armed timers that do not fire while it is looked at
     pytest.param("timers", marks=pytest.mark.xfail(strict=True, reason=(
         "the program's timers go on firing while it is stopped (pending signals, overrun counts); and a "

@@ -22,9 +22,9 @@ import time
 import pytest
 
 from ptckpt import netlock
-from conftest import kill_pids, trials, wait_until
+from conftest import needs_network_lock, kill_pids, trials, wait_until
 
-pytestmark = pytest.mark.skipif(netlock.available() is not None, reason=f"no network lock here: {netlock.available()}")
+pytestmark = needs_network_lock()
 
 ECHO = r"""
 import os, socket, sys

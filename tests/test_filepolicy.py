@@ -22,6 +22,7 @@ from ptckpt.resources.filepolicy import (
     changes, check_pattern, evaluate, identify, parse_action, parse_policy, path_matches,
     refusal_message,
 )
+from conftest import require
 
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
 
@@ -35,8 +36,7 @@ PROGRAMS = {
 
 def _readelf_build_id(path: str) -> str | None:
     """The build-id as binutils' readelf sees it (the reference for build_id)."""
-    if shutil.which("readelf") is None:
-        pytest.skip("readelf not installed")
+    require("readelf")
     out = subprocess.run(["readelf", "-n", path], capture_output=True, text=True).stdout
     for line in out.splitlines():
         if "Build ID:" in line:
@@ -47,8 +47,7 @@ def _readelf_build_id(path: str) -> str | None:
 @pytest.fixture(scope="module")
 def elfs(tmp_path_factory) -> dict[str, Path]:
     """name -> compiled program: one, two, big (build-ids), noid (linked with --build-id=none)."""
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc not installed")
+    require("gcc")
     d = tmp_path_factory.mktemp("elfs")
     out = {}
     for name, text in PROGRAMS.items():

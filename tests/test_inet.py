@@ -26,11 +26,10 @@ import pytest
 from ptckpt import inetdiag, netlock
 from ptckpt.formats.image import ImageReader
 
-from conftest import kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
+from conftest import needs_network_lock, kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
 from test_restore import _one_line, _restore
 
-_NFT = netlock.available()
-pytestmark = pytest.mark.skipif(_NFT is not None, reason=f"network locks need nft: {_NFT}")
+pytestmark = needs_network_lock()
 
 # README, "Exit codes": the contract, so the numbers themselves.
 EXIT_UNSUPPORTED = 13      # a resource this version cannot checkpoint (named)

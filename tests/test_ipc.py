@@ -16,7 +16,7 @@ import pytest
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import needs, kill_pids, reap_orphans, wait_until
 from test_restore import _dump_kill, _one_line, _restore
 
 PRODUCER = r'''
@@ -407,6 +407,7 @@ while True:
 '''
 
 
+@needs("ipcrm")
 def test_sysv_segment_semaphore_and_queue_shared_by_two_processes(spawn, ptckpt, tmp_path):
     """A SysV segment holds a counter guarded by a SysV semaphore; two processes take turns.
     The objects are removed after the dump, so the restore must make them again, with the

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, kill_process_groups, pid_alive, reap_orphans, wait_until
+from conftest import require, kill_pids, kill_process_groups, pid_alive, reap_orphans, wait_until
 from ptckpt.errors import ExitCode
 from test_campaign import VENDOR
 from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa: F401
@@ -22,6 +22,7 @@ from test_emulator import start_emulator, start_testbench, testbench_bin  # noqa
 def page_server(ptckpt_cmd, tmp_path):
     """start(env=None) -> (address, token file, directory): `ptckpt page-server` in a new
     network namespace, listening on a unix socket; killed (with what it restored) at the end."""
+    require("unshare")
     started: list[subprocess.Popen] = []
     token = tmp_path / "token"
     token.write_text(os.urandom(24).hex() + "\n")

@@ -6,18 +6,15 @@ program (fixtures/mpi/mpisum.c) checks every message it gets as well."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import FIXTURES_DIR, descendants, kill_pids, reap_orphans, wait_pid_free, wait_until
+from conftest import FIXTURES_DIR, needs, tool, descendants, kill_pids, reap_orphans, wait_pid_free, wait_until
 
-MPICC, MPIEXEC = shutil.which("mpicc"), shutil.which("mpiexec")
-pytestmark = pytest.mark.skipif(not (MPICC and MPIEXEC),
-                                reason="needs MPICH (Debian's mpich and libmpich-dev: mpicc, mpiexec); "
-                                       ".ci/run installs them")
+MPICC, MPIEXEC = tool("mpicc"), tool("mpiexec")
+pytestmark = needs("mpicc", "mpiexec")
 STEPS = 300
 
 

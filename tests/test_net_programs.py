@@ -38,15 +38,11 @@ from ptckpt import netns
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import InetMode
 
-from conftest import kill_pids, pid_alive, proc_stat, reap_orphans, wait_pid_free, wait_until
+from conftest import needs, tool, kill_pids, pid_alive, proc_stat, reap_orphans, wait_pid_free, wait_until
 
-REDIS = shutil.which("redis-server")
-NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.path.exists(p)), None)
+REDIS = tool("redis-server")
+NFT = tool("nft")
 
-needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed "
-                                 "(apt-get install redis-server)")
-needs_nft = pytest.mark.skipif(NFT is None, reason="nft is not installed (apt-get install nftables): "
-                               "--tcp-established needs the network lock")
 
 TCP_ESTABLISHED = 1
 N_SETS = 10_000
@@ -387,8 +383,8 @@ def _line_of(path: Path, word: str) -> str | None:
     return next((line for line in _lines(path) if line.split()[:1] == [word]), None)
 
 
-@needs_redis
-@needs_nft
+@needs("redis-server")
+@needs("nft")              # --tcp-established takes the network lock
 def test_redis_with_a_pipelining_client_inside_the_tree(spawn, ptckpt, tmp_path):
     port = _free_port()
     out, go = tmp_path / "client.out", tmp_path / "client.go"
@@ -461,8 +457,8 @@ def _tcp_state(s: socket.socket) -> int:
     return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
 
 
-@needs_redis
-@needs_nft
+@needs("redis-server")
+@needs("nft")              # --tcp-established takes the network lock
 def test_redis_connection_held_outside_goes_on_after_restore(spawn, ptckpt, tmp_path):
     port = _free_port()
     server = spawn(REDIS, *_redis_argv(port)[1:], out=False, ready=False)
@@ -509,7 +505,7 @@ def test_redis_connection_held_outside_goes_on_after_restore(spawn, ptckpt, tmp_
         r.close()
 
 
-@needs_redis
+@needs("redis-server")
 def test_redis_chain_of_incremental_compressed_background_dumps(spawn, ptckpt, tmp_path):
     """redis with 300,000 keys: a full dump that tracks memory, keys changed, an increment
     (pre-copied while redis runs, compressed), then a restore of the chain answers with the

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -28,14 +27,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from conftest import ROOT, proc_stat, wait_until
+from conftest import ROOT, needs, proc_stat, wait_until
 from ptckpt import netlock
 from ptckpt.errors import ExitCode, UsageError
 from ptckpt.netlock import PTCKPT_MARK, Connection, NetLockError, NetLockGone
 
-_REASON = netlock.available()
-pytestmark = pytest.mark.skipif(_REASON is not None and _REASON.startswith("nft is not installed"),
-                                reason=f"network locks need nft: {_REASON}")
+pytestmark = needs("nft")
 
 HELD = 0.3          # seconds a lock is held before checking that nothing arrived
 ARRIVE = 3.0        # seconds allowed for data to arrive after unlock (retransmission)
@@ -331,7 +328,7 @@ def test_bad_lock_id():
         netlock.unlock("x { }")
 
 
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
+@needs("setpriv")
 def test_without_cap_net_admin_available_says_why():
     code = "from ptckpt import netlock; print(netlock.available())"
     out = subprocess.run(["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin",

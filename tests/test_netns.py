@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from ptckpt.netns import (
     new_netns,
     open_netns,
 )
+from conftest import needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,7 +173,7 @@ def test_bad_fds_and_pids(make):
         open_netns(2**22 + 1)
 
 
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@needs("setpriv")
 def test_refused_without_capabilities():
     """Without CAP_SYS_ADMIN, unshare(CLONE_NEWNET) fails: NetnsUnavailable, exit 17."""
     probe = ("import sys\n"

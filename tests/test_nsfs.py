@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 
 import pytest
 
+from conftest import require
 from test_restore import _dump_kill, _one_line, _restore
 
 EXIT_UNSUPPORTED, EXIT_INCOMPATIBLE = 13, 15
@@ -59,8 +59,7 @@ def test_own_net_namespace_follows_the_process_into_a_new_one(spawn, ptckpt, tmp
 @pytest.fixture
 def named_netns():
     """`ip netns add` under a name of this test's; deleted at the end whatever happens."""
-    if shutil.which("ip") is None:
-        pytest.skip("no ip(8) here")
+    require("ip")
     name = f"ptckpt-nsfs-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     yield name

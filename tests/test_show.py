@@ -31,6 +31,7 @@ from ptckpt.formats.model import (
     VmaKind,
 )
 from ptckpt.show import image_summary, image_to_json
+from conftest import needs_network_lock
 
 PID = 4242
 HEAP = 0x55550000
@@ -322,8 +323,7 @@ def test_summary_sockets_table_one_line_per_socket(tmp_path):
     ]
 
 
-@pytest.mark.skipif(__import__("ptckpt.netlock", fromlist=["available"]).available() is not None,
-                    reason="no network locks here (nft)")
+@needs_network_lock()
 def test_show_lists_the_sockets_of_a_real_dump(spawn, ptckpt, tmp_path):
     """A tree holding a listener with a connection not accepted yet, a UDP socket with a datagram
     queued, a unix socketpair with bytes queued and an established loopback connection, dumped

@@ -5,16 +5,12 @@ same again (the campaign's use: one image, many restarts)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
+from conftest import FIXTURES_DIR, needs, tool, kill_pids, reap_orphans, wait_pid_free, wait_until
 
-from conftest import FIXTURES_DIR, kill_pids, reap_orphans, wait_pid_free, wait_until
-
-IVERILOG, VVP = shutil.which("iverilog"), shutil.which("vvp")
-pytestmark = pytest.mark.skipif(not (IVERILOG and VVP), reason="needs Icarus Verilog (Debian's iverilog: "
-                                                               "iverilog, vvp); .ci/run installs it")
+IVERILOG, VVP = tool("iverilog"), tool("vvp")
+pytestmark = needs("iverilog", "vvp")
 CYCLES = "+cycles=3000000"
 
 

@@ -28,6 +28,7 @@ from ptckpt.procfs import MapEntry
 from ptckpt.symbols import (BadSymbolExpression, ElfSymbols, SymbolNotFound, SymbolTable,
                             environ_slots, read_environ, set_env, unset_env, write_environ)
 from ptckpt.tracee import AddressSpace, Session, Task, find_syscall_insn, remote_syscalls
+from conftest import require
 
 PROGRAM = r"""
 #include <signal.h>
@@ -81,8 +82,7 @@ START_ENV = {"DISPLAY": ":3", "GONE": "1", "KEEP": "yes"}
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Build name -> executable compiled from PROGRAM."""
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc not installed")
+    require("gcc")
     d = tmp_path_factory.mktemp("symbols")
     (d / "prog.c").write_text(PROGRAM)
     out = {}

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from ptckpt.errors import PtckptError, RemoteSyscallError
 from ptckpt.resources import terminals as T
 from ptckpt.tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
 
-from conftest import kill_pids, reap_orphans, wait_until
+from conftest import kill_pids, require, reap_orphans, wait_until
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,8 +76,7 @@ def _odd_termios(base: T.Termios) -> T.Termios:
 @pytest.fixture
 def tmux_pane(tmp_path):
     """A python3 sleeping in a detached 120x40 tmux session of a private server: its pid."""
-    if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed")
+    require("tmux")
     sock = str(tmp_path / "tmux.sock")
     base = ["tmux", "-S", sock, "-f", "/dev/null"]
     env = dict(os.environ, TERM=os.environ.get("TERM") or "xterm")

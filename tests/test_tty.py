@@ -7,16 +7,15 @@ import contextlib
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import WaitTimeout, kill_pids, reap_orphans, wait_pid_free, wait_until
+from conftest import WaitTimeout, needs, kill_pids, reap_orphans, wait_pid_free, wait_until
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = needs("tmux")
 
 
 @pytest.fixture
@@ -247,7 +246,7 @@ def _ends_with_status(tmux, session: str, pid: int, status: int = 0) -> None:
                10, message=lambda: _screen(tmux, session))
 
 
-@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+@needs("top")
 def test_top_restored_into_a_plain_terminal_has_its_terminal_at_every_fd(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """top's fd 3 is a dup of its fd 0: the handoff of the terminal once gave fds 0, 1 and 3
     ptckpt's own fd 3 (the image's page file)."""
@@ -292,7 +291,7 @@ def test_bash_restored_into_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path)
         kill_pids([inner])
 
 
-@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+@needs("less")
 def test_less_with_its_own_open_of_the_terminal_restored(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """less opens the terminal a second time (/dev/tty, a description of its own): it was
     accepted at dump and refused at restore; now it is opened again as /dev/tty."""
@@ -326,7 +325,7 @@ def _less_redraws_and_takes_keys(tmux, less: int) -> None:
     _ends_with_status(tmux, "less", less)
 
 
-@pytest.mark.skipif(shutil.which("less") is None, reason="less is not installed")
+@needs("less")
 def test_less_restored_onto_a_new_pty_leads_a_session_with_it(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """less was in its shell's session: with --new-pty it leads a session whose controlling
     terminal is the new pty, so its own open of /dev/tty is that pty (not ptckpt's terminal)."""
@@ -367,7 +366,7 @@ def _vim_n(tmux, session: str) -> int:
     raise AssertionError("unreachable")
 
 
-@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+@needs("vim")
 def test_vim_with_a_repeating_timer_keeps_firing_after_restore(tmux, ptckpt, ptckpt_cmd, tmp_path):
     vim = _job_in_pane(tmux, "vim", "vim -u NONE -N -i NONE", lambda s: s.count("~") > 5)
     tmux("send-keys", "-t", "vim", ":let g:n = 0", "Enter")
@@ -387,7 +386,7 @@ def test_vim_with_a_repeating_timer_keeps_firing_after_restore(tmux, ptckpt, ptc
         kill_pids([vim])
 
 
-@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+@needs("top")
 def test_session_leader_restored_in_front_of_a_plain_terminal(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """top ran as a pane's own program (a session leader, the terminal its controlling one):
     restored into another pane's shell it joins that session and comes to the front, where
@@ -433,7 +432,7 @@ class Failing(Plugin):
 '''
 
 
-@pytest.mark.skipif(shutil.which("vim") is None, reason="vim is not installed")
+@needs("vim")
 def test_a_failed_restore_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """The restore puts the image's termios (vim's raw mode) and the job's group on the
     terminal before the processes are rebuilt; when it fails after that, both go back."""
@@ -616,7 +615,7 @@ class Slow(Plugin):
 '''
 
 
-@pytest.mark.skipif(shutil.which("top") is None, reason="top (procps) is not installed")
+@needs("top")
 def test_ctrl_c_during_a_restore_ends_it_and_leaves_the_terminal_as_it_was(tmux, ptckpt, ptckpt_cmd, tmp_path):
     """^C typed while the processes are being rebuilt reaches ptckpt restore (the job is not
     in front yet): the restore ends, nothing of it is left, the shell has its terminal."""

@@ -21,16 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CliResult, kill_pids, read_numbers, reap_orphans, wait_pid_free, wait_until
+from conftest import CliResult, needs, tool, kill_pids, read_numbers, reap_orphans, wait_pid_free, wait_until
 
 UID = GID = 48_613
-SETPRIV = shutil.which("setpriv")
-NSENTER = shutil.which("nsenter")
-UNSHARE = shutil.which("unshare")
+SETPRIV, NSENTER, UNSHARE = tool("setpriv"), tool("nsenter"), tool("unshare")
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the tests switch to another user: they start as root"),
-    pytest.mark.skipif(not (SETPRIV and NSENTER and UNSHARE), reason="util-linux's setpriv, nsenter, unshare"),
+    needs("setpriv", "nsenter", "unshare"),
 ]
 
 
