@@ -215,3 +215,20 @@ def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
             assert target.alive() and not (tmp_path / f"img{target.pid}").exists()
     finally:
         os.close(outside)
+
+
+@pytest.mark.parametrize("held", ["fd", "cwd"])
+def test_a_file_of_a_process_that_ended_is_refused_at_dump(spawn, ptckpt, tmp_path, held):
+    """An fd on /proc/PID/status, or a cwd of /proc/PID, of a child that has ended and been
+    reaped: it reads ESRCH and no restore can open it again, so the dump refuses it (the
+    restore would have found the file missing), one line naming it; the target runs on."""
+    hold = ("fd = os.open(f'/proc/{pid}/status', os.O_RDONLY)\n" if held == "fd"
+            else "os.chdir(f'/proc/{pid}')\n")
+    script = idle_script(tmp_path, f"ended-{held}.py", "import os, time\n"
+                         "pid = os.fork()\n"
+                         "if pid == 0:\n    time.sleep(0.2)\n    os._exit(0)\n"
+                         + hold + "os.waitpid(pid, 0)\n")
+    target = spawn(str(script), out=False)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, "/proc/", "that process has ended")
+    assert target.alive() and not (tmp_path / "img").exists()

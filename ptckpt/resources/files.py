@@ -250,6 +250,19 @@ def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
     return None
 
 
+_ENDED = ("a directory or file of process {pid} in /proc, and that process has ended (it reads "
+          "ESRCH): no restore can open it again; leave it (chdir, close) before the dump")
+
+
+def ended_process_file(path: str) -> int:
+    """The pid of /proc/PID/... in `path` (an fd's or a cwd's link text) when that process
+    has ended, else 0."""
+    parts = path.removesuffix(DELETED).split("/")
+    if len(parts) < 3 or parts[1] != "proc" or not parts[2].isdigit():
+        return 0
+    return 0 if os.path.exists(f"/proc/{parts[2]}") else int(parts[2])
+
+
 def ghost_dir_key(path: str) -> tuple[str, str] | None:
     """("ghost-dir", where it was) of a cwd or root that was removed (its /proc link text)."""
     return ("ghost-dir", path.removesuffix(DELETED)) if path.endswith(DELETED) else None
@@ -265,6 +278,8 @@ def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]],
         for what, path in (("cwd", task.cwd), ("root", task.root)):
             if not ghost_dir_key(path):
                 continue
+            if ended_process_file(path):
+                raise UnsupportedResource(pid, f"{what} -> {path}: " + _ENDED.format(pid=ended_process_file(path)))
             g = _read_ghost(pid, f"/proc/{pid}/{what}", path, what)
             other = dirs.setdefault(g.path, g)
             if (other.dev, other.ino) != (g.dev, g.ino):
@@ -390,8 +405,12 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
         if f.desc in exempt:
             continue
         if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED) and not ghost_key(f):
-            what = "FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH else "device node"
+            what = ("symbolic link, FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH
+                    else "device node")
             out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
+        if ended_process_file(f.path):
+            out.append(f"fd {f.fd} -> {f.path} ({_ENDED.format(pid=ended_process_file(f.path))})")
+            continue
         if f.kind is FdKind.PTY_SLAVE and not is_controlling_tty(f):
             out.append(f"fd {f.fd} -> {f.path} (a pty slave whose master is outside the tree, not the "
                        f"process's controlling terminal nor the stdio of the tree's root: dump the "
