@@ -155,7 +155,8 @@ def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = 
     once they run (``--lazy`` with `lazy`).  `file_policy` takes a FilePolicy or what ``--file-policy`` takes (e.g.
     ``["warn"]`` or ``["/slot3/=ignore"]``)."""
     from .resources.pids import become_subreaper
-    from .restore import restore as _restore, shell_status
+    from .pipeline.restore import restore as _restore
+    from .restore import shell_status
     if not isinstance(file_policy, FilePolicy):
         try:
             file_policy = parse_policy(list(file_policy))

@@ -217,7 +217,8 @@ def restore(
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
     from .resources.pids import become_subreaper
-    from .restore import restore as _restore, wait_restored
+    from .pipeline.restore import restore as _restore
+    from .restore import wait_restored
     if pidfile and not detach:
         typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
         raise typer.Exit(code=ExitCode.USAGE)

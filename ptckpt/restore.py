@@ -1,6 +1,6 @@
-"""Restore: the library API behind ``ptckpt restore`` (layer 5, orchestration).
+"""Restore's rebuilding: what the stages of ptckpt.pipeline.restore call (layer 5).
 
-``restore(directory)`` runs these stages, each logged:
+``ptckpt.pipeline.restore.restore(directory)`` runs these stages, each logged:
 
 1. collect  -- open the image and validate every file (magic, version,
                checksums) before anything else;
@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import functools
 import logging
 import os
 import re
 import resource
-import signal
 import socket
 import stat
 import time
@@ -42,15 +40,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .callable import make_callable
-from . import appblock, breakpoints, entry, procfs, progress, restored, testhooks
-from . import netns as netns_mod
+from . import appblock, procfs
 from . import plugins as plugin_mod
-from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
-                     UnsupportedResource, UsageError)
+from .errors import (ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
+                     UnsupportedResource)
 from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, root_stdio
-from .plugins import Plugin, Plugins, ProcessHandle
+from .plugins import Plugins, ProcessHandle
 from .formats.image import ImageReader
-from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind, InetMode,
+from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind,
                             InotifyState, MsgImage, PidfdState, ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, nsfs,
                         pids, pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
@@ -223,282 +220,7 @@ def file_identities(procs: dict[int, ProcessImage], saved: set[str]) -> list[fil
 
 # --- create, fix up, resume ---------------------------------------------------------
 
-def restore(directory: str, *, pidns: bool = False, netns: bool = False,
-            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
-            new_pty: bool = False, plugins: Sequence[Plugin] = (),
-            hold_timeout: float = 30.0, lazy: bool = False) -> RestoreResult:
-    """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
-
-    Every file reopened by path is compared with what the image recorded (size, mtime,
-    inode; build-id of mapped ELF files); `file_policy` says, per path, whether a change
-    refuses the restore (FilesChanged), warns, or is ignored.
-
-    The root's stdio on a terminal becomes ptckpt's own stdio (a shell job): the
-    image's termios are put on ptckpt's terminal and, if the job was in the
-    foreground, its process group becomes the terminal's foreground group.  With
-    `new_pty` it gets a new pty instead, with the recorded termios and window size,
-    as its controlling terminal (for a session leader); result.pty_master is its
-    master, for the caller to relay or hand to a program.
-
-    `plugins` get the restore events (ptckpt.plugins): pre_restore, restored, resumed;
-    every plugin the image was made with must be among them.
-
-    A program with an app block (ptckpt.app, ptckpt.h) reads RESTORED there.  If it
-    asked to hold the resume (hold_resume()), only that thread runs until it says
-    ready(), up to `hold_timeout` seconds (then a warning, and the rest runs too).
-
-    An image of a tree that lived in a pid namespace of its own records the pids
-    it had there; it is restored in a new pid namespace whether `pidns` is asked
-    or not.
-
-    With `netns` the tree gets a network namespace of its own (loopback up), where
-    its sockets are made: copies of one server image listen on the same ports at
-    once.  A TCP connection to a peer outside the image cannot go there (refused).
-    TCP connections dumped with --tcp-established are rebuilt in repair mode and
-    leave it, and the image's network lock goes, once every process is rebuilt.
-
-    With `lazy` the processes run before their private anonymous memory is in: a page
-    server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
-    name it, its watchdog and their log.
-    """
-    started = time.monotonic()
-    oom_before = process.oom_kills()
-    _raise_nofile()
-    for line in inet.stale_lock_cleanup():
-        log.warning("%s", line)
-    log.info("collect %s", directory)
-    with ImageReader(directory, verify_pages=False, defer_frames=lazy) as image, \
-            _checking_pages(image, lazy) as page_check:
-        root = image.inventory.root_pid
-        members = list(image.inventory.pids)
-        if image.inventory.memory_only:
-            raise UsageError(f"{image.path} is a pre-dump, memory only: restore the dump made "
-                             f"with --prev {directory} (or a later one)")
-        if image.inventory.pid_level and not pidns:
-            log.info("the tree lived in a pid namespace of its own: restored in a new one")
-            pidns = True
-        if pidns and root == 1:
-            raise UnsupportedResource(root, "the root was the init (pid 1) of its pid namespace: "
-                                            "restoring a namespace's init is not supported yet")
-        procs = {p: image.process(p) for p in members}
-        plugin_mod.check_present(image.plugin_data, plugins)
-        events = Plugins(plugins, image.path, restore=True, data=image.plugin_data)
-        if events:
-            # first of all: a plugin may change what is restored (proc.image), e.g. remap paths
-            log.info("plugins: pre_restore")
-            handles = [ProcessHandle(0, p, procs[p]) for p in members]
-            events.run("pre_restore", handles)
-            procs = {h.vpid: h.image for h in handles}
-        _check_external(procs, events)
-        log.info("plan %s", " ".join(map(str, members)))
-        handoff = plan_handoff(image, procs)
-        host = Host.probe()
-        for p in members:
-            plan_problems(image, procs[p], host, pidns=pidns, handed=handoff, objects=memory_objects(procs))
-            creds.check_restorable(p, procs[p].creds)
-        saved = {f.path for f in image.saved_files}
-        identities = file_identities(procs, saved)
-        moved = [i for i in identities if any(_under(i.path, d) for d in events.moved())] if events else []
-        missing = sorted({i.path for i in moved if not os.path.exists(i.path)})
-        if missing:
-            raise Incompatible("moved by a plugin (--remap-path) but missing: " + ", ".join(missing))
-        verdict = filepolicy.evaluate([i for i in identities if i not in moved], file_policy)
-        if verdict.refused:
-            raise filepolicy.FilesChanged(verdict.refused)
-        if netns:
-            outside = [r for r in image.inet_sockets if r.mode is InetMode.REPAIRED and not r.peer]
-            if outside:
-                raise UnsupportedResource(root, f"{inet.describe(outside[0])} leads outside the image: "
-                                                f"it cannot be restored into a new network namespace (--netns)")
-        helpers = group_helpers(procs, image.zombies)
-        if not pidns:
-            pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in helpers])
-        left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
-        pages = {}
-        handed: dict = {}
-        channel = -1
-        pidfd_states = [s for s in image.fd_states if isinstance(s, PidfdState)]
-        pidfds_made: dict[int, int] = {}      # made once the tree exists, passed over the channel
-        net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
-        credentials = sockets.QueuedCredentials()      # queues filled once their senders exist
-        ns_fd = netns_mod.new_netns() if netns else -1
-        server = None
-        try:
-            for p in members:
-                pages[p] = [(_open_pages(fd), base, runs) for fd, base, runs in image.page_sources(p)]
-            if lazy:
-                from . import lazypages
-                server = lazypages.Server()
-                for p in members:
-                    for (fd, _base, _runs), check in zip(pages[p], image.lazy_checks(p)):
-                        server.add_source(fd, check)
-            files.put_back_saved_files(list(image.saved_files))
-            with netns_mod.entered(ns_fd) if netns else contextlib.nullcontext():
-                # the tree's sockets are made in its network namespace, and it is born there
-                handed = build_handoff(image, procs, handoff, new_pty, events.installs(),
-                                       bool(events) or bool(pidfd_states), net, credentials)
-                master = handed.pop("pty-master", -1)
-                channel = handed.pop("plugin-channel-ours", -1)
-                log.info("create %d", root)
-                stub = pids.start_stub(root, pidns=pidns)
-                process.expendable(stub.pid)
-            result = RestoreResult(pid=stub.pid, vpid=root, init_pid=stub.init_pid, pty_master=master,
-                                   warnings=[f"the image left out {u}" for u in left_out]
-                                   + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted])
-            created = {root: stub.task}
-            ipc_made: list = []
-            try:
-                ipc_made = restore_sysv(image.sysv)
-                joins = not new_pty and _leader_on_callers_terminal(image, procs)
-                if joins:
-                    result.warnings.append(
-                        f"session leader {root} was restored into ptckpt restore's session, in front of "
-                        f"its terminal (--new-pty gives it a session and a terminal of its own)")
-                leads = new_pty and _job_leads_new_pty(image, procs)
-                if leads:
-                    result.warnings.append(
-                        f"process {root} was restored as the leader of a session of its own, whose "
-                        f"controlling terminal is the new pty (it was in its shell's session)")
-                early = {procs[p].task.ppid for p in members if memory.inherited_vmas(procs[p].vmas)}
-                rebuilt: set[int] = set()
-
-                def memory_first(p: int) -> None:
-                    if p in early and p not in rebuilt:
-                        rebuild_memory(created[p], procs[p], image.page_runs(p), pages[p], handed)
-                        rebuilt.add(p)
-
-                def make_pidfds(everyone: dict) -> None:
-                    # every member and zombie exists now (the zombies not ended yet)
-                    pidfds_made.update(pidfds.create_pidfds(pidfd_states, {p: t.tgid for p, t in everyone.items()}))
-                _create_tree(procs, image.zombies, helpers, created,
-                             _new_tty(image, procs, handed) if new_pty else None,
-                             events.bind_mounts() if events else [], own_session=not joins, lead=leads,
-                             ptys=_pty_ttys(image, procs, handed), memory_first=memory_first,
-                             all_made=make_pidfds)
-                procs = at_restored_pids(procs, {p: created[p].tgid for p in members})
-                credentials.fill({p: created[p].tgid for p in members})
-                to_detach = []
-                breaks: dict[int, list] = {p: [] for p in members}     # plugins' breakpoints
-                epolls = epoll_registrars(procs, image.fd_states)
-                for p in fix_up_order(procs):
-                    warnings, tasks = _fix_up(created[p], p, procs[p], image.page_runs(p), pages[p],
-                                              handed, epolls.get(p, []), events, channel, breaks[p],
-                                              memory_done=p in rebuilt, lazy=server, pidfds_made=pidfds_made)
-                    result.warnings += warnings
-                    to_detach += tasks
-                    testhooks.reached("restore-fixup")
-                result.pids = {p: created[p].tgid for p in members}
-                log.info("wait for the page check")
-                page_check.wait()                     # before any of them runs an instruction of its own
-                if server is not None:
-                    server.check()                    # a bad block met while serving ptckpt's own reads
-                _settle_notifications(image.fd_states, handed)
-                progress.finish()                     # off the terminal before the tree draws on it
-                if not new_pty:
-                    # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
-                    _front_of_terminal(image, procs, created, result)
-                    if result.foreground:
-                        # Its screen is not the one it drew on: a window change is pending at its
-                        # first instruction, so it redraws before it reads a key (sent once it
-                        # ran, the redraw could wipe what it drew for the first keys).
-                        terminals.redraw(result.foreground)
-                net.finish()                          # the lock goes, the connections leave repair mode
-                blocks = {p: a for p in members
-                          if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
-                for p, addr in blocks.items():        # the program learns it was restored
-                    appblock.mark(created[p].tgid, addr, appblock.RESTORED, image.path)
-                log.info("resume %s", " ".join(map(str, members)))
-                for p in members:
-                    if procs[p].task.state == "T":
-                        # It was stopped (SIGSTOP & co): it stops again as soon as it is let go,
-                        # by the same signal (its parent's waitpid(WUNTRACED) tells which).
-                        tgid = created[p].tgid
-                        sig, why = signals.stop_signal_again(procs[p], lambda: pids.pgrp_orphaned(tgid))
-                        if why:
-                            result.warnings.append(why)
-                        os.kill(tgid, sig)
-                for obj in image.sysv:
-                    if isinstance(obj, ShmImage) and obj.destroyed:
-                        sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
-                traced = {created[p].tgid: p for p in members if breaks[p]}
-                if server is not None:
-                    _start_lazy_server(server, result, [created[p].tgid for p in members])
-                unrecorded = restored.record(result.pid, image.path)   # `ptckpt stop` may end it
-                if unrecorded is not None:
-                    result.warnings.append(unrecorded)
-                # From the first thread let go the tree is restored: a signal no longer
-                # unwinds it (that would kill a running program and say "interrupted").
-                testhooks.reached("restore-resume")
-                entry.committed()
-                try:
-                    result.warnings += resume_holding_first([t for t in to_detach if t.tgid not in traced],
-                                                            blocks, created, hold_timeout)
-                except BaseException:
-                    entry.not_committed()
-                    raise
-                stub.release()                        # the --pidns init stops watching ptckpt
-                if events:
-                    log.info("plugins: resumed")
-                    events.run("resumed", [ProcessHandle(created[p].tgid, p, procs[p]) for p in members])
-                for tgid, p in traced.items():
-                    log.info("resume %d with %d breakpoint(s)", p, len(breaks[p]))
-                    status = breakpoints.run(tgid, [t for t in to_detach if t.tgid == tgid], breaks[p],
-                                             ProcessHandle(tgid, p, procs[p]))
-                    if status is not None and tgid == result.pid:
-                        result.exit_status = status
-            except BaseException as err:
-                restored.forget(result.pid)
-                net.abort()
-                if server is not None:
-                    server.abort()
-                if result.terminal_was is not None:     # the user's terminal as it was
-                    terminals.put_back(result.terminal_was)
-                    result.terminal_was = None
-                if master >= 0:
-                    os.close(master)
-                for kind, ipc_id in ipc_made:
-                    with contextlib.suppress(PtckptError):
-                        sysvipc.remove_object(kind, ipc_id)
-                for task in created.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(task.tgid, signal.SIGKILL)
-                for task in created.values():
-                    _reap_traced_threads(task.tgid)
-                stub.kill()
-                if isinstance(err, CorruptImage):     # the page check: said as such, exit code too
-                    raise CorruptImage(err.path, f"{err.reason}; the half-restored processes were killed "
-                                                 f"before they ran") from err
-                if isinstance(err, PtckptError) and process.oom_kills() > oom_before:
-                    failed = RestoreFailed(f"restore of {root} failed, the half-restored processes were "
-                                           f"killed: {err} (the OOM killer ended a process meanwhile)")
-                    failed.errno = errno.ENOMEM
-                    raise failed from err
-                if isinstance(err, PtckptError) and not isinstance(err, RestoreFailed):
-                    raise RestoreFailed(f"restore of {root} failed, the half-restored processes were "
-                                        f"killed: {err}") from err
-                raise
-        except BaseException:
-            net.abort()
-            raise
-        finally:
-            credentials.close()
-            pidfds.close_all(pidfds_made)
-            if ns_fd >= 0:
-                os.close(ns_fd)
-            for sources in pages.values():
-                for fd, _base, _runs in sources:
-                    os.close(fd)
-            for fd in handed.values():
-                os.close(fd)
-            for _pid, _number, fd in events.installs() if events else ():
-                os.close(fd)
-            if channel >= 0:
-                os.close(channel)
-    result.seconds = time.monotonic() - started
-    return result
-
-
-def _start_lazy_server(server, result: RestoreResult, pids: list[int]) -> None:
+def start_lazy_server(server, result: RestoreResult, pids: list[int]) -> None:
     """The lazy page server leaves ptckpt for a process of its own, before the tree runs."""
     result.warnings += server.warnings
     if not server.spaces:
@@ -510,7 +232,7 @@ def _start_lazy_server(server, result: RestoreResult, pids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _checking_pages(image: ImageReader, lazy: bool = False):
+def checking_pages(image: ImageReader, lazy: bool = False):
     """The image's page data checked in a thread while the restore goes on (its verdict is
     asked before the restored processes run); stopped when the restore ends otherwise.
     `lazy`: only what the lazy page server cannot check block by block as it serves."""
@@ -521,7 +243,7 @@ def _checking_pages(image: ImageReader, lazy: bool = False):
         check.cancel()
 
 
-def _settle_notifications(states, handed: dict) -> None:
+def settle_notifications(states, handed: dict) -> None:
     """Once the tree is rebuilt: inotify queues emptied of the events the restore caused (its
     opens of the tree's files, the unlinks of ghost files; a queue was empty at dump), and
     fanotify groups marked (their marks would have queued the same)."""
@@ -534,7 +256,7 @@ def _settle_notifications(states, handed: dict) -> None:
             anonfds.mark_fanotify(handed[state.desc], state)
 
 
-def _reap_traced_threads(tgid: int) -> None:
+def reap_traced_threads(tgid: int) -> None:
     """The threads ptckpt traces in a killed process are its to reap (__WALL), or the
     process never stops being a zombie and the wait for it never ends."""
     try:
@@ -573,11 +295,11 @@ def restore_sysv(objects) -> list[tuple[sysvipc.IpcKind, int]]:
     return made
 
 
-def _under(path: str, directory: str) -> bool:
+def under(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:
+def check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:
     """Every fd a plugin marked external at dump must be claimed, or given, by a plugin now."""
     taken = events.claimed() | {(p, n) for p, n, _fd in events.installs()} if events else set()
     for p, proc in procs.items():
@@ -597,7 +319,7 @@ def _install_fd(remote, channel: int, theirs: int, cloexec: dict[int, bool], vpi
     plugin_mod.receive_fd_frozen(remote, theirs, number, cloexec=cloexec.get(number, False))
 
 
-def _raise_nofile() -> None:
+def raise_nofile() -> None:
     """ptckpt holds every fd the tree shares at once, above the image's own fd numbers, and the
     stubs inherit its limit: take the hard RLIMIT_NOFILE as the soft one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -623,7 +345,7 @@ def _private_mounts(task, binds: Sequence[tuple[str, str]]) -> None:
                                step=f"--remap-path: bind {new} on {old}")
 
 
-def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
+def new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
     """(the new pty slave's fd number in the stubs, its Terminal record) for the root, or None."""
     for rec in image.terminals:
         if rec.desc in handed:
@@ -631,7 +353,7 @@ def _new_tty(image: ImageReader, procs: dict[int, ProcessImage], handed: dict):
     return None
 
 
-def _leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+def leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
     """The root led its session, its controlling terminal was its stdio, and ptckpt restore
     runs on a terminal of its own (in its session): then the root cannot have a session
     of its own with that terminal (TIOCSCTTY: EPERM, it is the caller's session's), and
@@ -646,7 +368,7 @@ def _leader_on_callers_terminal(image: ImageReader, procs: dict[int, ProcessImag
     return False
 
 
-def _job_leads_new_pty(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
+def job_leads_new_pty(image: ImageReader, procs: dict[int, ProcessImage]) -> bool:
     """--new-pty for a shell job (its controlling terminal was its stdio, in its shell's
     session): the new pty can be its controlling terminal only in a session it leads,
     which it can lead when it led its process group and every group of the tree is the
@@ -659,7 +381,7 @@ def _job_leads_new_pty(image: ImageReader, procs: dict[int, ProcessImage]) -> bo
     return all(proc.task.pgid in procs for proc in procs.values()) and not image.zombies
 
 
-def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
+def front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], created: dict,
                        result: RestoreResult) -> None:
     """A shell job: the image's termios on ptckpt's terminal, and the job's own process group
     in front of it if it was in front when dumped."""
@@ -682,7 +404,7 @@ def _front_of_terminal(image: ImageReader, procs: dict[int, ProcessImage], creat
         return
 
 
-def _pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
+def pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -> dict[int, tuple[int, int]]:
     """{session: (a slave fd of its pty in the stubs, foreground group or -1)} for each pty of
     the tree that is the controlling terminal of a session of the tree."""
     virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
@@ -701,7 +423,7 @@ def ctty_key(rec) -> tuple[str, int]:
     return ("ctty", rec.index)
 
 
-def _create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
+def create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
                  binds: Sequence[tuple[str, str]] = (), own_session: bool = True, lead: bool = False,
                  ptys: dict[int, tuple[int, int]] | None = None, memory_first=lambda pid: None,
                  all_made=lambda created: None) -> None:
@@ -993,7 +715,7 @@ def fix_up_order(procs: dict[int, ProcessImage]) -> list[int]:
     return sorted(procs, key=lambda p: -depth(p))
 
 
-def _open_pages(fd: int) -> int:
+def open_pages(fd: int) -> int:
     """The pages file again, O_DIRECT where possible: the data goes to the tracee, not our cache."""
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -1039,7 +761,7 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
     return out
 
 
-def _fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
+def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
             channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None,
             pidfds_made: dict | None = None):
