@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .dump import DumpMode, DumpResult, dump as _dump
+from .dump import DumpMode, DumpResult
+from .pipeline.dump import dump as _dump
 from .errors import UsageError
 from .plugins import Plugin, load_plugin
 from .resources.filepolicy import FilePolicy, parse_policy

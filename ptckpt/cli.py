@@ -143,7 +143,8 @@ def pre_dump(
 def _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
                   tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool,
                   background: bool | None = False, ext_unix_sk: bool = False) -> None:
-    from .dump import DumpMode, dump as _dump
+    from .dump import DumpMode
+    from .pipeline.dump import dump as _dump
     from .plugins import load_plugin
     try:
         from .builtins import External

@@ -1,6 +1,6 @@
-"""Dump: the library API behind ``ptckpt dump`` (layer 5, orchestration).
+"""Dump's capturing: what the stages of ptckpt.pipeline.dump call (layer 5).
 
-``dump(pid, directory)`` runs these phases, each logged:
+``ptckpt.pipeline.dump.dump(pid, directory)`` runs these stages, each logged:
 
 1. check    -- the pid exists, is a user process, nobody else traces it, the
                destination is free (all before the target is touched);
@@ -25,22 +25,20 @@ import enum
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .callable import make_callable
-from . import __version__, appblock, claims, entry, procfs
-from . import plan as restore_plan
+from . import appblock, claims, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
-                     PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
+                     PluginError, SharedOutside, TargetVanished, UnsupportedResource)
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
-from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
-from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
+from .plugins import Plugins, ProcessHandle, SharedResource
+from .formats.model import Fd, FdKind, InotifyState, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
-                        pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -48,7 +46,7 @@ log = logging.getLogger("ptckpt.dump")
 PF_KTHREAD = 0x00200000
 
 
-_BUILD_IDS: dict = {}          # (st_dev, st_ino, mtime) -> build-id, shared by the processes of a dump
+BUILD_IDS: dict = {}          # (st_dev, st_ino, mtime) -> build-id, shared by the processes of a dump
 
 
 class DumpMode(enum.Enum):
@@ -105,220 +103,7 @@ def _refuse_if_traced(pid: int) -> None:
             raise AlreadyTraced(pid, tracer, procfs.comm_or_unknown(tracer))
 
 
-def dump(pid: int, directory: str | None = None, *,
-         mode: DumpMode = DumpMode.LEAVE_RUNNING,
-         save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
-         plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
-         tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
-         prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
-         compress: tuple[str, int] | None = None, background: bool | None = False,
-         before_release=None) -> DumpResult:
-    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
-
-    Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
-    network lock: ptckpt.resources.inet), come back closed with `tcp_close`, and refuse
-    the dump otherwise (ConnectionNotAllowed, naming the connection and the ways out).
-
-    With `ext_unix_sk` (CRIU's --ext-unix-sk) a unix datagram socket connected to a socket
-    outside the tree that is bound to a path is recorded with that path, and connected to
-    it again at restore (the socket there must be bound then); otherwise it is refused.
-
-    `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
-
-    `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
-    contents go into the image, to be put back by the restore; fds of files matching
-    `skip_files` are recorded but not reopened by a restore.
-
-    A program that marks critical sections (ptckpt.app, ptckpt.h) is not frozen inside
-    one: the dump waits up to `critical_timeout` seconds, then fails (CriticalSection,
-    naming it) and the program runs on.  After a leave-running dump such a program
-    reads CONTINUED in its app block.
-
-    Memory (ptckpt.increment): `track_mem` leaves the memory write-protected so that a
-    later dump with `prev` (a parent image directory) writes only the pages changed
-    since; `pre_dump` writes memory only, while the tree runs, as a parent for the real
-    dump; `background` copies the memory while the tree runs and freezes it only for
-    the pages written meanwhile (None: when it has more than increment.BACKGROUND_MIN
-    bytes of memory).  `compress` = ("zstd", LEVEL) compresses the page data.
-
-    `before_release(result)` runs once the image is committed, the tree still frozen
-    (ptckpt.migrate sends the image and has it restored elsewhere then); if it raises,
-    the tree resumes where it was, whatever `mode`, and the error goes on.
-    """
-    if tcp_established and tcp_close:
-        raise UsageError("--tcp-established and --tcp-close exclude each other")
-    for pattern in (*save_files, *skip_files):
-        try:
-            filepolicy.check_pattern(pattern)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    _BUILD_IDS.clear()
-    started = time.monotonic()
-    for line in inet.stale_lock_cleanup():
-        log.warning("%s", line)
-    directory = directory or f"ckpt-{pid}"
-    log.info("check %d", pid)
-    check_target(pid)
-    plan = MemoryPlan(directory, prev=prev, track_mem=track_mem, pre_dump=pre_dump,
-                      killing=mode is DumpMode.KILL, background=background)
-    writer = ImageWriter(directory, compress=compress)
-    writer.create()
-    session = Session()
-    flight = sockets.InFlight()
-    result = DumpResult(directory=os.path.abspath(directory), pids=[pid])
-    net = inet.InetDump(inet.Policy(established=tcp_established, close=tcp_close,
-                                    leave_running=mode is DumpMode.LEAVE_RUNNING), result.directory)
-    frozen_at = None
-    events = Plugins(plugins, result.directory)
-    if events:
-        log.info("plugins: pre_dump")
-        try:
-            running = running_tree(pid)
-            view = pidns.pid_view(pid, running)
-            events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
-        except BaseException:
-            writer.abort()
-            raise
-    try:
-        running = running_tree(pid)
-        if plan.wants_background(running):
-            log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
-            plan.precopy(running, pidns.pid_view(pid, running).of, writer)
-        log.info("freeze the tree of %d", pid)
-        pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout)
-        result.pids = pids
-        frozen_at = time.monotonic()
-        realtime, monotonic, boottime = process.current_clocks()
-        view = pidns.pid_view(pid, pids, zombies)
-        if view.level:
-            log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
-        xcr0 = xsize = 0
-        images = {}
-        parents = {m: procfs.read_stat(m).ppid for m in pids}
-        cow = {m: memory.shared_with_parent(m, parents[m]) for m in pids if parents[m] in parents}
-        if any(parents[m] in parents for m in pids) and not memory.page_frames_visible():
-            log.warning("pages a parent and its child share copy-on-write are not seen without "
-                        "CAP_SYS_ADMIN (pagemap shows no page frames): a restore gives each its own "
-                        "copy (the same contents, more memory)")
-        lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
-        for m, runs in cow.items():
-            lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
-        for member in pids:
-            log.info("capture %d", member)
-            image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member), plan,
-                                                                images.get(parents[member]), cow.get(member),
-                                                                lent.get(member, ()))
-            result.threads += len(image.threads)
-            result.vmas += len(image.vmas)
-            result.pages += stats.pages
-            result.bytes += stats.bytes
-            images[member] = image
-        plan.drop_precopies()                    # ended before the freeze
-        log.info("capture what the tree shares")
-        images = process.dump_sharing(images, pid)
-        images = {p: _mark_skipped(im, skip_files) for p, im in images.items()} if skip_files else images
-        flight = sockets.peek_queues_frozen({p: im.fds for p, im in images.items()}, pid)
-        numbered = files.number_descriptions({**{p: list(im.fds) for p, im in images.items()},
-                                              flight.holder: flight.fds})
-        flight.fds = numbered.pop(flight.holder)
-        images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
-        if events:
-            images = _plugins_frozen(events, session, images, view)
-        # pidfds first: a refusal there comes before capture_sharing_frozen takes pending connections
-        pidfd_states = pidfds.dump_pidfds({p: im.fds for p, im in images.items()},
-                                          {p: im.task.tids for p, im in images.items()}, zombies)
-        images, shared = capture_sharing_frozen(pid, images, net, flight, ext_unix_sk)
-        shared += pidfd_states
-        shared += events.image_records()
-        if save_files:
-            shared += files.dump_saved_files(_file_holders(images), save_files)
-        shared += capture_sysv_frozen(images)
-        shared += [_zombie(z) for z in zombies]
-        shared = pidns.virtual_records(view, shared)
-        for member in pids:
-            log.info("write %d", member)
-            writer.write_process(pidns.virtual_process(view, images[member]))
-        writer.write_inventory(Inventory(
-            ptckpt_version=__version__,
-            kernel_release=os.uname().release,
-            arch=os.uname().machine,
-            page_size=os.sysconf("SC_PAGE_SIZE"),
-            xfeatures=xcr0,
-            xstate_size=xsize,
-            root_pid=view.of(pid),
-            pids=tuple(map(view.of, pids)),
-            realtime_ns=realtime,
-            monotonic_ns=monotonic,
-            boottime_ns=boottime,
-            hostname=socket.gethostname(),
-            pid_level=view.level,
-            real_pids=view.pairs(),
-            netlock=net.lock.id if net.lock is not None and mode is DumpMode.KILL else "",
-            **plan.inventory_fields(),
-        ), shared)
-        for member in pids:                      # a completion while frozen: requests in flight
-            aio.check_rings_quiet(member, images[member].aio_rings)
-        if not pre_dump:                         # never yes to an image the restore would refuse
-            log.info("plan a restore of the image")
-            restore_plan.check_restorable(writer.temp_path)
-        if pre_dump:                             # the memory is written while the tree runs
-            net.release(killed=False)
-            session.resume_all()
-            result.frozen_seconds = time.monotonic() - frozen_at
-            log.info("write the memory of %s, running", " ".join(map(str, result.pids)))
-            plan.run_deferred(result)
-        entry.committed()                        # SIGINT & co from here: noted, not unwinding
-        try:
-            writer.commit()
-        except BaseException:
-            entry.not_committed()
-            raise
-    except BaseException:
-        flight.close()
-        writer.abort()
-        plan.failed()
-        plan.close()
-        with contextlib.suppress(PtckptError):   # the original error is the one to report
-            net.abort()
-        with contextlib.suppress(PtckptError):
-            session.resume_all()
-        raise
-    plan.committed(writer.image_id)
-    plan.close()
-    result.warnings = plan.untracked
-    flight.close()
-    if before_release is not None:
-        try:
-            before_release(result)
-        except BaseException:
-            with contextlib.suppress(PtckptError):
-                net.abort()
-            with contextlib.suppress(PtckptError):
-                session.resume_all()
-            raise
-    log.info("release %s (%s)", " ".join(map(str, result.pids)), mode.value)
-    if mode is DumpMode.LEAVE_RUNNING:
-        for p, addr in blocks.items():           # the program learns it continues after a dump
-            with contextlib.suppress(PtckptError):
-                appblock.mark(p, addr, appblock.CONTINUED, result.directory)
-    if mode is DumpMode.KILL:
-        for member in reversed(result.pids):
-            session.kill_process(member)
-        net.release(killed=True)                 # silently: the connections were in repair mode
-        result.frozen_seconds = time.monotonic() - frozen_at
-        _wait_gone(pid)
-    elif not pre_dump:
-        net.release(killed=False)                # repair mode off, the lock gone, then it runs
-        session.resume_all()
-        result.frozen_seconds = time.monotonic() - frozen_at
-    if events:
-        log.info("plugins: post_dump")
-        events.run("post_dump", [ProcessHandle(p, view.of(p)) for p in result.pids])
-    result.seconds = time.monotonic() - started
-    return result
-
-
-def _freeze_outside_critical(session: Session, root: int, timeout: float):
+def freeze_outside_critical(session: Session, root: int, timeout: float):
     """Freeze the tree when none of its processes is inside a critical section (their app
     blocks say): wait for that, freeze, and if one entered a section in between, thaw and
     wait again.  (pids, zombies, app blocks {pid: address})."""
@@ -352,7 +137,7 @@ def running_tree(root: int) -> list[int]:
     return out
 
 
-def _plugins_frozen(events: Plugins, session: Session, images: dict[int, ProcessImage],
+def plugins_frozen(events: Plugins, session: Session, images: dict[int, ProcessImage],
                     view: pidns.PidView):
     """The shared resources offered for election, then `frozen` for every member; the fds
     the plugins claimed as external are marked so in the images.  Plugins see the
@@ -614,14 +399,14 @@ def _terminals(root: int, fds: list[Fd]) -> list:
     return out
 
 
-def _mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:
+def mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:
     fds = tuple(dataclasses.replace(f, skipped=True)
                 if f.kind is FdKind.REGULAR and any(filepolicy.path_matches(p, f.path) for p in patterns)
                 else f for f in image.fds)
     return dataclasses.replace(image, fds=fds)
 
 
-def _file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
+def file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
     """{path: a pid holding it} of every regular file open or mapped in the tree (not deleted)."""
     out: dict[str, int] = {}
     for p, im in images.items():
@@ -635,7 +420,7 @@ def _file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
 
 
 
-def _zombie(pid: int) -> Zombie:
+def zombie_record(pid: int) -> Zombie:
     st = procfs.read_stat(pid)
     return Zombie(pid=pid, ppid=st.ppid, pgid=st.pgrp, sid=st.session, wait_status=st.exit_code)
 
@@ -657,7 +442,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int, plan: MemoryPlan,
+def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid: int, plan: MemoryPlan,
                             parent: ProcessImage | None = None, cow: dict | None = None,
                             lent: Sequence[tuple[int, int]] = ()):
     """One frozen member; `parent`: its parent's image, when a member too, and `cow` the
@@ -670,7 +455,7 @@ def _capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpi
     # (PTRACE_EVENT_STOP carries the group stop's signal: SIGTSTP for a ^Z).
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     stop_signal = leader.stop.signo if group_stopped else 0     # taken now: injections change .stop
-    vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, _BUILD_IDS))
+    vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, BUILD_IDS))
     memory.check_vmas(pid, vmas)
     if parent is not None and cow:
         vmas = memory.with_cow(vmas, parent.vmas, cow)
@@ -743,7 +528,7 @@ def _check_fdinfo(pid: int, fds) -> None:
             claims.check_fdinfo(pid, f.fd, f.kind.name, text)
 
 
-def _wait_gone(pid: int, timeout: float = 3.0) -> None:
+def wait_gone(pid: int, timeout: float = 3.0) -> None:
     """After --kill: when the dead target's parent is init, which reaps lazily on these
     machines (DESIGN.md), wait a little for the pid to be free, so a restore can follow.
     A zombie of any other parent is that parent's to reap."""

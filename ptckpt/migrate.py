@@ -58,7 +58,8 @@ def migrate(pid: int, address: str, token: bytes, *, rounds: int = 2, restore_ar
     """Move `pid`'s tree to the page server at `address` (see the module docstring); the
     dumps get `plugins` (e.g. one that drops an external connection), the restore there
     `restore_args` (restore options from transfer.RESTORE_FLAGS / RESTORE_VALUED)."""
-    from .dump import DumpMode, dump
+    from .dump import DumpMode
+    from .pipeline.dump import dump
     if rounds < 0:
         raise UsageError("--rounds must be 0 or more")
     args = transfer.restore_args(restore_args)

@@ -165,7 +165,8 @@ class Supervisor:
         return self._block
 
     def checkpoint(self, reason: str) -> dict:
-        from .dump import DumpMode, dump
+        from .dump import DumpMode
+        from .pipeline.dump import dump
         n = len(self.state.checkpoints) + len(self.state.failures) + 1
         directory = os.path.join(self.directory, f"ckpt-{n:04d}")
         log.info("checkpoint %d (%s) -> %s", n, reason, directory)

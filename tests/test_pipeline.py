@@ -10,9 +10,12 @@ import inspect
 import pytest
 
 from ptckpt.pipeline import Undo
+from ptckpt.pipeline import dump as dump_pipeline
 from ptckpt.pipeline import restore as restore_pipeline
 
-STAGES = ("collect", "plan", "open_sources", "create", "rebuild", "hand_off", "resume")
+STAGES = {restore_pipeline: ("restore", ("collect", "plan", "open_sources", "create", "rebuild", "hand_off",
+                                         "resume")),
+          dump_pipeline: ("dump", ("check", "freeze", "capture", "write", "commit", "release"))}
 
 
 def test_the_undo_stack_runs_only_on_failure_last_first():
@@ -30,12 +33,14 @@ def test_the_undo_stack_runs_only_on_failure_last_first():
     assert done == ["second", "first"]
 
 
-def test_every_stage_is_a_short_function():
-    tree = ast.parse(inspect.getsource(restore_pipeline))
+@pytest.mark.parametrize("module", list(STAGES), ids=lambda m: m.__name__)
+def test_every_stage_is_a_short_function(module):
+    entry, stages = STAGES[module]
+    tree = ast.parse(inspect.getsource(module))
     lengths = {f.name: f.end_lineno - f.lineno + 1 for f in tree.body if isinstance(f, ast.FunctionDef)}
-    assert set(STAGES) <= set(lengths)
-    long = {name: n for name, n in lengths.items() if n > 60 and name != "restore"}
-    assert not long, f"functions of the restore pipeline over 60 lines: {long}"
-    body = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "restore")
+    assert set(stages) <= set(lengths)
+    long = {name: n for name, n in lengths.items() if n > 60 and name != entry}
+    assert not long, f"functions of the pipeline over 60 lines: {long}"
+    body = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == entry)
     code = body.end_lineno - body.lineno + 1 - len(ast.get_docstring(body).splitlines())
-    assert code <= 30, "restore() runs the stages; the work is theirs"
+    assert code <= 30, f"{entry}() runs the stages; the work is theirs"

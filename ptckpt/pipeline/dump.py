@@ -1,0 +1,340 @@
+"""Dump as named stages: check, freeze, capture, write, commit, release.
+
+``dump(pid)`` runs them over one :class:`DumpRun`:
+
+1. check    -- the target may be dumped (it exists, is no kernel thread, no other tracer
+               holds it); the image directory made (a temporary one beside it); the
+               plugins' pre_dump;
+2. freeze   -- memory copied first while the tree runs (background dumps); then every
+               thread of the tree frozen outside the critical sections the program marked;
+3. capture  -- each process (memory, threads, fds, ...), then what the tree shares (fd
+               descriptions, pipes, sockets, SysV objects, zombies);
+4. write    -- the records and the inventory; then the restore's own plan run on them
+               (ptckpt.plan), so that no image a restore would refuse is ever committed;
+5. commit   -- the image renamed into place (from here a signal no longer unwinds it);
+6. release  -- the caller's before_release, then the tree resumed (or killed), the
+               network lock lifted, the plugins' post_dump.
+
+What the stages make is undone on two stacks: the image's (the temporary directory, the
+memory tracking) until the commit, the tree's (the network lock, the freeze) until the
+release, so that a dump that fails leaves the target running as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .. import __version__, appblock, entry, procfs
+from .. import dump as dp
+from .. import plan as restore_plan
+from ..errors import PtckptError, UsageError
+from ..formats.image import ImageWriter
+from ..formats.model import Inventory, ProcessImage
+from ..increment import MemoryPlan
+from ..plugins import Plugin, Plugins, ProcessHandle
+from ..resources import aio, files, filepolicy, inet, memory, pidfds, process, sockets
+from ..resources import pids as pidns
+from ..tracee import Session
+from . import Undo, stage
+
+log = logging.getLogger("ptckpt.dump")
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """What the dump was asked (the library's keywords, the command's flags)."""
+
+    mode: dp.DumpMode = dp.DumpMode.LEAVE_RUNNING
+    save_files: Sequence[str] = ()
+    skip_files: Sequence[str] = ()
+    plugins: Sequence[Plugin] = ()
+    critical_timeout: float = 10.0
+    tcp_established: bool = False
+    tcp_close: bool = False
+    ext_unix_sk: bool = False
+    prev: str | None = None
+    track_mem: bool = False
+    pre_dump: bool = False
+    compress: tuple[str, int] | None = None
+    background: bool | None = False
+    before_release: object = None
+
+
+@dataclass
+class DumpRun:
+    """The state the stages share."""
+
+    pid: int
+    directory: str
+    opts: DumpOptions
+    result: dp.DumpResult
+    cleanup: contextlib.ExitStack
+    image_undo: Undo = field(default_factory=Undo)
+    tree_undo: Undo = field(default_factory=Undo)
+    started: float = field(default_factory=time.monotonic)
+    plan: MemoryPlan | None = None
+    writer: ImageWriter | None = None
+    session: Session = field(default_factory=Session)
+    flight: sockets.InFlight = field(default_factory=sockets.InFlight)
+    net: inet.InetDump | None = None
+    events: Plugins | None = None
+    frozen_at: float = 0.0
+    zombies: list = field(default_factory=list)
+    blocks: dict = field(default_factory=dict)
+    view: object = None
+    clocks: tuple = ()
+    xstate: tuple[int, int] = (0, 0)
+    images: dict[int, ProcessImage] = field(default_factory=dict)
+    shared: list = field(default_factory=list)
+
+
+def dump(pid: int, directory: str | None = None, *,
+         mode: dp.DumpMode = dp.DumpMode.LEAVE_RUNNING,
+         save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
+         plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
+         tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
+         prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
+         compress: tuple[str, int] | None = None, background: bool | None = False,
+         before_release=None) -> dp.DumpResult:
+    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
+
+    Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
+    network lock: ptckpt.resources.inet), come back closed with `tcp_close`, and refuse
+    the dump otherwise (ConnectionNotAllowed, naming the connection and the ways out).
+
+    With `ext_unix_sk` (CRIU's --ext-unix-sk) a unix datagram socket connected to a socket
+    outside the tree that is bound to a path is recorded with that path, and connected to
+    it again at restore (the socket there must be bound then); otherwise it is refused.
+
+    `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
+
+    `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
+    contents go into the image, to be put back by the restore; fds of files matching
+    `skip_files` are recorded but not reopened by a restore.
+
+    A program that marks critical sections (ptckpt.app, ptckpt.h) is not frozen inside
+    one: the dump waits up to `critical_timeout` seconds, then fails (CriticalSection,
+    naming it) and the program runs on.  After a leave-running dump such a program
+    reads CONTINUED in its app block.
+
+    Memory (ptckpt.increment): `track_mem` leaves the memory write-protected so that a
+    later dump with `prev` (a parent image directory) writes only the pages changed
+    since; `pre_dump` writes memory only, while the tree runs, as a parent for the real
+    dump; `background` copies the memory while the tree runs and freezes it only for
+    the pages written meanwhile (None: when it has more than increment.BACKGROUND_MIN
+    bytes of memory).  `compress` = ("zstd", LEVEL) compresses the page data.
+
+    `before_release(result)` runs once the image is committed, the tree still frozen
+    (ptckpt.migrate sends the image and has it restored elsewhere then); if it raises,
+    the tree resumes where it was, whatever `mode`, and the error goes on.
+    """
+    opts = DumpOptions(mode, tuple(save_files), tuple(skip_files), tuple(plugins), critical_timeout,
+                       tcp_established, tcp_close, ext_unix_sk, prev, track_mem, pre_dump, compress,
+                       background, before_release)
+    _check_options(opts)
+    dp.BUILD_IDS.clear()
+    for line in inet.stale_lock_cleanup():
+        log.warning("%s", line)
+    directory = directory or f"ckpt-{pid}"
+    with contextlib.ExitStack() as cleanup:
+        run = DumpRun(pid, directory, opts, dp.DumpResult(directory=os.path.abspath(directory), pids=[pid]),
+                      cleanup)
+        with run.tree_undo:
+            with run.image_undo:
+                for name, fn in (("check", check), ("freeze", freeze), ("capture", capture),
+                                 ("write", write), ("commit", commit)):
+                    stage(name, fn, run)
+            stage("release", release, run)
+    run.result.seconds = time.monotonic() - run.started
+    return run.result
+
+
+def _check_options(opts: DumpOptions) -> None:
+    if opts.tcp_established and opts.tcp_close:
+        raise UsageError("--tcp-established and --tcp-close exclude each other")
+    for pattern in (*opts.save_files, *opts.skip_files):
+        try:
+            filepolicy.check_pattern(pattern)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+
+# --- 1. check --------------------------------------------------------------------------
+
+def check(run: DumpRun) -> None:
+    opts, pid = run.opts, run.pid
+    log.info("check %d", pid)
+    dp.check_target(pid)
+    run.plan = MemoryPlan(run.directory, prev=opts.prev, track_mem=opts.track_mem, pre_dump=opts.pre_dump,
+                          killing=opts.mode is dp.DumpMode.KILL, background=opts.background)
+    run.cleanup.callback(run.plan.close)
+    run.writer = ImageWriter(run.directory, compress=opts.compress)
+    run.writer.create()
+    run.image_undo.on_failure(run.plan.close)            # before the tree runs on (tree_undo)
+    run.image_undo.on_failure(run.plan.failed)
+    run.image_undo.on_failure(run.writer.abort)
+    run.cleanup.callback(lambda: run.flight.close())       # the flight of the end, peeked or not
+    run.net = inet.InetDump(inet.Policy(established=opts.tcp_established, close=opts.tcp_close,
+                                        leave_running=opts.mode is dp.DumpMode.LEAVE_RUNNING),
+                            run.result.directory)
+    run.events = Plugins(opts.plugins, run.result.directory)
+    if run.events:
+        log.info("plugins: pre_dump")
+        running = dp.running_tree(pid)
+        view = pidns.pid_view(pid, running)
+        run.events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
+
+
+# --- 2. freeze -------------------------------------------------------------------------
+
+def freeze(run: DumpRun) -> None:
+    pid = run.pid
+    run.tree_undo.on_failure(run.session.resume_all)       # the last to undo: the tree runs on
+    run.tree_undo.on_failure(run.net.abort)
+    running = dp.running_tree(pid)
+    if run.plan.wants_background(running):
+        log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
+        run.plan.precopy(running, pidns.pid_view(pid, running).of, run.writer)
+    log.info("freeze the tree of %d", pid)
+    members, run.zombies, run.blocks = dp.freeze_outside_critical(run.session, pid, run.opts.critical_timeout)
+    run.result.pids = members
+    run.frozen_at = time.monotonic()
+    run.clocks = process.current_clocks()
+    run.view = pidns.pid_view(pid, members, run.zombies)
+    if run.view.level:
+        log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
+
+
+# --- 3. capture ------------------------------------------------------------------------
+
+def capture(run: DumpRun) -> None:
+    _capture_processes(run)
+    run.plan.drop_precopies()                               # ended before the freeze
+    log.info("capture what the tree shares")
+    pid, opts = run.pid, run.opts
+    images = process.dump_sharing(run.images, pid)
+    if opts.skip_files:
+        images = {p: dp.mark_skipped(im, opts.skip_files) for p, im in images.items()}
+    run.flight = sockets.peek_queues_frozen({p: im.fds for p, im in images.items()}, pid)
+    numbered = files.number_descriptions({**{p: list(im.fds) for p, im in images.items()},
+                                          run.flight.holder: run.flight.fds})
+    run.flight.fds = numbered.pop(run.flight.holder)
+    images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
+    if run.events:
+        images = dp.plugins_frozen(run.events, run.session, images, run.view)
+    # pidfds first: a refusal there comes before capture_sharing_frozen takes pending connections
+    pidfd_states = pidfds.dump_pidfds({p: im.fds for p, im in images.items()},
+                                      {p: im.task.tids for p, im in images.items()}, run.zombies)
+    images, shared = dp.capture_sharing_frozen(pid, images, run.net, run.flight, opts.ext_unix_sk)
+    shared += pidfd_states
+    shared += run.events.image_records()
+    if opts.save_files:
+        shared += files.dump_saved_files(dp.file_holders(images), opts.save_files)
+    shared += dp.capture_sysv_frozen(images)
+    shared += [dp.zombie_record(z) for z in run.zombies]
+    run.images, run.shared = images, pidns.virtual_records(run.view, shared)
+
+
+def _capture_processes(run: DumpRun) -> None:
+    """Each member: its memory (pages it still shares copy-on-write with its parent left to
+    the parent's), threads, fds and the rest (dump.capture_process_frozen)."""
+    members, result = run.result.pids, run.result
+    parents = {m: procfs.read_stat(m).ppid for m in members}
+    cow = {m: memory.shared_with_parent(m, parents[m]) for m in members if parents[m] in parents}
+    if any(parents[m] in parents for m in members) and not memory.page_frames_visible():
+        log.warning("pages a parent and its child share copy-on-write are not seen without "
+                    "CAP_SYS_ADMIN (pagemap shows no page frames): a restore gives each its own "
+                    "copy (the same contents, more memory)")
+    lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
+    for m, runs in cow.items():
+        lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
+    for member in members:
+        log.info("capture %d", member)
+        image, stats, xcr0, xsize = dp.capture_process_frozen(
+            run.session, member, run.writer, run.view.of(member), run.plan, run.images.get(parents[member]),
+            cow.get(member), lent.get(member, ()))
+        run.xstate = (xcr0, xsize)
+        result.threads += len(image.threads)
+        result.vmas += len(image.vmas)
+        result.pages += stats.pages
+        result.bytes += stats.bytes
+        run.images[member] = image
+
+
+# --- 4. write --------------------------------------------------------------------------
+
+def write(run: DumpRun) -> None:
+    view, writer, opts = run.view, run.writer, run.opts
+    for member in run.result.pids:
+        log.info("write %d", member)
+        writer.write_process(pidns.virtual_process(view, run.images[member]))
+    realtime, monotonic, boottime = run.clocks
+    net = run.net
+    writer.write_inventory(Inventory(
+        ptckpt_version=__version__, kernel_release=os.uname().release, arch=os.uname().machine,
+        page_size=os.sysconf("SC_PAGE_SIZE"), xfeatures=run.xstate[0], xstate_size=run.xstate[1],
+        root_pid=view.of(run.pid), pids=tuple(map(view.of, run.result.pids)),
+        realtime_ns=realtime, monotonic_ns=monotonic, boottime_ns=boottime,
+        hostname=socket.gethostname(), pid_level=view.level, real_pids=view.pairs(),
+        netlock=net.lock.id if net.lock is not None and opts.mode is dp.DumpMode.KILL else "",
+        **run.plan.inventory_fields(),
+    ), run.shared)
+    for member in run.result.pids:               # a completion while frozen: requests in flight
+        aio.check_rings_quiet(member, run.images[member].aio_rings)
+    if not opts.pre_dump:                        # never yes to an image the restore would refuse
+        log.info("plan a restore of the image")
+        restore_plan.check_restorable(writer.temp_path)
+    else:                                        # the memory is written while the tree runs
+        net.release(killed=False)
+        run.session.resume_all()
+        run.result.frozen_seconds = time.monotonic() - run.frozen_at
+        log.info("write the memory of %s, running", " ".join(map(str, run.result.pids)))
+        run.plan.run_deferred(run.result)
+
+
+# --- 5. commit -------------------------------------------------------------------------
+
+def commit(run: DumpRun) -> None:
+    entry.committed()                            # SIGINT & co from here: noted, not unwinding
+    try:
+        run.writer.commit()
+    except BaseException:
+        entry.not_committed()
+        raise
+    run.image_undo.commit()                      # the image stays, whatever comes
+    run.plan.committed(run.writer.image_id)
+    run.result.warnings = run.plan.untracked
+
+
+# --- 6. release ------------------------------------------------------------------------
+
+def release(run: DumpRun) -> None:
+    opts, result, net = run.opts, run.result, run.net
+    if opts.before_release is not None:
+        opts.before_release(result)              # if it fails the tree resumes (tree_undo)
+    log.info("release %s (%s)", " ".join(map(str, result.pids)), opts.mode.value)
+    run.tree_undo.commit()
+    if opts.mode is dp.DumpMode.LEAVE_RUNNING:
+        for p, addr in run.blocks.items():       # the program learns it continues after a dump
+            with contextlib.suppress(PtckptError):
+                appblock.mark(p, addr, appblock.CONTINUED, result.directory)
+    if opts.mode is dp.DumpMode.KILL:
+        for member in reversed(result.pids):
+            run.session.kill_process(member)
+        net.release(killed=True)                 # silently: the connections were in repair mode
+        result.frozen_seconds = time.monotonic() - run.frozen_at
+        dp.wait_gone(run.pid)
+    elif not opts.pre_dump:
+        net.release(killed=False)                # repair mode off, the lock gone, then it runs
+        run.session.resume_all()
+        result.frozen_seconds = time.monotonic() - run.frozen_at
+    if run.events:
+        log.info("plugins: post_dump")
+        run.events.run("post_dump", [ProcessHandle(p, run.view.of(p)) for p in result.pids])
