@@ -20,7 +20,7 @@ import time
 import pytest
 from ptrace.binding import func as ptrace_func
 
-from ptckpt import dump as dump_api
+from ptckpt.pipeline import dump as dump_api
 from ptckpt.errors import ExitCode, TargetVanished
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, FdKind, Restart, VmaKind
