@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .entry import forward_to, unwind_again
+from .state import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
@@ -744,7 +744,7 @@ def _only_the_named_command(args: list[str]):
 
 def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
-    from .entry import Interrupted
+    from .state import Interrupted
     try:
         args = hoist_verbose(sys.argv[1:])
         with _only_the_named_command(args):

@@ -31,13 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .callable import make_callable
-from . import __version__, appblock, claims, entry, procfs
+from . import __version__, appblock, claims, procfs
 from . import plan as restore_plan
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
 from .plugins import Plugin, Plugins, ProcessHandle, SharedResource
+from .state import committed, not_committed
 from .formats.model import Fd, FdKind, InotifyState, Inventory, PendingSignal, ProcessImage, VmaKind, Zombie
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
                         pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
@@ -267,11 +268,11 @@ def dump(pid: int, directory: str | None = None, *,
             result.frozen_seconds = time.monotonic() - frozen_at
             log.info("write the memory of %s, running", " ".join(map(str, result.pids)))
             plan.run_deferred(result)
-        entry.committed()                        # SIGINT & co from here: noted, not unwinding
+        committed()                              # SIGINT & co from here: noted, not unwinding
         try:
             writer.commit()
         except BaseException:
-            entry.not_committed()
+            not_committed()
             raise
     except BaseException:
         flight.close()

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .callable import make_callable
-from . import appblock, breakpoints, entry, procfs, progress, restored, testhooks
+from . import appblock, breakpoints, procfs, progress, restored, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
 from .errors import (CorruptImage, ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
@@ -55,6 +55,7 @@ from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, 
 from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, nsfs,
                         pids, pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
+from .state import committed, not_committed
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.restore")
@@ -429,12 +430,12 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
                 # From the first thread let go the tree is restored: a signal no longer
                 # unwinds it (that would kill a running program and say "interrupted").
                 testhooks.reached("restore-resume")
-                entry.committed()
+                committed()
                 try:
                     result.warnings += resume_holding_first([t for t in to_detach if t.tgid not in traced],
                                                             blocks, created, hold_timeout)
                 except BaseException:
-                    entry.not_committed()
+                    not_committed()
                     raise
                 stub.release()                        # the --pidns init stops watching ptckpt
                 if events:
