@@ -649,8 +649,8 @@ def check(
     Example: ptckpt check --image /tmp/ckpt-1234
     """
     if kinds:
-        from .kinds import table
-        rows = table()
+        from .check import kinds_table
+        rows = kinds_table()
         if as_json:
             typer.echo(json.dumps([{"family": r.family, "kind": r.name, "restored": r.restored,
                                     "by": r.by, "refusal": r.refusal} for r in rows], indent=2))
