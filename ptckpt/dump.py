@@ -30,7 +30,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .callable import make_callable
 from . import __version__, appblock, claims, procfs
 from . import plan as restore_plan
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
@@ -764,6 +763,3 @@ def _thread_comm(pid: int, tid: int) -> str:
         return procfs.read_comm(pid, tid=tid)
     except (NoSuchProcess, TargetVanished):
         return ""
-
-
-make_callable(__name__, "dump")        # ptckpt.dump(pid, directory, **options): ptckpt.api.dump

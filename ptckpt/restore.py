@@ -41,7 +41,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .callable import make_callable
 from . import appblock, breakpoints, procfs, progress, restored, testhooks
 from . import netns as netns_mod
 from . import plugins as plugin_mod
@@ -1203,6 +1202,3 @@ def wait_restored(result: RestoreResult) -> int:
 def shell_status(status: int) -> int:
     """A wait(2) status as a shell shows it: the exit code, or 128+N after signal N."""
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-make_callable(__name__, "restore")     # ptckpt.restore(directory, **options): ptckpt.api.restore
