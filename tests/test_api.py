@@ -1,4 +1,4 @@
-"""The Python API (ptckpt.api; ptckpt.dump and ptckpt.restore are callable): a program of
+"""The Python API (ptckpt.api, whose functions ptckpt.dump and ptckpt.restore are): a program of
 the user's own dumps a process it started and restores it, then waits for it, the way
 README's example does.  The program runs in its own interpreter, as a user's would."""
 
