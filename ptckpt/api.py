@@ -19,8 +19,7 @@ once the tree runs, and the :class:`Restored` handle it returns replaces them (i
 
 Each option's text is parsed here and nowhere else: a compression spec by
 :func:`parse_compress`, a duration by :func:`parse_duration`, file policies by
-:func:`parse_file_policy`,
-plugin specs by :func:`load_plugins`.  Errors are the CLI's: every one is a
+:func:`parse_file_policy`, plugin specs by :func:`load_plugins`.  Errors are the CLI's: every one is a
 :class:`ptckpt.errors.PtckptError` with the message the command prints and the exit code it
 exits with (``err.exit_code``); bad usage is a :class:`ptckpt.errors.UsageError`.
 
@@ -31,6 +30,7 @@ that process, never for other children of the caller.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shlex
@@ -299,7 +299,7 @@ class Restored:
                              "was on no terminal)")
         from .resources import terminals
         try:
-            with _suppress_oserror():                # its screen is new: a redraw
+            with contextlib.suppress(OSError):       # its screen is new: a redraw
                 terminals.redraw(os.getpgid(self.pid))
             status = terminals.relay(self.pty_master, stdin_fd=stdin_fd, stdout_fd=stdout_fd,
                                      until_pid=self.waited)
@@ -317,11 +317,6 @@ class Restored:
             return None
         from .lazypages import why_killed
         return why_killed(self.page_server_log)
-
-
-def _suppress_oserror():
-    import contextlib
-    return contextlib.suppress(OSError)
 
 
 def restore(directory: str | os.PathLike, *,
