@@ -19,7 +19,7 @@ as hung.  Outcomes:
 OUT/results.csv and OUT/results.json hold one row per run: seed, faults, status,
 signature, check verdict, outcome, seconds.
 
-Runs go through a :class:`Backend` (submit, wait, cancel): :class:`LocalBackend`
+Runs go through a :class:`ptckpt.campaign_types.Backend` (submit, wait, cancel): :class:`LocalBackend`
 runs them as processes on this machine; ptckpt.cluster.DaskBackend as tasks of a Dask
 scheduler.  Results name the host each run ran on.
 """
@@ -31,62 +31,20 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
-from . import procfs
+from .campaign_types import (OUTCOMES, Backend, CampaignResult, CampaignSpec, RunResult, RunSpec, fault_text,
+                             kill_run)
 from .errors import PtckptError, UsageError
 
+__all__ = ["OUTCOMES", "Backend", "CampaignResult", "CampaignSpec", "LocalBackend", "RunResult", "RunSpec",
+           "backend_for", "classify", "fault_text", "kill_run", "run_campaign", "write_results"]
+
 log = logging.getLogger("ptckpt.campaign")
-
-OUTCOMES = ("masked", "detected", "crashed", "hung", "error")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run: what a backend executes."""
-
-    index: int                  # 0: the reference run (no faults)
-    seed: int
-    argv: tuple[str, ...]       # the command (ptckpt restore ...)
-    directory: str              # its own directory: stdout, stderr, faults.json
-    timeout: float
-
-
-@dataclass
-class RunResult:
-    index: int
-    seed: int
-    status: int | None          # shell-style: 128+N for a signal; None if killed at the timeout
-    seconds: float
-    timed_out: bool = False
-    faults: list[dict] = field(default_factory=list)
-    signature: str = ""
-    check: str = ""             # "pass" | "fail" | "" (no check)
-    outcome: str = ""
-    reason: str = ""
-    host: str = ""              # where it ran
-
-
-class Backend:
-    """Where runs execute.  submit() starts a run (it may queue it); wait() blocks until at
-    least one run has ended and returns the (index, status, seconds, timed_out, host) of
-    those that did; cancel() kills everything still going."""
-
-    def submit(self, run: RunSpec) -> None:
-        raise NotImplementedError
-
-    def wait(self) -> list[tuple[int, int | None, float, bool, str]]:
-        raise NotImplementedError
-
-    def cancel(self) -> None:
-        raise NotImplementedError
 
 
 class LocalBackend(Backend):
@@ -138,52 +96,14 @@ class LocalBackend(Backend):
         self.running.clear()
 
 
-def kill_run(proc: subprocess.Popen) -> None:
-    """A run's pid namespace (its init is the restore's child) and the restore itself."""
-    for child in procfs.children_or_none(proc.pid):
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@dataclass
-class CampaignSpec:
-    image: str
-    runs: int
-    inject: Sequence[str]
-    out: str
-    seed: int = 1
-    jobs: int = 1
-    timeout: float = 60.0
-    check: str = ""                         # a shell command; exit 0: the run's result is right
-    restore_args: Sequence[str] = ()        # more options for every restore (--plugin, --file-policy ...)
-    backend: str = "local"                  # or dask://HOST:PORT (ptckpt.cluster)
-
-
-@dataclass
-class CampaignResult:
-    runs: list[RunResult]
-    reference: RunResult
-    out: str
-
-    def counts(self) -> Counter:
-        return Counter(r.outcome for r in self.runs)
-
-    def as_json(self) -> dict:
-        """results.json's object: {"summary": {outcome: n}, "reference": run, "runs": [run]}."""
-        return {"summary": dict(self.counts()), "reference": asdict(self.reference),
-                "runs": [asdict(r) for r in self.runs]}
-
-    def summary(self) -> str:
-        counts = self.counts()
-        parts = [f"{counts.get(o, 0)} {o}" for o in OUTCOMES if o != "error" or counts.get(o)]
-        return f"{len(self.runs)} runs: " + ", ".join(parts) + f"; results in {self.out}"
+def backend_for(spec: str, image: str, jobs: int) -> Backend:
+    """--backend: "local" or "dask://HOST:PORT" (ptckpt.cluster, imported only then)."""
+    if spec in ("", "local"):
+        return LocalBackend(jobs)
+    if spec.startswith("dask://"):
+        from .cluster import DaskBackend
+        return DaskBackend("tcp://" + spec[len("dask://"):], image)
+    raise UsageError(f"--backend {spec!r}: local or dask://HOST:PORT")
 
 
 def _restore_argv(spec: CampaignSpec, seed: int, directory: str, faults: bool,
@@ -289,7 +209,6 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
 
     first = 1 if spec.check else 0               # with a check no reference is needed
     if backend is None:
-        from .cluster import backend_for
         backend = backend_for(spec.backend, spec.image, spec.jobs)
     specs = {i: make(i) for i in range(first, spec.runs + 1)}
     results: dict[int, RunResult] = {}
@@ -323,12 +242,6 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
     from .report import write_report
     write_report(done)
     return done
-
-
-def fault_text(faults: list[dict]) -> str:
-    """The faults of a run, one phrase each (the results table's column)."""
-    return "; ".join(f"{f['target']} bits {','.join(map(str, f['bits']))}" if f["bits"]
-                     else f"{f['target']} = {f['after']}" for f in faults)
 
 
 def write_results(result: CampaignResult) -> None:

@@ -10,7 +10,10 @@ import ctypes
 import os
 import struct
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .kinds import Kind
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -296,3 +299,22 @@ def _network_lock() -> list[Check]:
                              f"holds {len(info.connections)} TCP connections of the image {info.image_dir} "
                              f"until it is restored (unlock by hand: nft delete table inet {info.table})", "", False))
     return out
+
+
+def kinds_table() -> list[Kind]:
+    """The whole table of kinds (``ptckpt check --kinds``): ptckpt.kinds' rows, then /proc
+    status fields, fdinfo keys and VmFlags from the modules that check them (which import
+    ptckpt.kinds: the table cannot gather them itself without a cycle)."""
+    from . import claims
+    from .kinds import ANON_INODES, FD, MAPPINGS, NAMESPACES, SOCKETS, Kind
+    from .resources import memory
+    rows = [*FD.values(), *(Kind("anon_inode", n, f"as fd kind {k.name.lower()}") for n, k in ANON_INODES.items()),
+            *SOCKETS.values(), *MAPPINGS.values(), *NAMESPACES.values()]
+    rows += [Kind("status", k, c.by) for k, c in claims.STATUS.items()]
+    rows += [Kind("fdinfo", k, c.by) for k, c in claims.FDINFO_COMMON.items()]
+    rows += [Kind("fdinfo", f"{kind.lower()}: {k}", c.by) for kind, keys in claims.FDINFO_BY_KIND.items()
+             for k, c in keys.items()]
+    rows += [Kind("vmflag", k, v) for k, v in memory.VMFLAGS_MADE.items()]
+    rows += [Kind("vmflag", k, f"follows from the mapping: {v}") for k, v in memory.VMFLAGS_DERIVED.items()]
+    rows += [Kind("vmflag", k, "", v) for k, v in memory.VMFLAGS_REFUSED.items()]
+    return rows

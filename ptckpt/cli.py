@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
 import sys
 from typing import Annotated, Optional
@@ -20,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .entry import forward_to, unwind_again
+from .state import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
@@ -95,13 +94,13 @@ def dump(
                                                      help="Image directory (default ./ckpt-PID); must not exist or be empty.")] = None,
     leave_running: Annotated[bool, typer.Option("--leave-running/--kill",
                                                 help="Resume the target after the dump (default), or kill it once the image is on disk.")] = True,
-    save_file: Annotated[Optional[list[str]], typer.Option("--save-file", metavar="PATTERN",
+    save_files: Annotated[Optional[list[str]], typer.Option("--save-file", metavar="PATTERN",
                                                            help="Store the contents of the open or mapped files matching PATTERN (an absolute path glob; ** spans directories; DIR/ means all under DIR) in the image; restore puts them back. Repeatable.")] = None,
     external: Annotated[Optional[list[str]], typer.Option("--external", metavar="ADDR",
                                                           help="tcp:HOST:PORT (tcp:[::1]:PORT), unix:PATH, listen:HOST:PORT, listen-unix:PATH or fd:N: a connection (or a listener) to something outside the checkpoint (emulator, licence server): not saved; at restore a plugin (or --reconnect) must re-make it. Repeatable.")] = None,
-    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
+    plugins: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
                                                         help="Load a plugin: module:Class, a file path (file.py or file.py:Class) or an entry point name of group ptckpt.plugins. Repeatable.")] = None,
-    skip_file: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
+    skip_files: Annotated[Optional[list[str]], typer.Option("--skip-file", metavar="PATTERN",
                                                            help="Record the fds of files matching PATTERN but do not reopen them at restore (the fd stays closed). Repeatable.")] = None,
     critical_timeout: Annotated[str, typer.Option("--critical-timeout", help="How long to wait for a critical section the program marked (ptckpt.app, ptckpt.h) to end before giving up.")] = "10s",
     tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (TCP_REPAIR: sequence numbers, both queues, options) under a network lock; without it (or --tcp-close, --external fd:N) a tree holding one is refused.")] = False,
@@ -117,10 +116,17 @@ def dump(
 
     Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
     """
-    _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
-                  tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False,
-                  background=False if not leave_running and background is None else background,
-                  ext_unix_sk=ext_unix_sk)
+    from . import api
+    try:
+        with _progress_bar("dump", as_json):
+            result = api.dump(pid, directory, leave_running=leave_running, save_files=save_files or (),
+                              skip_files=skip_files or (), external=external or (), plugins=plugins or (),
+                              critical_timeout=critical_timeout, tcp_established=tcp_established,
+                              tcp_close=tcp_close, ext_unix_sk=ext_unix_sk, prev=prev, track_mem=track_mem,
+                              compress=compress, background=background)
+    except PtckptError as err:
+        raise _fail(err) from None
+    _render_dump(result, as_json)
 
 
 @app.command("pre-dump")
@@ -136,36 +142,18 @@ def pre_dump(
 
     Example: ptckpt pre-dump 1234 -D pre && ptckpt dump 1234 -D final --prev pre --kill
     """
-    _dump_command(pid, directory, True, None, None, None, None, "10s", False, False, as_json, prev, True,
-                  compress, pre_dump=True)
-
-
-def _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
-                  tcp_established, tcp_close, as_json, prev, track_mem, compress, *, pre_dump: bool,
-                  background: bool | None = False, ext_unix_sk: bool = False) -> None:
-    from .dump import DumpMode
-    from .pipeline.dump import dump as _dump
-    from .plugins import load_plugin
+    from . import api
     try:
-        from .builtins import External
-        from .formats.compression import parse_spec
-        from .units import parse_duration
-        loaded = [load_plugin(spec) for spec in plugin or ()]
-        if external:
-            loaded.append(External(external))
-        try:
-            codec = parse_spec(compress) if compress else None
-        except ValueError as err:
-            raise UsageError(f"--compress: {err}") from None
-        with _progress_bar("pre-dump" if pre_dump else "dump", as_json):
-            result = _dump(pid, directory, mode=DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL,
-                           save_files=save_file or (), skip_files=skip_file or (), plugins=loaded,
-                           critical_timeout=parse_duration(critical_timeout),
-                           tcp_established=tcp_established, tcp_close=tcp_close, ext_unix_sk=ext_unix_sk,
-                           prev=prev, track_mem=track_mem, pre_dump=pre_dump, compress=codec,
-                           background=background)
+        with _progress_bar("pre-dump", as_json):
+            result = api.pre_dump(pid, directory, prev=prev, compress=compress)
     except PtckptError as err:
         raise _fail(err) from None
+    _render_dump(result, as_json)
+
+
+def _render_dump(result, as_json: bool) -> None:
+    """What dump and pre-dump print: the warnings, then the directory and the summary line,
+    or one JSON object."""
     for warning in result.warnings:
         typer.echo(f"ptckpt: warning: {one_line(warning)}", err=True)
     if as_json:
@@ -188,7 +176,7 @@ def restore(
     lazy: Annotated[bool, typer.Option("--lazy", help="Let the processes run before their private anonymous memory is in: a page server process puts it in (what they touch first) and exits when all is in; its log says when.")] = False,
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="With --detach: write the restored process's pid (as seen from here) to this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout once the tree runs (schema in the README) instead of the pid.")] = False,
-    plugin: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
+    plugins: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC",
                                                         help="Load a plugin (as for dump); every plugin the image was made with must be given. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW",
                                                             help="Reopen every file, mapping, cwd and exe under OLD from under NEW, and run the tree in a mount namespace where NEW is bind-mounted on OLD (later opens under OLD land in NEW). Repeatable.")] = None,
@@ -217,97 +205,52 @@ def restore(
 
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
-    from .resources.pids import become_subreaper
-    from .pipeline.restore import restore as _restore
-    from .restore import wait_restored
     if pidfile and not detach:
         typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
-        raise typer.Exit(code=ExitCode.USAGE)
-    if new_pty_program and not new_pty:
-        typer.echo("ptckpt: error: --new-pty-program needs --new-pty", err=True)
         raise typer.Exit(code=ExitCode.USAGE)
     if new_pty and detach and not new_pty_program:
         typer.echo("ptckpt: error: --new-pty with --detach needs --new-pty-program (someone must "
                    "hold the pty's master)", err=True)
         raise typer.Exit(code=ExitCode.USAGE)
-    from .resources.filepolicy import parse_policy
+    from . import api
     try:
-        policy = parse_policy(file_policy or [])
-    except ValueError as err:
-        typer.echo(f"ptckpt: error: {err}", err=True)
-        raise typer.Exit(code=ExitCode.USAGE) from None
-    from .plugins import load_plugin
-    become_subreaper()
-    try:
-        from .builtins import InheritStdio, Inject, Reconnect, RemapPath, SetEnv
-        loaded = [load_plugin(spec) for spec in plugin or ()]
-        if inherit_stdio:
-            loaded.append(InheritStdio())
-        injector = None
-        if inject:
-            seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
-            injector = Inject(inject, seed, faults_log)
-            loaded.append(injector)
-        if reconnect or remap_addr:
-            loaded.append(Reconnect(remap_addr or ()))
-        if remap_path:
-            loaded.insert(0, RemapPath(remap_path))
-        if set_env or unset_env:
-            loaded.append(SetEnv(set_env or (), unset_env or ()))
         with _progress_bar("restore", as_json):
-            result = _restore(directory, pidns=pidns, netns=netns, file_policy=policy, new_pty=new_pty,
-                              plugins=loaded, lazy=lazy)
+            tree = api.restore(directory, pidns=pidns, netns=netns, lazy=lazy, file_policy=file_policy or (),
+                               plugins=plugins or (), remap_path=remap_path or (), set_env=set_env or (),
+                               unset_env=unset_env or (), reconnect=reconnect, remap_addr=remap_addr or (),
+                               inject=inject or (), seed=seed, faults_log=faults_log, new_pty=new_pty,
+                               new_pty_program=new_pty_program, inherit_stdio=inherit_stdio)
     except PtckptError as err:
         raise _fail(err) from None
-    for warning in result.warnings:
+    for warning in tree.warnings:
         typer.echo(f"ptckpt: warning: {one_line(warning)}", err=True)
-    for fault in injector.faults if injector else ():
-        typer.echo(f"ptckpt: fault (seed {injector.seed}): {fault}", err=True)
-    if new_pty and result.pty_master < 0:
-        typer.echo("ptckpt: warning: --new-pty: the image's stdio was on no terminal", err=True)
-    elif new_pty:
-        from .resources import terminals
-        if new_pty_program:
-            import shlex
-            terminals.spawn_on_master(result.pty_master, shlex.split(new_pty_program),
-                                      env={"PTCKPT_PID": str(result.pid)})
-            os.close(result.pty_master)
-        else:
-            typer.echo(result.summary(), err=True)
-            with contextlib.suppress(OSError):       # its screen is new: a redraw
-                terminals.redraw(os.getpgid(result.pid))
-            unwind_again()
-            raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
-    _summary(result.summary(), err=True)
+    for fault in tree.faults:
+        typer.echo(f"ptckpt: fault (seed {tree.seed}): {fault}", err=True)
+    if tree.pty_master >= 0:                     # --new-pty, no program: ptckpt relays
+        typer.echo(tree.summary(), err=True)
+        unwind_again()
+        raise typer.Exit(code=tree.relay())
+    _summary(tree.summary(), err=True)
     if as_json:
-        typer.echo(json.dumps({"pid": result.pid, "vpid": result.vpid, "init_pid": result.init_pid,
-                               "pids": {str(v): r for v, r in result.pids.items()},
-                               "seconds": round(result.seconds, 6), "warnings": result.warnings,
-                               "lazy": {"server": result.lazy_server, "watchdog": result.lazy_watchdog,
-                                        "log": result.lazy_log, "bytes": result.lazy_bytes}
-                               if result.lazy_server else None}))
+        typer.echo(json.dumps({"pid": tree.pid, "vpid": tree.vpid, "init_pid": tree.init_pid,
+                               "pids": {str(v): r for v, r in tree.pids.items()},
+                               "seconds": round(tree.seconds, 6), "warnings": tree.warnings,
+                               "lazy": {"server": tree.page_server, "watchdog": tree.page_server_watchdog,
+                                        "log": tree.page_server_log, "bytes": tree.lazy_bytes}
+                               if tree.page_server else None}))
     if detach:
         if pidfile:
             with open(pidfile, "w") as f:
-                f.write(f"{result.pid}\n")
+                f.write(f"{tree.pid}\n")
         if not as_json:
-            typer.echo(result.pid)
+            typer.echo(tree.pid)
         return
-    forward_to(result.pid)                       # said: ^C & co now go to the restored process
-    status = wait_restored(result)
-    from .restored import forget
-    forget(result.pid)                           # it ended: its record with it
-    if result.lazy_log and status == 128 + signal.SIGKILL:
-        from .lazypages import why_killed
-        why = why_killed(result.lazy_log)
+    forward_to(tree.pid)                         # said: ^C & co now go to the restored process
+    status = tree.wait()                         # (its record goes, the terminal comes back)
+    if status == 128 + signal.SIGKILL:
+        why = tree.why_killed()
         if why:
             typer.echo(f"ptckpt: {why}", err=True)
-    if result.terminal_was is not None:          # the shell job ended: the terminal goes back
-        from .resources import terminals
-        terminals.put_back(result.terminal_was)    # as it was (a job killed may leave it raw)
-    elif result.terminal >= 0:
-        from .resources import terminals
-        terminals.give_back(result.terminal, result.foreground_was)
     raise typer.Exit(code=status)
 
 
@@ -393,23 +336,16 @@ def run(
 
     Example: ptckpt run -D /tmp/run --interval 30s -- ./testbench out /slot3 tcp:127.0.0.1:5000
     """
-    from .units import parse_duration
-    from .resources.pids import become_subreaper
+    from . import api
     from .run import Supervisor
     try:
-        every = parse_duration(interval) if interval else 0.0
-        from .formats.compression import parse_spec
-        try:
-            codec = parse_spec(compress) if compress else None
-        except ValueError as err:
-            raise UsageError(f"--compress: {err}") from None
+        every = api.parse_duration(interval) if interval else 0.0
         if keep < 0:
             raise UsageError("--keep takes a count >= 0")
         sup = Supervisor(command, directory or f"ptckpt-run-{os.getpid()}", interval=every,
-                         critical_timeout=parse_duration(critical_timeout),
+                         critical_timeout=api.parse_duration(critical_timeout),
                          tcp_established=tcp_established, tcp_close=tcp_close,
-                         incremental=incremental, keep=keep, compress=codec)
-        become_subreaper()
+                         incremental=incremental, keep=keep, compress=api.parse_compress(compress))
         status = sup.run()
     except PtckptError as err:
         raise _fail(err) from None
@@ -458,14 +394,10 @@ def compact(
 
     Example: ptckpt compact -D ckpt-0005 -o ckpt-full
     """
+    from . import api
     from .compact import compact as _compact
-    from .formats.compression import parse_spec
     try:
-        try:
-            codec = parse_spec(compress) if compress else None
-        except ValueError as err:
-            raise UsageError(f"--compress: {err}") from None
-        typer.echo(_compact(directory, out, compress=codec))
+        typer.echo(_compact(directory, out, compress=api.parse_compress(compress)))
     except PtckptError as err:
         raise _fail(err) from None
 
@@ -651,8 +583,8 @@ def check(
     Example: ptckpt check --image /tmp/ckpt-1234
     """
     if kinds:
-        from .kinds import table
-        rows = table()
+        from .check import kinds_table
+        rows = kinds_table()
         if as_json:
             typer.echo(json.dumps([{"family": r.family, "kind": r.name, "restored": r.restored,
                                     "by": r.by, "refusal": r.refusal} for r in rows], indent=2))
@@ -662,8 +594,8 @@ def check(
             typer.echo(f"{r.family:<10}  {r.name:<{width}}  " + (r.by if r.restored else f"REFUSED: {r.refusal}"))
         return
     if image is not None:
-        from .restore import preflight
-        findings = preflight(image)
+        from . import api
+        findings = api.check_image(image)
         if as_json:
             typer.echo(json.dumps([{"what": f.what, "ok": f.ok, "detail": f.detail, "exit_code": f.exit_code}
                                    for f in findings], indent=2))
@@ -746,7 +678,7 @@ def _only_the_named_command(args: list[str]):
 
 def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
-    from .entry import Interrupted
+    from .state import Interrupted
     try:
         args = hoist_verbose(sys.argv[1:])
         with _only_the_named_command(args):

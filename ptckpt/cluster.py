@@ -41,7 +41,7 @@ import tempfile
 import time
 import uuid
 
-from .campaign import Backend, RunSpec, kill_run
+from .campaign_types import Backend, RunSpec, kill_run
 from .errors import UsageError
 
 CHUNK = 4 << 20
@@ -269,13 +269,3 @@ class DaskBackend(Backend):
             self.cancel_event.clear()
         with contextlib.suppress(Exception):
             self.client.close()
-
-
-def backend_for(spec: str, image: str, jobs: int) -> Backend:
-    """--backend: "local" or "dask://HOST:PORT"."""
-    from .campaign import LocalBackend
-    if spec in ("", "local"):
-        return LocalBackend(jobs)
-    if spec.startswith("dask://"):
-        return DaskBackend("tcp://" + spec[len("dask://"):], image)
-    raise UsageError(f"--backend {spec!r}: local or dask://HOST:PORT")

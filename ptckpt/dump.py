@@ -29,7 +29,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .callable import make_callable
 from . import appblock, claims, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource)
@@ -550,4 +549,3 @@ def _thread_comm(pid: int, tid: int) -> str:
         return ""
 
 
-make_callable(__name__, "dump")        # ptckpt.dump(pid, directory, **options): ptckpt.api.dump

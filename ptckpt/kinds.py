@@ -6,7 +6,8 @@ code that checks them, the fields of /proc status, the keys of fdinfo and the Vm
 smaps) and either the module that dumps and restores it, or the refusal a dump gives,
 with the way out.  The dump's checks look kinds up here (resources.files for fds and
 sockets, resources.memory for mappings, ptckpt.claims for namespaces): a kind the table
-does not know is refused, never passed over.  ``ptckpt check --kinds`` prints the table.
+does not know is refused, never passed over.  ``ptckpt check --kinds`` prints the table
+(ptckpt.check.kinds_table, with the rows those modules keep).
 
 Adding a kind: its module under resources/ (dump and restore halves side by side), then
 its row here, naming that module.
@@ -144,20 +145,3 @@ NAMESPACES: dict[str, Kind] = {n: Kind("namespace", n, *v) for n, v in {
     "mnt": (_OWN,), "uts": (_OWN,), "ipc": (_OWN,), "user": (_OWN,), "cgroup": (_OWN,),
     "time": (_OWN,), "time_for_children": (_OWN,),
 }.items()}
-
-
-def table() -> list[Kind]:
-    """The whole table: the rows above, then /proc status fields, fdinfo keys and VmFlags
-    from the modules that check them."""
-    from . import claims
-    from .resources import memory
-    rows = [*FD.values(), *(Kind("anon_inode", n, f"as fd kind {k.name.lower()}") for n, k in ANON_INODES.items()),
-            *SOCKETS.values(), *MAPPINGS.values(), *NAMESPACES.values()]
-    rows += [Kind("status", k, c.by) for k, c in claims.STATUS.items()]
-    rows += [Kind("fdinfo", k, c.by) for k, c in claims.FDINFO_COMMON.items()]
-    rows += [Kind("fdinfo", f"{kind.lower()}: {k}", c.by) for kind, keys in claims.FDINFO_BY_KIND.items()
-             for k, c in keys.items()]
-    rows += [Kind("vmflag", k, v) for k, v in memory.VMFLAGS_MADE.items()]
-    rows += [Kind("vmflag", k, f"follows from the mapping: {v}") for k, v in memory.VMFLAGS_DERIVED.items()]
-    rows += [Kind("vmflag", k, "", v) for k, v in memory.VMFLAGS_REFUSED.items()]
-    return rows

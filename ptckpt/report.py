@@ -9,7 +9,7 @@ import html
 import os
 from collections import Counter, defaultdict
 
-from .campaign import OUTCOMES, CampaignResult, fault_text
+from .campaign_types import OUTCOMES, CampaignResult, fault_text
 
 COLOURS = {"masked": "#4c9a2a", "detected": "#1f6fb2", "crashed": "#c2410c", "hung": "#a16207",
            "error": "#6b7280", "reference": "#000000"}

@@ -39,7 +39,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .callable import make_callable
 from . import appblock, procfs
 from . import plugins as plugin_mod
 from .errors import (ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
@@ -926,4 +925,3 @@ def shell_status(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-make_callable(__name__, "restore")     # ptckpt.restore(directory, **options): ptckpt.api.restore

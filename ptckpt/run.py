@@ -112,7 +112,10 @@ class Supervisor:
                 os.unlink(os.path.join(self.directory, SOCKET_NAME))
 
     def run(self) -> int:
-        """Supervise until the command ends; its shell-style exit status."""
+        """Supervise until the command ends; its shell-style exit status.  The caller becomes
+        a child subreaper first, so that the command's orphans come back to it."""
+        from .resources.pids import become_subreaper
+        become_subreaper()
         self.start()
         try:
             return self.loop()

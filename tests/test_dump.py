@@ -20,7 +20,7 @@ import time
 import pytest
 from ptrace.binding import func as ptrace_func
 
-from ptckpt.pipeline import dump as dump_api
+from ptckpt.pipeline.dump import dump as library_dump
 from ptckpt.errors import ExitCode, TargetVanished
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, FdKind, Restart, VmaKind
@@ -390,7 +390,7 @@ def test_target_exits_mid_dump(spawn, tmp_path, monkeypatch):
 
     monkeypatch.setattr(memory, "dump_vmas", dying)
     with pytest.raises(Exception) as err:
-        dump_api.dump(target.pid, str(tmp_path / "img"))
+        library_dump(target.pid, str(tmp_path / "img"))
     assert isinstance(err.value, TargetVanished), repr(err.value)
     assert f"process {target.pid} exited" in str(err.value)
     assert not (tmp_path / "img").exists()

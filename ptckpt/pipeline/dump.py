@@ -31,8 +31,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import __version__, appblock, entry, procfs
-from .. import dump as dp
+from .. import __version__, appblock, procfs
+from ..state import committed, not_committed
+from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen,
+    capture_sharing_frozen, capture_sysv_frozen, check_target, file_holders,
+    freeze_outside_critical, mark_skipped, plugins_frozen, running_tree, wait_gone, zombie_record)
 from .. import plan as restore_plan
 from ..errors import PtckptError, UsageError
 from ..formats.image import ImageWriter
@@ -51,7 +54,7 @@ log = logging.getLogger("ptckpt.dump")
 class DumpOptions:
     """What the dump was asked (the library's keywords, the command's flags)."""
 
-    mode: dp.DumpMode = dp.DumpMode.LEAVE_RUNNING
+    mode: DumpMode = DumpMode.LEAVE_RUNNING
     save_files: Sequence[str] = ()
     skip_files: Sequence[str] = ()
     plugins: Sequence[Plugin] = ()
@@ -74,7 +77,7 @@ class DumpRun:
     pid: int
     directory: str
     opts: DumpOptions
-    result: dp.DumpResult
+    result: DumpResult
     cleanup: contextlib.ExitStack
     image_undo: Undo = field(default_factory=Undo)
     tree_undo: Undo = field(default_factory=Undo)
@@ -96,13 +99,13 @@ class DumpRun:
 
 
 def dump(pid: int, directory: str | None = None, *,
-         mode: dp.DumpMode = dp.DumpMode.LEAVE_RUNNING,
+         mode: DumpMode = DumpMode.LEAVE_RUNNING,
          save_files: Sequence[str] = (), skip_files: Sequence[str] = (),
          plugins: Sequence[Plugin] = (), critical_timeout: float = 10.0,
          tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
          compress: tuple[str, int] | None = None, background: bool | None = False,
-         before_release=None) -> dp.DumpResult:
+         before_release=None) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
@@ -139,12 +142,12 @@ def dump(pid: int, directory: str | None = None, *,
                        tcp_established, tcp_close, ext_unix_sk, prev, track_mem, pre_dump, compress,
                        background, before_release)
     _check_options(opts)
-    dp.BUILD_IDS.clear()
+    BUILD_IDS.clear()
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
     directory = directory or f"ckpt-{pid}"
     with contextlib.ExitStack() as cleanup:
-        run = DumpRun(pid, directory, opts, dp.DumpResult(directory=os.path.abspath(directory), pids=[pid]),
+        run = DumpRun(pid, directory, opts, DumpResult(directory=os.path.abspath(directory), pids=[pid]),
                       cleanup)
         with run.tree_undo:
             with run.image_undo:
@@ -171,9 +174,9 @@ def _check_options(opts: DumpOptions) -> None:
 def check(run: DumpRun) -> None:
     opts, pid = run.opts, run.pid
     log.info("check %d", pid)
-    dp.check_target(pid)
+    check_target(pid)
     run.plan = MemoryPlan(run.directory, prev=opts.prev, track_mem=opts.track_mem, pre_dump=opts.pre_dump,
-                          killing=opts.mode is dp.DumpMode.KILL, background=opts.background)
+                          killing=opts.mode is DumpMode.KILL, background=opts.background)
     run.cleanup.callback(run.plan.close)
     run.writer = ImageWriter(run.directory, compress=opts.compress)
     run.writer.create()
@@ -182,12 +185,12 @@ def check(run: DumpRun) -> None:
     run.image_undo.on_failure(run.writer.abort)
     run.cleanup.callback(lambda: run.flight.close())       # the flight of the end, peeked or not
     run.net = inet.InetDump(inet.Policy(established=opts.tcp_established, close=opts.tcp_close,
-                                        leave_running=opts.mode is dp.DumpMode.LEAVE_RUNNING),
+                                        leave_running=opts.mode is DumpMode.LEAVE_RUNNING),
                             run.result.directory)
     run.events = Plugins(opts.plugins, run.result.directory)
     if run.events:
         log.info("plugins: pre_dump")
-        running = dp.running_tree(pid)
+        running = running_tree(pid)
         view = pidns.pid_view(pid, running)
         run.events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
 
@@ -198,12 +201,12 @@ def freeze(run: DumpRun) -> None:
     pid = run.pid
     run.tree_undo.on_failure(run.session.resume_all)       # the last to undo: the tree runs on
     run.tree_undo.on_failure(run.net.abort)
-    running = dp.running_tree(pid)
+    running = running_tree(pid)
     if run.plan.wants_background(running):
         log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
         run.plan.precopy(running, pidns.pid_view(pid, running).of, run.writer)
     log.info("freeze the tree of %d", pid)
-    members, run.zombies, run.blocks = dp.freeze_outside_critical(run.session, pid, run.opts.critical_timeout)
+    members, run.zombies, run.blocks = freeze_outside_critical(run.session, pid, run.opts.critical_timeout)
     run.result.pids = members
     run.frozen_at = time.monotonic()
     run.clocks = process.current_clocks()
@@ -221,24 +224,24 @@ def capture(run: DumpRun) -> None:
     pid, opts = run.pid, run.opts
     images = process.dump_sharing(run.images, pid)
     if opts.skip_files:
-        images = {p: dp.mark_skipped(im, opts.skip_files) for p, im in images.items()}
+        images = {p: mark_skipped(im, opts.skip_files) for p, im in images.items()}
     run.flight = sockets.peek_queues_frozen({p: im.fds for p, im in images.items()}, pid)
     numbered = files.number_descriptions({**{p: list(im.fds) for p, im in images.items()},
                                           run.flight.holder: run.flight.fds})
     run.flight.fds = numbered.pop(run.flight.holder)
     images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
     if run.events:
-        images = dp.plugins_frozen(run.events, run.session, images, run.view)
+        images = plugins_frozen(run.events, run.session, images, run.view)
     # pidfds first: a refusal there comes before capture_sharing_frozen takes pending connections
     pidfd_states = pidfds.dump_pidfds({p: im.fds for p, im in images.items()},
                                       {p: im.task.tids for p, im in images.items()}, run.zombies)
-    images, shared = dp.capture_sharing_frozen(pid, images, run.net, run.flight, opts.ext_unix_sk)
+    images, shared = capture_sharing_frozen(pid, images, run.net, run.flight, opts.ext_unix_sk)
     shared += pidfd_states
     shared += run.events.image_records()
     if opts.save_files:
-        shared += files.dump_saved_files(dp.file_holders(images), opts.save_files)
-    shared += dp.capture_sysv_frozen(images)
-    shared += [dp.zombie_record(z) for z in run.zombies]
+        shared += files.dump_saved_files(file_holders(images), opts.save_files)
+    shared += capture_sysv_frozen(images)
+    shared += [zombie_record(z) for z in run.zombies]
     run.images, run.shared = images, pidns.virtual_records(run.view, shared)
 
 
@@ -257,7 +260,7 @@ def _capture_processes(run: DumpRun) -> None:
         lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
     for member in members:
         log.info("capture %d", member)
-        image, stats, xcr0, xsize = dp.capture_process_frozen(
+        image, stats, xcr0, xsize = capture_process_frozen(
             run.session, member, run.writer, run.view.of(member), run.plan, run.images.get(parents[member]),
             cow.get(member), lent.get(member, ()))
         run.xstate = (xcr0, xsize)
@@ -283,7 +286,7 @@ def write(run: DumpRun) -> None:
         root_pid=view.of(run.pid), pids=tuple(map(view.of, run.result.pids)),
         realtime_ns=realtime, monotonic_ns=monotonic, boottime_ns=boottime,
         hostname=socket.gethostname(), pid_level=view.level, real_pids=view.pairs(),
-        netlock=net.lock.id if net.lock is not None and opts.mode is dp.DumpMode.KILL else "",
+        netlock=net.lock.id if net.lock is not None and opts.mode is DumpMode.KILL else "",
         **run.plan.inventory_fields(),
     ), run.shared)
     for member in run.result.pids:               # a completion while frozen: requests in flight
@@ -302,11 +305,11 @@ def write(run: DumpRun) -> None:
 # --- 5. commit -------------------------------------------------------------------------
 
 def commit(run: DumpRun) -> None:
-    entry.committed()                            # SIGINT & co from here: noted, not unwinding
+    committed()                            # SIGINT & co from here: noted, not unwinding
     try:
         run.writer.commit()
     except BaseException:
-        entry.not_committed()
+        not_committed()
         raise
     run.image_undo.commit()                      # the image stays, whatever comes
     run.plan.committed(run.writer.image_id)
@@ -321,16 +324,16 @@ def release(run: DumpRun) -> None:
         opts.before_release(result)              # if it fails the tree resumes (tree_undo)
     log.info("release %s (%s)", " ".join(map(str, result.pids)), opts.mode.value)
     run.tree_undo.commit()
-    if opts.mode is dp.DumpMode.LEAVE_RUNNING:
+    if opts.mode is DumpMode.LEAVE_RUNNING:
         for p, addr in run.blocks.items():       # the program learns it continues after a dump
             with contextlib.suppress(PtckptError):
                 appblock.mark(p, addr, appblock.CONTINUED, result.directory)
-    if opts.mode is dp.DumpMode.KILL:
+    if opts.mode is DumpMode.KILL:
         for member in reversed(result.pids):
             run.session.kill_process(member)
         net.release(killed=True)                 # silently: the connections were in repair mode
         result.frozen_seconds = time.monotonic() - run.frozen_at
-        dp.wait_gone(run.pid)
+        wait_gone(run.pid)
     elif not opts.pre_dump:
         net.release(killed=False)                # repair mode off, the lock gone, then it runs
         run.session.resume_all()

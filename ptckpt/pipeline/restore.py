@@ -32,10 +32,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .. import appblock, breakpoints, entry, progress, restored, testhooks
+from .. import appblock, breakpoints, progress, restored, testhooks
+from ..state import committed, not_committed
 from .. import netns as netns_mod
 from .. import plugins as plugin_mod
-from .. import restore as rb
+from ..restore import (Host, RestoreResult, at_restored_pids, build_handoff, check_external,
+    checking_pages, create_tree, epoll_registrars, file_identities, fix_up, fix_up_order,
+    front_of_terminal, group_helpers, job_leads_new_pty, leader_on_callers_terminal, new_tty,
+    open_pages, plan_problems, pty_ttys, raise_nofile, reap_traced_threads, rebuild_memory,
+    restore_sysv, resume_holding_first, settle_notifications, start_lazy_server, under)
 from ..errors import CorruptImage, Incompatible, PtckptError, RestoreFailed, UnsupportedResource, UsageError
 from ..formats.image import ImageReader
 from ..formats.model import InetMode, PageRun, PidfdState, ProcessImage, ShmImage
@@ -106,7 +111,7 @@ class RestoreRun:
     handoff: Handoff = field(default_factory=lambda: Handoff({}))
     stub: object = None
     created: dict = field(default_factory=dict)
-    result: rb.RestoreResult | None = None
+    result: RestoreResult | None = None
     rebuilt: set[int] = field(default_factory=set)
     to_detach: list = field(default_factory=list)
     breaks: dict[int, list] = field(default_factory=dict)
@@ -126,7 +131,7 @@ class RestoreRun:
 def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
-            hold_timeout: float = 30.0, lazy: bool = False) -> rb.RestoreResult:
+            hold_timeout: float = 30.0, lazy: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -163,7 +168,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy)
     oom_before = process.oom_kills()
-    rb.raise_nofile()
+    raise_nofile()
     for line in inet.stale_lock_cleanup():
         log.warning("%s", line)
     with contextlib.ExitStack() as cleanup:
@@ -191,7 +196,7 @@ def collect(run: RestoreRun) -> None:
     opts = run.opts
     run.image = run.cleanup.enter_context(ImageReader(run.directory, verify_pages=False,
                                                       defer_frames=opts.lazy))
-    run.page_check = run.cleanup.enter_context(rb.checking_pages(run.image, opts.lazy))
+    run.page_check = run.cleanup.enter_context(checking_pages(run.image, opts.lazy))
     image, root = run.image, run.root
     if image.inventory.memory_only:
         raise UsageError(f"{image.path} is a pre-dump, memory only: restore the dump made "
@@ -212,7 +217,7 @@ def collect(run: RestoreRun) -> None:
         handles = [ProcessHandle(0, p, run.procs[p]) for p in run.members]
         run.events.run("pre_restore", handles)
         run.procs = {h.vpid: h.image for h in handles}
-    rb.check_external(run.procs, run.events)
+    check_external(run.procs, run.events)
 
 
 # --- 2. plan ---------------------------------------------------------------------------
@@ -221,13 +226,13 @@ def plan(run: RestoreRun) -> None:
     log.info("plan %s", " ".join(map(str, run.members)))
     image, procs, events = run.image, run.procs, run.events
     run.plan = plan_handoff(image, procs)
-    host = rb.Host.probe()
+    host = Host.probe()
     objects = memory_objects(procs)
     for p in run.members:
-        rb.plan_problems(image, procs[p], host, pidns=run.pidns, handed=run.plan, objects=objects)
+        plan_problems(image, procs[p], host, pidns=run.pidns, handed=run.plan, objects=objects)
         creds.check_restorable(p, procs[p].creds)
-    identities = rb.file_identities(procs, {f.path for f in image.saved_files})
-    moved = [i for i in identities if any(rb.under(i.path, d) for d in events.moved())] if events else []
+    identities = file_identities(procs, {f.path for f in image.saved_files})
+    moved = [i for i in identities if any(under(i.path, d) for d in events.moved())] if events else []
     missing = sorted({i.path for i in moved if not os.path.exists(i.path)})
     if missing:
         raise Incompatible("moved by a plugin (--remap-path) but missing: " + ", ".join(missing))
@@ -239,7 +244,7 @@ def plan(run: RestoreRun) -> None:
         if outside:
             raise UnsupportedResource(run.root, f"{inet.describe(outside[0])} leads outside the image: "
                                                 f"it cannot be restored into a new network namespace (--netns)")
-    run.helpers = rb.group_helpers(procs, image.zombies)
+    run.helpers = group_helpers(procs, image.zombies)
     if not run.pidns:
         pids.check_pids_free([z.pid for z in image.zombies] + [h.pid for h in run.helpers])
 
@@ -255,7 +260,7 @@ def open_sources(run: RestoreRun) -> None:
     for p in run.members:
         run.pages[p] = []
         for fd, base, runs in image.page_sources(p):
-            run.pages[p].append(PageSource(rb.open_pages(fd), base, runs))
+            run.pages[p].append(PageSource(open_pages(fd), base, runs))
             run.cleanup.callback(os.close, run.pages[p][-1].fd)
     if run.opts.lazy:
         from .. import lazypages
@@ -277,7 +282,7 @@ def create(run: RestoreRun) -> None:
     pidfd_states = [s for s in image.fd_states if isinstance(s, PidfdState)]
     with netns_mod.entered(ns_fd) if opts.netns else contextlib.nullcontext():
         # the tree's sockets are made in its network namespace, and it is born there
-        fds = rb.build_handoff(image, procs, run.plan, opts.new_pty, events.installs(),
+        fds = build_handoff(image, procs, run.plan, opts.new_pty, events.installs(),
                                bool(events) or bool(pidfd_states), run.net, run.credentials)
         run.handoff = Handoff(fds, fds.pop("pty-master", -1), fds.pop("plugin-channel-ours", -1))
         run.cleanup.callback(_close_all, fds)
@@ -293,7 +298,7 @@ def create(run: RestoreRun) -> None:
         process.expendable(run.stub.pid)
     verdict = run.verdict
     left_out = [u for u in image.inventory.fd_kinds_unsupported if "not dumped" in u]
-    run.result = rb.RestoreResult(pid=run.stub.pid, vpid=run.root, init_pid=run.stub.init_pid,
+    run.result = RestoreResult(pid=run.stub.pid, vpid=run.root, init_pid=run.stub.init_pid,
                                   pty_master=run.handoff.pty_master,
                                   warnings=[f"the image left out {u}" for u in left_out]
                                   + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted])
@@ -304,24 +309,24 @@ def create(run: RestoreRun) -> None:
 
 def rebuild(run: RestoreRun) -> None:
     image, procs, result, opts = run.image, run.procs, run.result, run.opts
-    for kind, ipc_id in rb.restore_sysv(image.sysv):
+    for kind, ipc_id in restore_sysv(image.sysv):
         run.undo.on_failure(sysvipc.remove_object, kind, ipc_id)
-    run.joins = not opts.new_pty and rb.leader_on_callers_terminal(image, procs)
+    run.joins = not opts.new_pty and leader_on_callers_terminal(image, procs)
     if run.joins:
         result.warnings.append(f"session leader {run.root} was restored into ptckpt restore's session, in front "
                                f"of its terminal (--new-pty gives it a session and a terminal of its own)")
-    run.leads = opts.new_pty and rb.job_leads_new_pty(image, procs)
+    run.leads = opts.new_pty and job_leads_new_pty(image, procs)
     if run.leads:
         result.warnings.append(f"process {run.root} was restored as the leader of a session of its own, whose "
                                f"controlling terminal is the new pty (it was in its shell's session)")
     _create_tree(run)
     members = run.members
-    run.procs = procs = rb.at_restored_pids(procs, {p: run.created[p].tgid for p in members})
+    run.procs = procs = at_restored_pids(procs, {p: run.created[p].tgid for p in members})
     run.credentials.fill({p: run.created[p].tgid for p in members})
     run.breaks = {p: [] for p in members}                  # plugins' breakpoints
-    epolls = rb.epoll_registrars(procs, image.fd_states)
-    for p in rb.fix_up_order(procs):
-        warnings, tasks = rb.fix_up(run.created[p], p, procs[p], image.page_runs(p), run.pages[p],
+    epolls = epoll_registrars(procs, image.fd_states)
+    for p in fix_up_order(procs):
+        warnings, tasks = fix_up(run.created[p], p, procs[p], image.page_runs(p), run.pages[p],
                                     run.handoff.fds, epolls.get(p, []), run.events, run.handoff.channel,
                                     run.breaks[p], memory_done=p in run.rebuilt, lazy=run.server,
                                     pidfds_made=run.pidfds_made)
@@ -340,16 +345,16 @@ def _create_tree(run: RestoreRun) -> None:
 
     def memory_first(p: int) -> None:
         if p in early and p not in run.rebuilt:
-            rb.rebuild_memory(run.created[p], procs[p], image.page_runs(p), run.pages[p], handed)
+            rebuild_memory(run.created[p], procs[p], image.page_runs(p), run.pages[p], handed)
             run.rebuilt.add(p)
 
     def make_pidfds(everyone: dict) -> None:
         # every member and zombie exists now (the zombies not ended yet)
         run.pidfds_made.update(pidfds.create_pidfds(pidfd_states, {p: t.tgid for p, t in everyone.items()}))
-    rb.create_tree(procs, image.zombies, run.helpers, run.created,
-                   rb.new_tty(image, procs, handed) if run.opts.new_pty else None,
+    create_tree(procs, image.zombies, run.helpers, run.created,
+                   new_tty(image, procs, handed) if run.opts.new_pty else None,
                    run.events.bind_mounts() if run.events else [], own_session=not run.joins, lead=run.leads,
-                   ptys=rb.pty_ttys(image, procs, handed), memory_first=memory_first, all_made=make_pidfds)
+                   ptys=pty_ttys(image, procs, handed), memory_first=memory_first, all_made=make_pidfds)
 
 
 # --- 6. hand off -----------------------------------------------------------------------
@@ -360,12 +365,12 @@ def hand_off(run: RestoreRun) -> None:
     run.page_check.wait()                     # before any of them runs an instruction of its own
     if run.server is not None:
         run.server.check()                    # a bad block met while serving ptckpt's own reads
-    rb.settle_notifications(image.fd_states, run.handoff.fds)
+    settle_notifications(image.fd_states, run.handoff.fds)
     progress.finish()                         # off the terminal before the tree draws on it
     if not run.opts.new_pty:
         # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
         run.undo.on_failure(_terminal_back, result)
-        rb.front_of_terminal(image, procs, created, result)
+        front_of_terminal(image, procs, created, result)
         if result.foreground:
             # Its screen is not the one it drew on: a window change is pending at its first
             # instruction, so it redraws before it reads a key (sent once it ran, the redraw
@@ -390,7 +395,7 @@ def hand_off(run: RestoreRun) -> None:
         if isinstance(obj, ShmImage) and obj.destroyed:
             sysvipc.mark_destroyed(obj.shmid)     # attached again: now it may go
     if run.server is not None:
-        rb.start_lazy_server(run.server, result, [created[p].tgid for p in run.members])
+        start_lazy_server(run.server, result, [created[p].tgid for p in run.members])
     unrecorded = restored.record(result.pid, image.path)   # `ptckpt stop` may end it
     run.undo.on_failure(restored.forget, result.pid)
     if unrecorded is not None:
@@ -405,12 +410,12 @@ def resume(run: RestoreRun) -> None:
     # From the first thread let go the tree is restored: a signal no longer unwinds it
     # (that would kill a running program and say "interrupted").
     testhooks.reached("restore-resume")
-    entry.committed()
+    committed()
     try:
-        result.warnings += rb.resume_holding_first([t for t in run.to_detach if t.tgid not in traced],
+        result.warnings += resume_holding_first([t for t in run.to_detach if t.tgid not in traced],
                                                    run.blocks, created, run.opts.hold_timeout)
     except BaseException:
-        entry.not_committed()
+        not_committed()
         raise
     run.stub.release()                        # the --pidns init stops watching ptckpt
     if run.events:
@@ -432,11 +437,11 @@ def _kill_tree(run: RestoreRun) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(task.tgid, signal.SIGKILL)
     for task in run.created.values():
-        rb.reap_traced_threads(task.tgid)
+        reap_traced_threads(task.tgid)
     run.stub.kill()
 
 
-def _terminal_back(result: rb.RestoreResult) -> None:
+def _terminal_back(result: RestoreResult) -> None:
     """The user's terminal as it was before the restore took it."""
     if result.terminal_was is not None:
         terminals.put_back(result.terminal_was)

@@ -1,0 +1,181 @@
+"""The package's layering (README, Layout): the graph of ptckpt's imports of its own modules
+has no cycle, counting the imports made inside functions as well as those at module level,
+and the CLI reaches the library only through ptckpt.api.
+
+The graph is read from the sources with `ast`, nothing is imported: every ``import
+ptckpt.x``, ``from ptckpt.x import ...``, ``from . import x`` and ``from .x import ...``,
+at any depth (a function's lazy import is an edge too: it is as much a dependency, only
+paid later), except under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# the installed package -> its directory in the repository (pyproject's package-dir)
+PACKAGES = {"ptckpt": "ptckpt", "ptckpt.resources": "ptckpt/resources", "ptckpt.formats": "formats",
+            "ptckpt.restorer": "restorer"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (source file, is a package's __init__)."""
+    found = {}
+    for package, directory in PACKAGES.items():
+        for path in sorted((ROOT / directory).glob("*.py")):
+            init = path.name == "__init__.py"
+            found[package if init else f"{package}.{path.stem}"] = (path, init)
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _resolve(module: str, is_init: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if is_init else module.rpartition(".")[0]
+    parts = package.split(".")
+    base = ".".join(parts[:len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
+def imports_of(module: str) -> dict[str, int]:
+    """The package's modules `module` imports -> the line of the first such import."""
+    path, is_init = MODULES[module]
+    edges: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        if target in MODULES and target != module:
+            edges.setdefault(target, line)
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                target = _resolve(module, is_init, child)
+                for alias in child.names:
+                    if f"{target}.{alias.name}" in MODULES:     # from . import x: the submodule x
+                        add(f"{target}.{alias.name}", child.lineno)
+                    else:
+                        add(target, child.lineno)
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    add(alias.name, child.lineno)
+            visit(child)
+    visit(ast.parse(path.read_text(), str(path)))
+    return edges
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as a cycle
+    through its modules when one is found by walking the component."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return components
+
+
+def _path(graph, start: str, members: set[str]) -> list[str]:
+    """One cycle from `start` inside a component, for the failure message."""
+    seen = {start: [start]}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                return seen[v] + [start]
+            if w in members and w not in seen:
+                seen[w] = seen[v] + [w]
+                todo.append(w)
+    return [start]
+
+
+def test_the_graph_is_read():
+    assert {"ptckpt.api", "ptckpt.cli", "ptckpt.dump", "ptckpt.restore", "ptckpt.resources.memory",
+            "ptckpt.formats.image", "ptckpt.restorer.stub"} <= set(MODULES)
+    assert "ptckpt.dump" in GRAPH["ptckpt.api"], "a function-level import is an edge"
+    assert "ptckpt.resources.pids" in GRAPH["ptckpt.restore"]
+    assert "ptckpt.formats.model" in GRAPH["ptckpt.resources.memory"], "from ..formats.model import"
+
+
+def test_no_import_cycles():
+    """Module-level and function-level imports together are acyclic: a lazy import is no
+    licence to import upwards (README, Layout)."""
+    found = []
+    for component in _cycles(GRAPH):
+        cycle = _path(GRAPH, component[0], set(component))
+        found.append(" -> ".join(f"{a} (line {GRAPH[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}")
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", ["ptckpt.dump", "ptckpt.restore", "ptckpt.resources"])
+def test_the_cli_reaches_the_library_through_the_api_only(module):
+    below = [m for m in GRAPH["ptckpt.cli"] if m == module or m.startswith(module + ".")]
+    assert not below, f"ptckpt/cli.py imports {below}: go through ptckpt.api"
+
+
+def test_the_command_state_imports_nothing_of_ptckpt():
+    assert GRAPH["ptckpt.state"] == {}
+    for library in ("ptckpt.dump", "ptckpt.restore"):
+        assert not {"ptckpt.entry", "ptckpt.cli", "ptckpt.api"} & set(GRAPH[library]), library
+
+
+def test_campaign_types_stand_apart_from_the_backends():
+    assert not {"ptckpt.campaign", "ptckpt.cluster", "ptckpt.report"} & set(GRAPH["ptckpt.campaign_types"])
+    assert "ptckpt.campaign" not in GRAPH["ptckpt.cluster"]
+    assert "ptckpt.campaign" not in GRAPH["ptckpt.report"]
+
+
+def test_nothing_imports_dump_restore_or_stop_as_a_package_attribute():
+    """``from . import restore`` (or ``from ptckpt import dump``) gives the API's function,
+    not the module (the package keeps those names for ptckpt.api): import from the module."""
+    bad = []
+    for module, (path, _init) in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and _resolve(module, _init, node) == "ptckpt":
+                bad += [f"{module}: from {'.' * node.level or 'ptckpt'} import {a.name}" for a in node.names
+                        if a.name in ("dump", "restore", "stop")]
+    assert not bad
