@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .callable import make_callable
-from . import __version__, appblock, claims, entry, procfs
+from . import __version__, appblock, claims, entry, procfs, progress
 from . import plan as restore_plan
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
@@ -183,8 +183,10 @@ def dump(pid: int, directory: str | None = None, *,
         running = running_tree(pid)
         if plan.wants_background(running):
             log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
+            progress.phase("copy")
             plan.precopy(running, pidns.pid_view(pid, running).of, writer)
         log.info("freeze the tree of %d", pid)
+        progress.phase("freeze")
         pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout)
         result.pids = pids
         frozen_at = time.monotonic()
@@ -203,6 +205,7 @@ def dump(pid: int, directory: str | None = None, *,
         lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
         for m, runs in cow.items():
             lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
+        progress.phase("copy")
         for member in pids:
             log.info("capture %d", member)
             image, stats, xcr0, xsize = _capture_process_frozen(session, member, writer, view.of(member), plan,
@@ -213,6 +216,7 @@ def dump(pid: int, directory: str | None = None, *,
             result.pages += stats.pages
             result.bytes += stats.bytes
             images[member] = image
+        progress.phase("write")
         plan.drop_precopies()                    # ended before the freeze
         log.info("capture what the tree shares")
         images = process.dump_sharing(images, pid)
@@ -266,7 +270,9 @@ def dump(pid: int, directory: str | None = None, *,
             session.resume_all()
             result.frozen_seconds = time.monotonic() - frozen_at
             log.info("write the memory of %s, running", " ".join(map(str, result.pids)))
+            progress.phase("copy")
             plan.run_deferred(result)
+            progress.phase("write")
         entry.committed()                        # SIGINT & co from here: noted, not unwinding
         try:
             writer.commit()

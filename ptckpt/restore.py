@@ -324,8 +324,10 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         ns_fd = netns_mod.new_netns() if netns else -1
         server = None
         try:
+            progress.phase("read")
             for p in members:
                 pages[p] = [(_open_pages(fd), base, runs) for fd, base, runs in image.page_sources(p)]
+            progress.phase("rebuild")
             if lazy:
                 from . import lazypages
                 server = lazypages.Server()

@@ -154,24 +154,35 @@ def test_shell_completion_script_completes_commands_and_options(ptckpt_cmd, tmp_
     assert set(complete("ptckpt", "pre")) == {"pre-dump"}
 
 
-def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cmd, tmp_path):
-    """On a terminal (script(1) gives it one) a dump and a restore that move memory for long
-    enough (here: at once, PTCKPT_PROGRESS_AFTER=0) show a bar with the bytes, which is gone
-    again before the result line; -q shows none, and neither does a stderr that is no terminal."""
+def _on_terminal(ptckpt_cmd, *args: str, env=None) -> str:
+    """What `ptckpt ARGS` draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex
+    res = subprocess.run(["script", "-qec", shlex.join(ptckpt_cmd + list(args)), "/dev/null"],
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=300, env=env)
+    shown = res.stdout.decode(errors="replace")
+    assert res.returncode == 0, shown
+    return shown
+
+
+# One frame of the bar: "dump copy ━━━━━  42% 0.4/1.0 GiB 280.1 MiB/s 0:00:02"
+_FRAME = re.compile(r"(?P<what>dump|restore) (?P<phase>\w+) [━╸╺ ]*\s+(?P<pct>\d+)% "
+                    r"(?P<done>[\d.]+)/(?P<total>[\d.]+) (?P<unit>\S+)(?: (?P<rate>[\d.]+) (?P<per>\S+)/s)?")
+
+
+def _frames(shown: str) -> list[re.Match]:
+    frames = re.split(r"\x1b\[2K|\r|\n", shown)         # rich redraws the line: one frame each
+    return [m for f in frames if (m := _FRAME.search(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f)))]
+
+
+def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cmd, tmp_path):
+    """On a terminal a dump and a restore that move memory for long enough (here: at once,
+    PTCKPT_PROGRESS_AFTER=0) show a bar with the bytes, which is gone again before the result
+    line; -q shows none, and neither does a stderr that is no terminal."""
     target = spawn("bigheap", 64)
     env = dict(os.environ, PTCKPT_PROGRESS_AFTER="0")
-
-    def on_terminal(*args: str) -> str:
-        res = subprocess.run(["script", "-qec", shlex.join(ptckpt_cmd + list(args)), "/dev/null"],
-                             stdin=subprocess.DEVNULL, capture_output=True, timeout=120, env=env)
-        shown = res.stdout.decode(errors="replace")
-        assert res.returncode == 0, shown
-        return shown
-
-    quiet = on_terminal("-q", "dump", str(target.pid), "-D", str(tmp_path / "quiet"))
+    quiet = _on_terminal(ptckpt_cmd, "-q", "dump", str(target.pid), "-D", str(tmp_path / "quiet"), env=env)
     assert "MiB" not in quiet and "\x1b[" not in quiet, quiet
-    shown = on_terminal("dump", str(target.pid), "-D", str(tmp_path / "img"), "--kill")
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "img"), "--kill", env=env)
     assert re.search(r"dump .*\d+\.\d/\d+\.\d MiB", shown), shown
     bar_end = [m.end() for m in re.finditer(r"\d+\.\d/\d+\.\d MiB", shown)][-1]
     assert bar_end < shown.index("dumped "), "the bar goes before the summary"
@@ -180,3 +191,33 @@ def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cm
                            capture_output=True, text=True, timeout=120, env=env)
     assert plain.returncode == 0 and "\x1b[" not in plain.stderr, plain.stderr
     target.adopt(int(plain.stdout.split()[-1]))
+
+
+def test_the_progress_bar_names_the_phase_and_speaks_one_unit_family(spawn, ptckpt_cmd, tmp_path):
+    """Issue 37: a dump of a few hundred MiB shows the phase (copy), a percentage, and bytes
+    and rate both in binary units (MiB and MiB/s, never MB/s); a compressed one (over half
+    a second: the default threshold shows it) too, and its restore (phases read, then
+    rebuild) moves in several steps, not 0 then 100%."""
+    target = spawn("bigheap", 384)
+    env = {k: v for k, v in os.environ.items() if k != "PTCKPT_PROGRESS_AFTER"}
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "plain"),
+                         env=dict(env, PTCKPT_PROGRESS_AFTER="0"))
+    frames = _frames(shown)
+    assert frames, shown
+    assert {f["phase"] for f in frames} <= {"freeze", "copy", "write"} and "copy" in {f["phase"] for f in frames}
+    for f in frames:
+        assert f["unit"] in ("KiB", "MiB", "GiB") and (f["per"] is None or f["per"] in ("KiB", "MiB", "GiB")), f[0]
+    assert " MB/s" not in shown and " GB/s" not in shown, shown
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "zstd"), "--kill",
+                         "--compress", "zstd:10", env=env)
+    frames = _frames(shown)
+    assert frames and "copy" in {f["phase"] for f in frames}, shown
+    assert any(f["per"] for f in frames) and " MB/s" not in shown, shown
+    target.wait_exit(10)
+    shown = _on_terminal(ptckpt_cmd, "restore", "-D", str(tmp_path / "zstd"), "--detach",
+                         env=dict(env, PTCKPT_PROGRESS_AFTER="0"))
+    target.adopt(int(shown.split()[-1]))
+    frames = _frames(shown)
+    assert {"read", "rebuild"} <= {f["phase"] for f in frames}, shown
+    read = sorted({int(f["pct"]) for f in frames if f["phase"] == "read"})
+    assert len([p for p in read if 0 < p < 100]) >= 2, (read, shown)
