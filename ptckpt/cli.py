@@ -24,7 +24,7 @@ from .entry import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
-    add_completion=True,
+    add_completion=False,           # ours below: --show-completion SHELL names the shell
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -38,10 +38,46 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _shell(value: str) -> str:
+    """The shell named (bash, zsh, fish, powershell, pwsh), or this one ($SHELL) when none is."""
+    if not value:
+        from typer._completion_shared import _get_shell_name
+        value = _get_shell_name() or os.path.basename(os.environ.get("SHELL", "")) or "bash"
+    if value not in _SHELLS:
+        raise typer.BadParameter(f"{value!r} is not a shell completion is made for ({', '.join(_SHELLS)})")
+    return value
+
+
+def _show_completion(value: Optional[str]) -> None:
+    if value is not None:
+        from typer._completion_shared import get_completion_script
+        typer.echo(get_completion_script(prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE", shell=_shell(value)))
+        raise typer.Exit()
+
+
+def _install_completion(value: Optional[str]) -> None:
+    if value is not None:
+        from typer._completion_shared import install
+        shell, path = install(shell=_shell(value), prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE")
+        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
     version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
+    show_completion: Annotated[Optional[str], typer.Option(
+        "--show-completion", metavar="[SHELL]", callback=_show_completion,
+        is_eager=True, expose_value=False,
+        help="Print the completion script of SHELL (bash, zsh, fish, powershell, pwsh; default: this shell).")] = None,
+    install_completion: Annotated[Optional[str], typer.Option(
+        "--install-completion", metavar="[SHELL]", callback=_install_completion,
+        is_eager=True, expose_value=False,
+        help="Add completion to the start-up file of SHELL (default: this shell).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr (before or after the command).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print results only (the image directory, the pid), no summary lines; errors and warnings still (before or after the command).")] = False,
 ) -> None:
@@ -721,6 +757,17 @@ def hoist_verbose(argv: list[str]) -> list[str]:
     return flags + [a for a in head if a not in _GLOBAL_FLAGS] + tail
 
 
+def shell_by_default(argv: list[str]) -> list[str]:
+    """--show-completion and --install-completion take the shell as their value, and
+    without one (last, or before another option) this shell: "" stands for it."""
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a in ("--show-completion", "--install-completion") and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("")
+    return out
+
+
 def _only_the_named_command(args: list[str]):
     """A context in which `app` holds only the command `args` name (the first word that is not
     a global flag), when it is one of its own: typer then builds that command's parser and not
@@ -746,7 +793,10 @@ def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
     from .entry import Interrupted
     try:
-        args = hoist_verbose(sys.argv[1:])
+        if "_PTCKPT_COMPLETE" in os.environ:     # a completion script asks: typer's answer
+            from typer._completion_classes import completion_init
+            completion_init()
+        args = shell_by_default(hoist_verbose(sys.argv[1:]))
         with _only_the_named_command(args):
             code = app(args=args, standalone_mode=False)
         if isinstance(code, int) and code:     # typer.Exit(code=...) of a command

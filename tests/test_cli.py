@@ -154,6 +154,24 @@ def test_shell_completion_script_completes_commands_and_options(ptckpt_cmd, tmp_
     assert set(complete("ptckpt", "pre")) == {"pre-dump"}
 
 
+@pytest.mark.parametrize("shell,marks", [
+    ("bash", ("complete -o default -F _ptckpt_completion ptckpt",)),
+    ("zsh", ("#compdef ptckpt", "compdef _ptckpt_completion ptckpt")),
+    ("fish", ("complete --command ptckpt", "complete_fish")),
+    ("powershell", ("Register-ArgumentCompleter", "complete_powershell")),
+])
+def test_show_completion_prints_the_script_of_the_shell_named(ptckpt, shell, marks):
+    """Issue 37: `--show-completion zsh` printed bash's script and `--show-completion=zsh`
+    was refused; each shell gets its own, in either spelling."""
+    for argv in (("--show-completion", shell), (f"--show-completion={shell}",)):
+        res = ptckpt(*argv)
+        assert res.returncode == 0, res.stderr
+        for mark in marks:
+            assert mark in res.stdout, (argv, res.stdout[:300])
+    res = ptckpt("--show-completion", "tcsh")
+    assert res.returncode == ExitCode.USAGE and "bash, zsh, fish" in res.stderr, res.stderr
+
+
 def _on_terminal(ptckpt_cmd, *args: str, env=None) -> str:
     """What `ptckpt ARGS` draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex
