@@ -79,14 +79,16 @@ def _main(
         is_eager=True, expose_value=False,
         help="Add completion to the start-up file of SHELL (default: this shell).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr (before or after the command).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print results only (the image directory, the pid), no summary lines; errors and warnings still (before or after the command).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary lines on stderr, only the results on stdout (the image directory, the pid), errors and warnings (before or after the command; not with -v).")] = False,
 ) -> None:
     """ptckpt: checkpoint a running process into an image directory, inspect it, check this machine.
 
     Example: ptckpt dump 1234 -D /tmp/ckpt
     """
     global _quiet
-    _quiet = quiet and not verbose
+    if quiet and verbose:
+        raise UsageError("-q (--quiet) and -v (--verbose) ask for opposite things: give one")
+    _quiet = quiet
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="ptckpt: %(message)s", stream=sys.stderr)
 
@@ -94,10 +96,12 @@ def _main(
 _quiet = False
 
 
-def _summary(text: str, err: bool = False) -> None:
-    """A summary line (what was dumped, restored, how long): left out with -q."""
+def _summary(text: str) -> None:
+    """A summary line (what was dumped, restored, how long), on stderr: results (the image
+    directory, a pid, tables, JSON) go to stdout, what is said about them to stderr.  Left
+    out with -q."""
     if not _quiet:
-        typer.echo(text, err=err)
+        typer.echo(text, err=True)
 
 
 def _progress_bar(what: str, as_json: bool):
@@ -312,7 +316,7 @@ def restore(
                 terminals.redraw(os.getpgid(result.pid))
             unwind_again()
             raise typer.Exit(code=terminals.relay(result.pty_master, until_pid=result.init_pid or result.pid))
-    _summary(result.summary(), err=True)
+    _summary(result.summary())
     if as_json:
         typer.echo(json.dumps({"pid": result.pid, "vpid": result.vpid, "init_pid": result.init_pid,
                                "pids": {str(v): r for v, r in result.pids.items()},
@@ -561,7 +565,7 @@ def page_server(
         server = PageServer(listen, directory, read_token(token_file), once=once)
     except PtckptError as err:
         raise _fail(err) from None
-    _summary(f"page server on {listen}, images into {os.path.abspath(directory)}", err=True)
+    _summary(f"page server on {listen}, images into {os.path.abspath(directory)}")
     server.serve()
 
 
@@ -581,7 +585,7 @@ def push(
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(where)
-    _summary(f"sent {sent / 2**20:.1f} MiB to {to}", err=True)
+    _summary(f"sent {sent / 2**20:.1f} MiB to {to}")
 
 
 @app.command()
@@ -619,7 +623,7 @@ def migrate(
                                "seconds": round(result.seconds, 6), "remote": result.remote}))
         return
     typer.echo(result.remote_pid)
-    _summary(result.summary(), err=True)
+    _summary(result.summary())
 
 
 @app.command()

@@ -77,6 +77,38 @@ def test_quiet_prints_the_result_only(spawn, ptckpt, tmp_path):
     assert res.stdout.splitlines() == [str(tmp_path / "img")] and res.stderr == ""
 
 
+def test_quiet_and_verbose_together_are_refused(ptckpt, tmp_path):
+    """Issue 37: `dump PID -q -v` ignored -q; the pair is refused now, before anything is done."""
+    for argv in (("dump", "1", "-D", tmp_path / "img", "-q", "-v"), ("-v", "restore", "-D", tmp_path, "-q")):
+        res = ptckpt(*argv)
+        assert res.returncode == ExitCode.USAGE and res.stdout == "", res.stdout + res.stderr
+        assert res.stderr.startswith("ptckpt: error: ") and "-q" in res.stderr and "-v" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "img").exists()
+
+
+def test_results_go_to_stdout_and_summaries_to_stderr(spawn, ptckpt, tmp_path):
+    """Issue 37: dump printed its summary on stdout, restore its "restored pid" line on
+    stderr; now every command gives its result on stdout (the directory, the pid) and says
+    what it did on stderr, which -q leaves out."""
+    from conftest import wait_pid_free
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(tmp_path / "img")], res.stdout
+    assert res.stderr.startswith(f"dumped {target.pid} to {tmp_path / 'img'}: "), res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(target.pid)], res.stdout
+    assert res.stderr.startswith(f"restored pid {target.pid} as {target.pid} in "), res.stderr
+    target.adopt(target.pid)
+    target.wait_progress()
+    res = ptckpt("stop", target.pid)
+    assert res.returncode == 0 and res.stdout == "" and res.stderr.startswith(f"stopped {target.pid}: "), res
+
+
 def test_help_names_arguments_and_types_plainly(ptckpt):
     """The typer pinned in pyproject.toml renders PID / INTEGER / TEXT and flag pairs
     without a type (later ones show {pid}, <int>, <bool>)."""
@@ -126,7 +158,8 @@ def test_dump_summary_speaks_in_human_units(spawn, ptckpt, tmp_path):
     target = spawn("counter")
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
     assert res.returncode == 0, res.stderr
-    summary = res.stdout.strip().splitlines()[-1]
+    assert res.stdout.splitlines() == [str(tmp_path / "img")], "the result on stdout, the summary on stderr"
+    summary = res.stderr.strip().splitlines()[-1]
     assert re.search(r": 1 thread, \d+ VMAs, \d+ pages \([\d.]+ (KiB|MiB)\), [\d.]+ s \(frozen [\d.]+ s\)$",
                      summary), summary
     target.assert_ok()
