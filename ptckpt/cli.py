@@ -9,6 +9,7 @@ bug in one line too (``PTCKPT_DEBUG=1`` shows the traceback).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -155,7 +156,7 @@ def dump(
 ) -> None:
     """Checkpoint process PID into an image directory.
 
-    Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
+    Example: ptckpt dump 1234 -D /tmp/ckpt --kill --save-file '/slot3/state/**'
     """
     _dump_command(pid, directory, leave_running, save_file, external, plugin, skip_file, critical_timeout,
                   tcp_established, tcp_close, as_json, prev, track_mem, compress, pre_dump=False,
@@ -244,7 +245,7 @@ def restore(
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY",
                                                              help="What a file changed since the dump (size, mtime, inode, build-id) does: strict (refuse, the default), warn or ignore; PATTERN=POLICY for the paths matching PATTERN (first match wins). Repeatable.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option("--inject", metavar="SPEC",
-                                                        help="Make a fault before the restored process runs: flip:symbol=NAME[+OFF],bits=N | flip:addr=A,bits=N[,size=B] | set:symbol=NAME,value=V[,size=B] | reg:name=REG,value=V|bits=N; pid=P for another process than the root. Repeatable.")] = None,
+                                                        help="A fault to make (the forms are listed above); pid=P for another process than the root. Repeatable.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of every random choice of --inject (default: a random one, printed).")] = None,
     inherit_stdio: Annotated[bool, typer.Option("--inherit-stdio", help="The root's stdin, stdout and stderr are ptckpt's own, not what they were at dump.")] = False,
     faults_log: Annotated[Optional[str], typer.Option("--faults-log", metavar="FILE",
@@ -253,6 +254,12 @@ def restore(
     """Recreate the checkpointed process so that it continues where it was frozen.
 
     Without --detach, ptckpt stays and exits with the restored process's exit status.
+
+    Faults (--inject SPEC), made before the restored process runs: flip:symbol=NAME[+OFF],bits=N[,size=B]
+    | flip:addr=A,bits=N[,size=B] | set:symbol=NAME,value=V[,size=B] | set:addr=A,value=V[,size=B]
+    | reg:name=REG,value=V | reg:name=REG,bits=N[,tid=T]; or once it runs, at the Nth call of
+    function F: call:function=F,n=N,arg=I,value=V | call:function=F,n=N,ret=V
+    | call:function=F,n=N,flip=SYMBOL,bits=B.
 
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
@@ -352,7 +359,7 @@ def restore(
 @app.command()
 def campaign(
     directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
-    inject: Annotated[list[str], typer.Option("--inject", metavar="SPEC", help="Fault made in every run (as for restore --inject). Repeatable.")],
+    inject: Annotated[list[str], typer.Option("--inject", metavar="SPEC", help="Fault made in every run (as for restore --inject: its forms in ptckpt restore -h). Repeatable.")],
     out: Annotated[str, typer.Option("-o", "--out", help="Directory for results.csv, results.json and runs/NNNN/{stdout,stderr,faults.json}.")],
     runs: Annotated[int, typer.Option("--runs", help="How many runs (each with its own seed: --seed, --seed+1, ...).")] = 10,
     jobs: Annotated[int, typer.Option("--jobs", help="Runs at the same time.")] = 1,
@@ -364,7 +371,7 @@ def campaign(
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print results.json's object on stdout instead of the table.")] = False,
-    backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
+    backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt\\[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
 
@@ -374,7 +381,7 @@ def campaign(
     OUT/results.csv, OUT/results.json and OUT/report.html. Exit 25 when some runs
     could not be restored (outcome error).
 
-    Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
+    Example: ptckpt campaign -D /tmp/ckpt -o results --runs 100 --jobs 2 --timeout 30s --inject 'flip:symbol=design_state,bits=1'
     """
     from .campaign import CampaignSpec, fault_text, run_campaign
     from .units import parse_duration
@@ -729,6 +736,20 @@ def check(
     if any(r.required and not r.present for r in results):
         typer.echo("ptckpt: dump/restore cannot work on this machine (see ABSENT required features)", err=True)
         raise typer.Exit(code=ExitCode.MISSING_FEATURE)
+
+
+def _unwrap(doc: str) -> str:
+    """A docstring with each paragraph on one line: typer's rich help keeps the source's line
+    breaks, so a paragraph wrapped at 100 columns in the source broke oddly at 80."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for _command in app.registered_commands:
+    if _command.callback.__doc__:
+        _command.callback.__doc__ = _unwrap(_command.callback.__doc__)
+if app.registered_callback is not None and app.registered_callback.callback.__doc__:
+    app.registered_callback.callback.__doc__ = _unwrap(app.registered_callback.callback.__doc__)
 
 
 try:                                # typer 0.26 carries its own click (pyproject pins it)

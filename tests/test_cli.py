@@ -119,6 +119,50 @@ def test_help_names_arguments_and_types_plainly(ptckpt):
     assert "<bool>" not in res.stdout and "<int>" not in res.stdout
 
 
+COMMANDS = ("dump", "pre-dump", "restore", "campaign", "run", "control", "compact", "show", "stop", "page-server",
+            "push", "migrate", "core", "diff", "check")
+
+
+def _help80(ptckpt_cmd, *argv: str) -> str:
+    res = subprocess.run(ptckpt_cmd + [*argv, "-h"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, COLUMNS="80", TERM="dumb"))
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_help_at_80_columns_names_extras_and_fault_forms(ptckpt_cmd):
+    """Issue 37: campaign's help said "(pip install 'ptckpt')" (rich took [cluster] for
+    markup), and restore's did not show the call: faults README documents."""
+    campaign = " ".join(_help80(ptckpt_cmd, "campaign").replace("│", " ").split())
+    assert "pip install 'ptckpt[cluster]'" in campaign, campaign
+    restore = " ".join(_help80(ptckpt_cmd, "restore").replace("│", " ").split())
+    for form in ("flip:symbol=NAME[+OFF],bits=N[,size=B]", "flip:addr=A,bits=N[,size=B]",
+                 "set:symbol=NAME,value=V[,size=B]", "reg:name=REG,value=V", "reg:name=REG,bits=N[,tid=T]",
+                 "call:function=F,n=N,arg=I,value=V", "call:function=F,n=N,ret=V",
+                 "call:function=F,n=N,flip=SYMBOL,bits=B"):
+        assert form in restore, form
+    assert "…" not in _help80(ptckpt_cmd, "restore"), "a form cut short"
+
+
+@pytest.mark.parametrize("argv", [()] + [(c,) for c in COMMANDS])
+def test_help_at_80_columns_wraps_descriptions_where_the_width_ends(ptckpt_cmd, argv):
+    """Issue 37: docstrings wrapped in the source kept their line breaks, so at 80 columns
+    a line of a paragraph could end after one word ("as").  Every line of a description
+    but a paragraph's last runs on to near the width; so do those of the command list."""
+    shown = _help80(ptckpt_cmd, *argv)
+    text, _, boxes = shown.partition("╭")
+    paragraphs = re.split(r"\n[ \t]*\n", "\n".join(line.rstrip() for line in text.splitlines()))
+    for paragraph in paragraphs:
+        lines = [line for line in paragraph.splitlines() if line.strip()]
+        for line in lines[:-1]:
+            assert len(line) >= 60, (line, paragraph)
+    if not argv:                                # the command list: entries wrap at the width too
+        rows = [line[1:-1].rstrip() for line in boxes.splitlines() if line.startswith("│")]
+        for row, after in zip(rows, rows[1:]):
+            if after.startswith("  ") and after[:14].strip() == "":     # the entry goes on below
+                assert len(row) >= 60, (row, after)
+
+
 def test_show_of_a_non_image(ptckpt, tmp_path):
     res = ptckpt("show", tmp_path / "nothing")
     assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stderr
