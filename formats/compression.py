@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import zstandard
 
+from ptckpt import progress
 from ptckpt.errors import CorruptImage
 
 FRAME = 1 << 20                         # raw bytes per frame
@@ -124,6 +125,7 @@ def decompress_to_fd(src: int, data_offset: int, sizes: list[tuple[int, int]], d
         raw_pos += raw
         stored_pos += stored
     os.ftruncate(dst, raw_pos)
+    progress.expect(raw_pos)
 
     def one(job) -> None:
         raw_at, stored_at, raw, stored = job
@@ -135,6 +137,7 @@ def decompress_to_fd(src: int, data_offset: int, sizes: list[tuple[int, int]], d
         done = 0
         while done < raw:
             done += os.pwrite(dst, view[done:], raw_at + done)
+        progress.moved(raw)
 
     with ThreadPoolExecutor(_workers(), thread_name_prefix="unzstd") as pool:
         for _ in pool.map(one, jobs):

@@ -549,8 +549,9 @@ class PagesWriter:
         self._raise_pending_error()
         return view
 
-    def submit(self, buf: memoryview, nbytes: int) -> int:
-        """Queue the first `nbytes` of a buffer from get_buffer(); returns their data offset."""
+    def submit(self, buf: memoryview, nbytes: int, done=None) -> int:
+        """Queue the first `nbytes` of a buffer from get_buffer(); returns their data offset.
+        `done()` is called (from the writer's thread) once they are written, or compressed."""
         if id(buf) not in self._checked_out:
             raise ValueError("submit() takes a buffer returned by get_buffer() (and each only once)")
         self._checked_out.discard(id(buf))
@@ -560,8 +561,15 @@ class PagesWriter:
         if nbytes == 0 or self._error is not None:
             self._free.put(buf)
             self._raise_pending_error()
+            if done is not None:
+                done()
             return self._length
-        return self._enqueue(buf[:nbytes], lambda: self._free.put(buf))
+
+        def finished() -> None:
+            self._free.put(buf)
+            if done is not None:
+                done()
+        return self._enqueue(buf[:nbytes], finished)
 
     def write(self, data) -> int:
         """Write whole pages from any bytes-like object; returns their data offset.

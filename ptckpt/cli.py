@@ -9,6 +9,7 @@ bug in one line too (``PTCKPT_DEBUG=1`` shows the traceback).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from .state import forward_to, unwind_again
 from .errors import ExitCode, PtckptError, UsageError, exhausted
 
 app = typer.Typer(
-    add_completion=True,
+    add_completion=False,           # ours below: --show-completion SHELL names the shell
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -37,19 +38,57 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _shell(value: str) -> str:
+    """The shell named (bash, zsh, fish, powershell, pwsh), or this one ($SHELL) when none is."""
+    if not value:
+        from typer._completion_shared import _get_shell_name
+        value = _get_shell_name() or os.path.basename(os.environ.get("SHELL", "")) or "bash"
+    if value not in _SHELLS:
+        raise typer.BadParameter(f"{value!r} is not a shell completion is made for ({', '.join(_SHELLS)})")
+    return value
+
+
+def _show_completion(value: Optional[str]) -> None:
+    if value is not None:
+        from typer._completion_shared import get_completion_script
+        typer.echo(get_completion_script(prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE", shell=_shell(value)))
+        raise typer.Exit()
+
+
+def _install_completion(value: Optional[str]) -> None:
+    if value is not None:
+        from typer._completion_shared import install
+        shell, path = install(shell=_shell(value), prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE")
+        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
     version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
+    show_completion: Annotated[Optional[str], typer.Option(
+        "--show-completion", metavar="[SHELL]", callback=_show_completion,
+        is_eager=True, expose_value=False,
+        help="Print the completion script of SHELL (bash, zsh, fish, powershell, pwsh; default: this shell).")] = None,
+    install_completion: Annotated[Optional[str], typer.Option(
+        "--install-completion", metavar="[SHELL]", callback=_install_completion,
+        is_eager=True, expose_value=False,
+        help="Add completion to the start-up file of SHELL (default: this shell).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each phase on stderr (before or after the command).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print results only (the image directory, the pid), no summary lines; errors and warnings still (before or after the command).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary lines on stderr, only the results on stdout (the image directory, the pid), errors and warnings (before or after the command; not with -v).")] = False,
 ) -> None:
     """ptckpt: checkpoint a running process into an image directory, inspect it, check this machine.
 
     Example: ptckpt dump 1234 -D /tmp/ckpt
     """
     global _quiet
-    _quiet = quiet and not verbose
+    if quiet and verbose:
+        raise UsageError("-q (--quiet) and -v (--verbose) ask for opposite things: give one")
+    _quiet = quiet
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="ptckpt: %(message)s", stream=sys.stderr)
 
@@ -57,10 +96,12 @@ def _main(
 _quiet = False
 
 
-def _summary(text: str, err: bool = False) -> None:
-    """A summary line (what was dumped, restored, how long): left out with -q."""
+def _summary(text: str) -> None:
+    """A summary line (what was dumped, restored, how long), on stderr: results (the image
+    directory, a pid, tables, JSON) go to stdout, what is said about them to stderr.  Left
+    out with -q."""
     if not _quiet:
-        typer.echo(text, err=err)
+        typer.echo(text, err=True)
 
 
 def _progress_bar(what: str, as_json: bool):
@@ -114,7 +155,7 @@ def dump(
 ) -> None:
     """Checkpoint process PID into an image directory.
 
-    Example: ptckpt dump 1234 -D /tmp/ckpt-1234 --kill --save-file '/slot3/state/**'
+    Example: ptckpt dump 1234 -D /tmp/ckpt --kill --save-file '/slot3/state/**'
     """
     from . import api
     try:
@@ -193,7 +234,7 @@ def restore(
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY",
                                                              help="What a file changed since the dump (size, mtime, inode, build-id) does: strict (refuse, the default), warn or ignore; PATTERN=POLICY for the paths matching PATTERN (first match wins). Repeatable.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option("--inject", metavar="SPEC",
-                                                        help="Make a fault before the restored process runs: flip:symbol=NAME[+OFF],bits=N | flip:addr=A,bits=N[,size=B] | set:symbol=NAME,value=V[,size=B] | reg:name=REG,value=V|bits=N; pid=P for another process than the root. Repeatable.")] = None,
+                                                        help="A fault to make (the forms are listed above); pid=P for another process than the root. Repeatable.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of every random choice of --inject (default: a random one, printed).")] = None,
     inherit_stdio: Annotated[bool, typer.Option("--inherit-stdio", help="The root's stdin, stdout and stderr are ptckpt's own, not what they were at dump.")] = False,
     faults_log: Annotated[Optional[str], typer.Option("--faults-log", metavar="FILE",
@@ -202,6 +243,12 @@ def restore(
     """Recreate the checkpointed process so that it continues where it was frozen.
 
     Without --detach, ptckpt stays and exits with the restored process's exit status.
+
+    Faults (--inject SPEC), made before the restored process runs: flip:symbol=NAME[+OFF],bits=N[,size=B]
+    | flip:addr=A,bits=N[,size=B] | set:symbol=NAME,value=V[,size=B] | set:addr=A,value=V[,size=B]
+    | reg:name=REG,value=V | reg:name=REG,bits=N[,tid=T]; or once it runs, at the Nth call of
+    function F: call:function=F,n=N,arg=I,value=V | call:function=F,n=N,ret=V
+    | call:function=F,n=N,flip=SYMBOL,bits=B.
 
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
@@ -230,7 +277,7 @@ def restore(
         typer.echo(tree.summary(), err=True)
         unwind_again()
         raise typer.Exit(code=tree.relay())
-    _summary(tree.summary(), err=True)
+    _summary(tree.summary())
     if as_json:
         typer.echo(json.dumps({"pid": tree.pid, "vpid": tree.vpid, "init_pid": tree.init_pid,
                                "pids": {str(v): r for v, r in tree.pids.items()},
@@ -257,7 +304,7 @@ def restore(
 @app.command()
 def campaign(
     directory: Annotated[str, typer.Option("-D", "--directory", help="Image directory written by `ptckpt dump`.")],
-    inject: Annotated[list[str], typer.Option("--inject", metavar="SPEC", help="Fault made in every run (as for restore --inject). Repeatable.")],
+    inject: Annotated[list[str], typer.Option("--inject", metavar="SPEC", help="Fault made in every run (as for restore --inject: its forms in ptckpt restore -h). Repeatable.")],
     out: Annotated[str, typer.Option("-o", "--out", help="Directory for results.csv, results.json and runs/NNNN/{stdout,stderr,faults.json}.")],
     runs: Annotated[int, typer.Option("--runs", help="How many runs (each with its own seed: --seed, --seed+1, ...).")] = 10,
     jobs: Annotated[int, typer.Option("--jobs", help="Runs at the same time.")] = 1,
@@ -269,7 +316,7 @@ def campaign(
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print results.json's object on stdout instead of the table.")] = False,
-    backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
+    backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt\\[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
 
@@ -279,7 +326,7 @@ def campaign(
     OUT/results.csv, OUT/results.json and OUT/report.html. Exit 25 when some runs
     could not be restored (outcome error).
 
-    Example: ptckpt campaign -D /tmp/ckpt --runs 100 --inject 'flip:symbol=design_state,bits=1' --jobs 2 --timeout 30s -o results
+    Example: ptckpt campaign -D /tmp/ckpt -o results --runs 100 --jobs 2 --timeout 30s --inject 'flip:symbol=design_state,bits=1'
     """
     from .campaign import CampaignSpec, fault_text, run_campaign
     from .units import parse_duration
@@ -459,7 +506,7 @@ def page_server(
         server = PageServer(listen, directory, read_token(token_file), once=once)
     except PtckptError as err:
         raise _fail(err) from None
-    _summary(f"page server on {listen}, images into {os.path.abspath(directory)}", err=True)
+    _summary(f"page server on {listen}, images into {os.path.abspath(directory)}")
     server.serve()
 
 
@@ -479,7 +526,7 @@ def push(
     except PtckptError as err:
         raise _fail(err) from None
     typer.echo(where)
-    _summary(f"sent {sent / 2**20:.1f} MiB to {to}", err=True)
+    _summary(f"sent {sent / 2**20:.1f} MiB to {to}")
 
 
 @app.command()
@@ -517,7 +564,7 @@ def migrate(
                                "seconds": round(result.seconds, 6), "remote": result.remote}))
         return
     typer.echo(result.remote_pid)
-    _summary(result.summary(), err=True)
+    _summary(result.summary())
 
 
 @app.command()
@@ -625,6 +672,20 @@ def check(
         raise typer.Exit(code=ExitCode.MISSING_FEATURE)
 
 
+def _unwrap(doc: str) -> str:
+    """A docstring with each paragraph on one line: typer's rich help keeps the source's line
+    breaks, so a paragraph wrapped at 100 columns in the source broke oddly at 80."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for _command in app.registered_commands:
+    if _command.callback.__doc__:
+        _command.callback.__doc__ = _unwrap(_command.callback.__doc__)
+if app.registered_callback is not None and app.registered_callback.callback.__doc__:
+    app.registered_callback.callback.__doc__ = _unwrap(app.registered_callback.callback.__doc__)
+
+
 try:                                # typer 0.26 carries its own click (pyproject pins it)
     from typer._click.exceptions import Abort as _Abort, ClickException as _ClickException
 except ImportError:                 # pragma: no cover - a typer on the system click
@@ -655,6 +716,17 @@ def hoist_verbose(argv: list[str]) -> list[str]:
     return flags + [a for a in head if a not in _GLOBAL_FLAGS] + tail
 
 
+def shell_by_default(argv: list[str]) -> list[str]:
+    """--show-completion and --install-completion take the shell as their value, and
+    without one (last, or before another option) this shell: "" stands for it."""
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a in ("--show-completion", "--install-completion") and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("")
+    return out
+
+
 def _only_the_named_command(args: list[str]):
     """A context in which `app` holds only the command `args` name (the first word that is not
     a global flag), when it is one of its own: typer then builds that command's parser and not
@@ -680,7 +752,10 @@ def main() -> None:
     """Run the command (ptckpt.entry installs the signal handlers first)."""
     from .state import Interrupted
     try:
-        args = hoist_verbose(sys.argv[1:])
+        if "_PTCKPT_COMPLETE" in os.environ:     # a completion script asks: typer's answer
+            from typer._completion_classes import completion_init
+            completion_init()
+        args = shell_by_default(hoist_verbose(sys.argv[1:]))
         with _only_the_named_command(args):
             code = app(args=args, standalone_mode=False)
         if isinstance(code, int) and code:     # typer.Exit(code=...) of a command

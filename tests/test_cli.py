@@ -77,6 +77,38 @@ def test_quiet_prints_the_result_only(spawn, ptckpt, tmp_path):
     assert res.stdout.splitlines() == [str(tmp_path / "img")] and res.stderr == ""
 
 
+def test_quiet_and_verbose_together_are_refused(ptckpt, tmp_path):
+    """Issue 37: `dump PID -q -v` ignored -q; the pair is refused now, before anything is done."""
+    for argv in (("dump", "1", "-D", tmp_path / "img", "-q", "-v"), ("-v", "restore", "-D", tmp_path, "-q")):
+        res = ptckpt(*argv)
+        assert res.returncode == ExitCode.USAGE and res.stdout == "", res.stdout + res.stderr
+        assert res.stderr.startswith("ptckpt: error: ") and "-q" in res.stderr and "-v" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "img").exists()
+
+
+def test_results_go_to_stdout_and_summaries_to_stderr(spawn, ptckpt, tmp_path):
+    """Issue 37: dump printed its summary on stdout, restore its "restored pid" line on
+    stderr; now every command gives its result on stdout (the directory, the pid) and says
+    what it did on stderr, which -q leaves out."""
+    from conftest import wait_pid_free
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(tmp_path / "img")], res.stdout
+    assert res.stderr.startswith(f"dumped {target.pid} to {tmp_path / 'img'}: "), res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(target.pid)], res.stdout
+    assert res.stderr.startswith(f"restored pid {target.pid} as {target.pid} in "), res.stderr
+    target.adopt(target.pid)
+    target.wait_progress()
+    res = ptckpt("stop", target.pid)
+    assert res.returncode == 0 and res.stdout == "" and res.stderr.startswith(f"stopped {target.pid}: "), res
+
+
 def test_help_names_arguments_and_types_plainly(ptckpt):
     """The typer pinned in pyproject.toml renders PID / INTEGER / TEXT and flag pairs
     without a type (later ones show {pid}, <int>, <bool>)."""
@@ -85,6 +117,50 @@ def test_help_names_arguments_and_types_plainly(ptckpt):
     assert "Usage: ptckpt dump [OPTIONS] PID" in res.stdout
     assert "INTEGER" in res.stdout and "Process to checkpoint" in res.stdout
     assert "<bool>" not in res.stdout and "<int>" not in res.stdout
+
+
+COMMANDS = ("dump", "pre-dump", "restore", "campaign", "run", "control", "compact", "show", "stop", "page-server",
+            "push", "migrate", "core", "diff", "check")
+
+
+def _help80(ptckpt_cmd, *argv: str) -> str:
+    res = subprocess.run(ptckpt_cmd + [*argv, "-h"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, COLUMNS="80", TERM="dumb"))
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_help_at_80_columns_names_extras_and_fault_forms(ptckpt_cmd):
+    """Issue 37: campaign's help said "(pip install 'ptckpt')" (rich took [cluster] for
+    markup), and restore's did not show the call: faults README documents."""
+    campaign = " ".join(_help80(ptckpt_cmd, "campaign").replace("│", " ").split())
+    assert "pip install 'ptckpt[cluster]'" in campaign, campaign
+    restore = " ".join(_help80(ptckpt_cmd, "restore").replace("│", " ").split())
+    for form in ("flip:symbol=NAME[+OFF],bits=N[,size=B]", "flip:addr=A,bits=N[,size=B]",
+                 "set:symbol=NAME,value=V[,size=B]", "reg:name=REG,value=V", "reg:name=REG,bits=N[,tid=T]",
+                 "call:function=F,n=N,arg=I,value=V", "call:function=F,n=N,ret=V",
+                 "call:function=F,n=N,flip=SYMBOL,bits=B"):
+        assert form in restore, form
+    assert "…" not in _help80(ptckpt_cmd, "restore"), "a form cut short"
+
+
+@pytest.mark.parametrize("argv", [()] + [(c,) for c in COMMANDS])
+def test_help_at_80_columns_wraps_descriptions_where_the_width_ends(ptckpt_cmd, argv):
+    """Issue 37: docstrings wrapped in the source kept their line breaks, so at 80 columns
+    a line of a paragraph could end after one word ("as").  Every line of a description
+    but a paragraph's last runs on to near the width; so do those of the command list."""
+    shown = _help80(ptckpt_cmd, *argv)
+    text, _, boxes = shown.partition("╭")
+    paragraphs = re.split(r"\n[ \t]*\n", "\n".join(line.rstrip() for line in text.splitlines()))
+    for paragraph in paragraphs:
+        lines = [line for line in paragraph.splitlines() if line.strip()]
+        for line in lines[:-1]:
+            assert len(line) >= 60, (line, paragraph)
+    if not argv:                                # the command list: entries wrap at the width too
+        rows = [line[1:-1].rstrip() for line in boxes.splitlines() if line.startswith("│")]
+        for row, after in zip(rows, rows[1:]):
+            if after.startswith("  ") and after[:14].strip() == "":     # the entry goes on below
+                assert len(row) >= 60, (row, after)
 
 
 def test_show_of_a_non_image(ptckpt, tmp_path):
@@ -126,7 +202,8 @@ def test_dump_summary_speaks_in_human_units(spawn, ptckpt, tmp_path):
     target = spawn("counter")
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img")
     assert res.returncode == 0, res.stderr
-    summary = res.stdout.strip().splitlines()[-1]
+    assert res.stdout.splitlines() == [str(tmp_path / "img")], "the result on stdout, the summary on stderr"
+    summary = res.stderr.strip().splitlines()[-1]
     assert re.search(r": 1 thread, \d+ VMAs, \d+ pages \([\d.]+ (KiB|MiB)\), [\d.]+ s \(frozen [\d.]+ s\)$",
                      summary), summary
     target.assert_ok()
@@ -154,24 +231,53 @@ def test_shell_completion_script_completes_commands_and_options(ptckpt_cmd, tmp_
     assert set(complete("ptckpt", "pre")) == {"pre-dump"}
 
 
-def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cmd, tmp_path):
-    """On a terminal (script(1) gives it one) a dump and a restore that move memory for long
-    enough (here: at once, PTCKPT_PROGRESS_AFTER=0) show a bar with the bytes, which is gone
-    again before the result line; -q shows none, and neither does a stderr that is no terminal."""
+@pytest.mark.parametrize("shell,marks", [
+    ("bash", ("complete -o default -F _ptckpt_completion ptckpt",)),
+    ("zsh", ("#compdef ptckpt", "compdef _ptckpt_completion ptckpt")),
+    ("fish", ("complete --command ptckpt", "complete_fish")),
+    ("powershell", ("Register-ArgumentCompleter", "complete_powershell")),
+])
+def test_show_completion_prints_the_script_of_the_shell_named(ptckpt, shell, marks):
+    """Issue 37: `--show-completion zsh` printed bash's script and `--show-completion=zsh`
+    was refused; each shell gets its own, in either spelling."""
+    for argv in (("--show-completion", shell), (f"--show-completion={shell}",)):
+        res = ptckpt(*argv)
+        assert res.returncode == 0, res.stderr
+        for mark in marks:
+            assert mark in res.stdout, (argv, res.stdout[:300])
+    res = ptckpt("--show-completion", "tcsh")
+    assert res.returncode == ExitCode.USAGE and "bash, zsh, fish" in res.stderr, res.stderr
+
+
+def _on_terminal(ptckpt_cmd, *args: str, env=None) -> str:
+    """What `ptckpt ARGS` draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex
+    res = subprocess.run(["script", "-qec", shlex.join(ptckpt_cmd + list(args)), "/dev/null"],
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=300, env=env)
+    shown = res.stdout.decode(errors="replace")
+    assert res.returncode == 0, shown
+    return shown
+
+
+# One frame of the bar: "dump copy ━━━━━  42% 0.4/1.0 GiB 280.1 MiB/s 0:00:02"
+_FRAME = re.compile(r"(?P<what>dump|restore) (?P<phase>\w+) [━╸╺ ]*\s+(?P<pct>\d+)% "
+                    r"(?P<done>[\d.]+)/(?P<total>[\d.]+) (?P<unit>\S+)(?: (?P<rate>[\d.]+) (?P<per>\S+)/s)?")
+
+
+def _frames(shown: str) -> list[re.Match]:
+    frames = re.split(r"\x1b\[2K|\r|\n", shown)         # rich redraws the line: one frame each
+    return [m for f in frames if (m := _FRAME.search(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f)))]
+
+
+def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cmd, tmp_path):
+    """On a terminal a dump and a restore that move memory for long enough (here: at once,
+    PTCKPT_PROGRESS_AFTER=0) show a bar with the bytes, which is gone again before the result
+    line; -q shows none, and neither does a stderr that is no terminal."""
     target = spawn("bigheap", 64)
     env = dict(os.environ, PTCKPT_PROGRESS_AFTER="0")
-
-    def on_terminal(*args: str) -> str:
-        res = subprocess.run(["script", "-qec", shlex.join(ptckpt_cmd + list(args)), "/dev/null"],
-                             stdin=subprocess.DEVNULL, capture_output=True, timeout=120, env=env)
-        shown = res.stdout.decode(errors="replace")
-        assert res.returncode == 0, shown
-        return shown
-
-    quiet = on_terminal("-q", "dump", str(target.pid), "-D", str(tmp_path / "quiet"))
+    quiet = _on_terminal(ptckpt_cmd, "-q", "dump", str(target.pid), "-D", str(tmp_path / "quiet"), env=env)
     assert "MiB" not in quiet and "\x1b[" not in quiet, quiet
-    shown = on_terminal("dump", str(target.pid), "-D", str(tmp_path / "img"), "--kill")
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "img"), "--kill", env=env)
     assert re.search(r"dump .*\d+\.\d/\d+\.\d MiB", shown), shown
     bar_end = [m.end() for m in re.finditer(r"\d+\.\d/\d+\.\d MiB", shown)][-1]
     assert bar_end < shown.index("dumped "), "the bar goes before the summary"
@@ -180,3 +286,33 @@ def test_a_dump_and_a_restore_show_a_progress_bar_on_a_terminal(spawn, ptckpt_cm
                            capture_output=True, text=True, timeout=120, env=env)
     assert plain.returncode == 0 and "\x1b[" not in plain.stderr, plain.stderr
     target.adopt(int(plain.stdout.split()[-1]))
+
+
+def test_the_progress_bar_names_the_phase_and_speaks_one_unit_family(spawn, ptckpt_cmd, tmp_path):
+    """Issue 37: a dump of a few hundred MiB shows the phase (copy), a percentage, and bytes
+    and rate both in binary units (MiB and MiB/s, never MB/s); a compressed one (over half
+    a second: the default threshold shows it) too, and its restore (phases read, then
+    rebuild) moves in several steps, not 0 then 100%."""
+    target = spawn("bigheap", 384)
+    env = {k: v for k, v in os.environ.items() if k != "PTCKPT_PROGRESS_AFTER"}
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "plain"),
+                         env=dict(env, PTCKPT_PROGRESS_AFTER="0"))
+    frames = _frames(shown)
+    assert frames, shown
+    assert {f["phase"] for f in frames} <= {"freeze", "copy", "write"} and "copy" in {f["phase"] for f in frames}
+    for f in frames:
+        assert f["unit"] in ("KiB", "MiB", "GiB") and (f["per"] is None or f["per"] in ("KiB", "MiB", "GiB")), f[0]
+    assert " MB/s" not in shown and " GB/s" not in shown, shown
+    shown = _on_terminal(ptckpt_cmd, "dump", str(target.pid), "-D", str(tmp_path / "zstd"), "--kill",
+                         "--compress", "zstd:10", env=env)
+    frames = _frames(shown)
+    assert frames and "copy" in {f["phase"] for f in frames}, shown
+    assert any(f["per"] for f in frames) and " MB/s" not in shown, shown
+    target.wait_exit(10)
+    shown = _on_terminal(ptckpt_cmd, "restore", "-D", str(tmp_path / "zstd"), "--detach",
+                         env=dict(env, PTCKPT_PROGRESS_AFTER="0"))
+    target.adopt(int(shown.split()[-1]))
+    frames = _frames(shown)
+    assert {"read", "rebuild"} <= {f["phase"] for f in frames}, shown
+    read = sorted({int(f["pct"]) for f in frames if f["phase"] == "read"})
+    assert len([p for p in read if 0 < p < 100]) >= 2, (read, shown)

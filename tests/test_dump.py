@@ -83,8 +83,8 @@ def test_image_holds_frozen_memory_and_registers(spawn, ptckpt, tmp_path, progra
     image_dir = tmp_path / "img"
     res = ptckpt("dump", target.pid, "-D", image_dir)
     assert res.returncode == 0, res.stderr
-    assert str(image_dir) in res.stdout
-    assert re.search(r"\b\d+ threads?, ", res.stdout) and "pages" in res.stdout and "frozen" in res.stdout
+    assert res.stdout.strip() == str(image_dir)                 # the result; the summary on stderr
+    assert re.search(r"\b\d+ threads?, ", res.stderr) and "pages" in res.stderr and "frozen" in res.stderr
     assert _state(target.pid) == "T", "a stopped target stays stopped"
     regs_now = _frozen_regs(target.pid)
     with ImageReader(image_dir) as image:

@@ -35,7 +35,8 @@ def test_stop_ends_a_detached_pidns_tree_by_its_pidfile(killed_counter, ptckpt, 
     try:
         res = ptckpt("stop", pidfile)
         assert res.returncode == 0, res.stderr
-        assert res.stdout.strip() == (f"stopped {outer}: ended on SIGTERM; its pid namespace ended with its "
+        assert res.stdout == ""                                 # said on stderr, as restore's line
+        assert res.stderr.strip() == (f"stopped {outer}: ended on SIGTERM; its pid namespace ended with its "
                                       f"init {init}")
         reap_orphans()
         wait_until(lambda: _gone(outer) and _gone(init), 5, message="the tree and its init gone")
@@ -49,7 +50,7 @@ def test_stop_kills_what_does_not_end_on_sigterm(spawn, ptckpt, tmp_path):
                                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n")), out=False)
     res = ptckpt("stop", target.pid, "--timeout", "300ms", "--force")    # not restored: --force
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"stopped {target.pid}: killed (SIGTERM was not enough)"
+    assert res.stdout == "" and res.stderr.strip() == f"stopped {target.pid}: killed (SIGTERM was not enough)"
     target.wait_exit(5)
 
 
@@ -97,7 +98,7 @@ def test_stop_refuses_a_stale_record_and_removes_it(sleeper, ptckpt, tmp_path):
 def test_stop_force_ends_a_process_ptckpt_did_not_restore(sleeper, ptckpt):
     res = ptckpt("stop", sleeper.pid, "--force")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"stopped {sleeper.pid}: ended on SIGTERM"
+    assert res.stdout == "" and res.stderr.strip() == f"stopped {sleeper.pid}: ended on SIGTERM"
     sleeper.wait_exit(5)
 
 
@@ -113,7 +114,7 @@ def test_stop_ends_a_tree_restored_through_the_api(killed_counter, ptckpt):
                                     "image": str(image)}
         res = ptckpt("stop", proc.pid)
         assert res.returncode == 0, res.stderr
-        assert res.stdout.strip() == f"stopped {proc.pid}: ended on SIGTERM"
+        assert res.stdout == "" and res.stderr.strip() == f"stopped {proc.pid}: ended on SIGTERM"
         assert proc.wait(timeout=5) is not None
         assert not os.path.exists(path)                          # the tree ended: its record went
     finally:

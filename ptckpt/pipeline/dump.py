@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import __version__, appblock, procfs
+from .. import __version__, appblock, procfs, progress
 from ..state import committed, not_committed
 from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen,
     capture_sharing_frozen, capture_sysv_frozen, check_target, file_holders,
@@ -204,8 +204,10 @@ def freeze(run: DumpRun) -> None:
     running = running_tree(pid)
     if run.plan.wants_background(running):
         log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
+        progress.phase("copy")
         run.plan.precopy(running, pidns.pid_view(pid, running).of, run.writer)
     log.info("freeze the tree of %d", pid)
+    progress.phase("freeze")
     members, run.zombies, run.blocks = freeze_outside_critical(run.session, pid, run.opts.critical_timeout)
     run.result.pids = members
     run.frozen_at = time.monotonic()
@@ -218,7 +220,9 @@ def freeze(run: DumpRun) -> None:
 # --- 3. capture ------------------------------------------------------------------------
 
 def capture(run: DumpRun) -> None:
+    progress.phase("copy")
     _capture_processes(run)
+    progress.phase("write")
     run.plan.drop_precopies()                               # ended before the freeze
     log.info("capture what the tree shares")
     pid, opts = run.pid, run.opts
@@ -299,7 +303,9 @@ def write(run: DumpRun) -> None:
         run.session.resume_all()
         run.result.frozen_seconds = time.monotonic() - run.frozen_at
         log.info("write the memory of %s, running", " ".join(map(str, run.result.pids)))
+        progress.phase("copy")
         run.plan.run_deferred(run.result)
+        progress.phase("write")
 
 
 # --- 5. commit -------------------------------------------------------------------------

@@ -257,11 +257,13 @@ def open_sources(run: RestoreRun) -> None:
     run.undo.on_failure(run.net.abort)
     run.cleanup.callback(run.credentials.close)
     run.cleanup.callback(pidfds.close_all, run.pidfds_made)
+    progress.phase("read")
     for p in run.members:
         run.pages[p] = []
         for fd, base, runs in image.page_sources(p):
             run.pages[p].append(PageSource(open_pages(fd), base, runs))
             run.cleanup.callback(os.close, run.pages[p][-1].fd)
+    progress.phase("rebuild")
     if run.opts.lazy:
         from .. import lazypages
         run.server = lazypages.Server()

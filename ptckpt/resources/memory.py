@@ -558,8 +558,7 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
             batch = _read_running(mem, buf, batch, lost, sorted(shared))
             nbytes = sum(e - s for s, e, _ in batch)
         nbytes, kept = drop_zero_pages(buf, nbytes, batch)
-        offset = pages.submit(buf, nbytes)
-        progress.moved(read)
+        offset = pages.submit(buf, nbytes, done=lambda read=read: progress.moved(read))
         for s, e in kept:
             index.append(PageRun(vaddr=s, npages=(e - s) // PAGE_SIZE, offset=offset))
             offset += e - s
