@@ -495,6 +495,10 @@ def test_a_tmux_server_restored_and_attached_by_a_new_client(tmux, inner_tmux, p
     inner.pids += [server, shell]
     pts = inner("list-panes", "-t", "work", "-F", "#{pane_tty}").strip()
     assert os.readlink(f"/proc/{shell}/fd/0") == pts
+    # the clients of the commands above gone: the server holds its listening socket only
+    wait_until(lambda: sum(os.readlink(f"/proc/{server}/fd/{n}").startswith("socket:")
+                           for n in os.listdir(f"/proc/{server}/fd")) == 1, 10,
+               message="the tmux commands' client connections closed")
     res = ptckpt("dump", server, "-D", tmp_path / "img", "--kill")
     assert res.returncode == 0, res.stderr
     for pid in (shell, server):
