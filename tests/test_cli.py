@@ -314,5 +314,47 @@ def test_the_progress_bar_names_the_phase_and_speaks_one_unit_family(spawn, ptck
     target.adopt(int(shown.split()[-1]))
     frames = _frames(shown)
     assert {"read", "rebuild"} <= {f["phase"] for f in frames}, shown
-    read = sorted({int(f["pct"]) for f in frames if f["phase"] == "read"})
-    assert len([p for p in read if 0 < p < 100]) >= 2, (read, shown)
+    # how often the bar redraws depends on the machine's load; what the library reports does
+    # not: the read phase of a compressed image moves frame by frame, not 0 then all at once
+    events = _progress_events(lambda: _api_restore_killed(tmp_path / "zstd", target))
+    read = [n for ph, kind, n in events if ph == "read" and kind == "moved"]
+    expected = sum(n for ph, kind, n in events if ph == "read" and kind == "expect")
+    assert len(read) >= 10 and 0 < read[0] < expected and sum(read) == expected, (len(read), expected)
+
+
+class _Recorder:
+    """A progress sink that keeps what the library says: (phase, "expect"|"moved", bytes)."""
+
+    def __init__(self):
+        self.now, self.events = "", []
+
+    def phase(self, name):
+        self.now = name
+
+    def expect(self, n):
+        self.events.append((self.now, "expect", n))
+
+    def moved(self, n):
+        self.events.append((self.now, "moved", n))
+
+    def close(self):
+        pass
+
+
+def _progress_events(work) -> list:
+    from ptckpt import progress
+    rec = _Recorder()
+    with progress.showing(rec):
+        work()
+    return rec.events
+
+
+def _api_restore_killed(image, target) -> None:
+    """Restore `image` in-process (a fresh pid namespace: the CLI's copy runs on), then kill it."""
+    import ptckpt
+    tree = ptckpt.restore(str(image), pidns=True)
+    try:
+        assert tree.alive()
+    finally:
+        tree.kill()
+        tree.wait(timeout=10)
