@@ -58,7 +58,7 @@ def test_mpi_job_restored_mid_run_ends_with_the_uninterrupted_result(job, ptckpt
         assert len(tree) >= 4, "mpiexec, its proxy and two ranks"
         res = ptckpt("dump", launcher.pid, "-D", tmp_path / "img", "--kill")
         assert res.returncode == 0, res.stderr
-        assert "4 processes" in res.stdout, res.stdout
+        assert "4 processes" in res.stderr, res.stderr
         launcher.wait(10)
         assert _line(out, "RESULT") is None, "it was checkpointed before its end"
         for pid in tree:
