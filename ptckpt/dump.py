@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from .callable import make_callable
 from . import __version__, appblock, claims, entry, procfs
 from . import plan as restore_plan
-from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
+from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, OwnAncestor,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource, UsageError)
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
@@ -92,7 +92,36 @@ def check_target(pid: int) -> None:
         raise NoSuchProcess(pid, "live process (it is a zombie)")
     if pid == os.getpid():
         raise AccessDenied(pid, "checkpoint ptckpt itself as")
+    _refuse_own_ancestor(pid)
     _refuse_if_traced(pid)
+
+
+def _ancestors(pid: int) -> list[int]:
+    """The parent, grandparent ... of `pid` up to its pid namespace's init (or 1)."""
+    out = []
+    with contextlib.suppress(PtckptError):
+        while pid > 1:
+            pid = procfs.read_stat(pid).ppid
+            if pid <= 0 or pid in out:
+                break
+            out.append(pid)
+    return out
+
+
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
+
+
+def _refuse_own_ancestor(pid: int) -> None:
+    """The tree of an ancestor of ptckpt holds ptckpt itself, which cannot trace itself:
+    refuse by name (the freeze would otherwise fail on ptckpt's own pid)."""
+    ancestors = _ancestors(os.getpid())
+    if pid in ancestors:
+        name = procfs.comm_or_unknown(pid)
+        if ancestors.index(pid) == 0:
+            how = "the shell that runs it" if name in SHELLS else "the program that runs it"
+        else:
+            how = f"ptckpt runs {ancestors.index(pid) + 1} levels below it"
+        raise OwnAncestor(pid, name, how)
 
 
 def _refuse_if_traced(pid: int) -> None:

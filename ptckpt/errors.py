@@ -110,6 +110,17 @@ class AccessDenied(ProcessError):
         self.what = what
 
 
+class OwnAncestor(AccessDenied):
+    """The target is an ancestor of ptckpt: its tree holds ptckpt, which cannot trace itself."""
+
+    def __init__(self, pid: int, name: str, how: str):
+        ProcessError.__init__(self, pid, f"process {pid} ({name}) is ptckpt's own ancestor ({how}): a dump "
+                                         f"takes its whole tree, ptckpt included, so it cannot be dumped "
+                                         f"from inside; run ptckpt from another shell")
+        self.what = "dump"
+        self.name = name
+
+
 class AlreadyTraced(ProcessError):
     exit_code = ExitCode.ALREADY_TRACED
 
@@ -224,8 +235,8 @@ class UnsupportedVersion(ImageError):
 class DestinationExists(ImageError):
     exit_code = ExitCode.DESTINATION_EXISTS
 
-    def __init__(self, path: str):
-        super().__init__(path, f"{path} exists and is not empty; choose another -D directory")
+    def __init__(self, path: str, what: str = "exists and is not empty"):
+        super().__init__(path, f"{path} {what}; choose another -D directory")
 
 
 class ImageWriteError(ImageError):

@@ -349,6 +349,41 @@ def test_pid_already_traced(spawn, ptckpt, tmp_path):
     _assert_unharmed(target, before)
 
 
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_the_shell_that_runs_ptckpt_is_refused_as_its_own_ancestor(ptckpt_cmd, tmp_path, shell):
+    """`ptckpt dump $$` from a shell: the shell's tree holds ptckpt itself.  The refusal names
+    the shell, not ptckpt's own pid (which the freeze met first), and the way out."""
+    cmd = " ".join(ptckpt_cmd) + f" dump $$ -D {tmp_path / 'img'}; echo rc=$?"
+    proc = subprocess.run([shell, "-c", cmd], capture_output=True, text=True, timeout=60)
+    shell_pid = re.search(r"process (\d+) \((\w+)\)", proc.stderr)
+    assert f"rc={ExitCode.ACCESS_DENIED}" in proc.stdout, (proc.stdout, proc.stderr)
+    assert shell_pid and shell_pid.group(2) == shell, proc.stderr
+    assert "ptckpt's own ancestor (the shell that runs it)" in proc.stderr
+    assert "run ptckpt from another shell" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "img").exists()
+
+
+def test_an_ancestor_further_up_is_refused_by_name(ptckpt_cmd, tmp_path):
+    proc = subprocess.run(["bash", "-c", f"sh -c '{' '.join(ptckpt_cmd)} dump '$$' -D {tmp_path / 'img'}'; true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert re.search(r"process \d+ \(bash\) is ptckpt's own ancestor \(ptckpt runs 2 levels below it\)",
+                     proc.stderr), proc.stderr
+
+
+def test_a_file_given_as_the_directory_is_named_a_file(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    path = tmp_path / "notes"
+    path.write_text("keep me")
+    res = ptckpt("dump", target.pid, "-D", path)
+    _assert_one_line_error(res, ExitCode.DESTINATION_EXISTS, f"{path} is a file, not a directory")
+    assert "not empty" not in res.stderr and path.read_text() == "keep me"
+    res = ptckpt("restore", "-D", path)
+    _assert_one_line_error(res, ExitCode.NOT_AN_IMAGE, f"{path}: a file, not a directory")
+    assert "no such directory" not in res.stderr
+
+
 def test_directory_exists_and_not_empty(spawn, ptckpt, tmp_path):
     target = spawn("counter")
     before = target.read_counter()
