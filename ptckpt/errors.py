@@ -261,12 +261,22 @@ class OutputError(PtckptError):
 # --- resources and environment ---------------------------------------------
 
 class UnsupportedResource(PtckptError):
+    """Process `pid` holds `what`, which ptckpt cannot dump or restore.
+
+    The message reads "process PID: WHAT is not supported", then ": WHY" (what would go
+    wrong) and "; WAY_OUT" (what the user can do instead) when given: give a refusal
+    with a way out as the three parts rather than one sentence in `what`, which the
+    words "is not supported" would end in the middle."""
+
     exit_code = ExitCode.UNSUPPORTED_RESOURCE
 
-    def __init__(self, pid: int, what: str):
-        super().__init__(f"process {pid}: {what} is not supported")
+    def __init__(self, pid: int, what: str, why: str = "", way_out: str = ""):
+        super().__init__(f"process {pid}: {what} is not supported" + (f": {why}" if why else "")
+                         + (f"; {way_out}" if way_out else ""))
         self.pid = pid
         self.what = what
+        self.why = why
+        self.way_out = way_out
 
 
 class ConnectionNotAllowed(PtckptError):
