@@ -537,7 +537,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
                 continue                  # named: the restore reopens it and meets the outside end
             p, f = next((p, f) for p, f in holders if f.desc not in stdio)
             q, n = outside[link][0]
-            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
+            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too",
+                                *_way_out_of_an_ancestors_fd(root, q, f.fd))
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     states = _fd_states(fds)
@@ -590,6 +591,19 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
                 continue
             seen.add(f.desc)
     return out
+
+
+def _way_out_of_an_ancestors_fd(root: int, holder: int, fd: int) -> tuple[str, ...]:
+    """The way out when the outside holder of a pipe is an ancestor of the tree (the shell
+    or CI runner that started it, which hands its pipes to its children): that ancestor
+    cannot be dumped with it (its tree holds ptckpt, or things it never meant to share);
+    start the target without it.  () keeps SharedOutside's default way out."""
+    if holder not in _ancestors(root):
+        return ()
+    closed = f" {fd}>&-" if fd > 2 else ""
+    return (f"{holder} is an ancestor of the tree (what started it), which passed it this fd: start "
+            f"the program with its own stdin/stdout and without that fd, e.g. "
+            f"`setsid PROG </dev/null >LOG 2>&1{closed}`",)
 
 
 def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:

@@ -298,9 +298,9 @@ class SharedOutside(PtckptError):
 
     exit_code = ExitCode.UNSUPPORTED_RESOURCE
 
-    def __init__(self, pid: int, fd: int, what: str, peer: str):
-        super().__init__(f"process {pid} fd {fd} ({what}) is connected outside the tree: {peer}; "
-                         f"dump the common ancestor, or end the connection first")
+    def __init__(self, pid: int, fd: int, what: str, peer: str,
+                 way_out: str = "dump the common ancestor, or end the connection first"):
+        super().__init__(f"process {pid} fd {fd} ({what}) is connected outside the tree: {peer}; {way_out}")
         self.pid = pid
         self.fd = fd
         self.what = what

@@ -8,6 +8,7 @@ its memory and registers can be read afterwards exactly as they were frozen.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import signal
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -382,6 +384,38 @@ def test_a_file_given_as_the_directory_is_named_a_file(spawn, ptckpt, tmp_path):
     res = ptckpt("restore", "-D", path)
     _assert_one_line_error(res, ExitCode.NOT_AN_IMAGE, f"{path}: a file, not a directory")
     assert "no such directory" not in res.stderr
+
+
+@pytest.mark.parametrize("fd", [1, 7])
+def test_a_pipe_its_starter_still_holds_is_refused_with_how_to_start_it_without(ptckpt, tmp_path, fd):
+    """A CI runner (here: this test) hands a pipe to the program it starts, and keeps its end:
+    the holder is an ancestor of the tree, which "dump the common ancestor" cannot mean;
+    the way out is to start the program without that fd.  fd 1 of a child (not the root)."""
+    r, w = os.pipe()
+    script = ("import os, subprocess, sys, time\n"
+              f"if {fd} > 2: os.dup2({w}, {fd})\n"
+              f"child = subprocess.Popen(['sleep', '600'], stdout={w} if {fd} == 1 else None, pass_fds=({fd},))\n"
+              f"os.close({w})\n"
+              "print('READY', child.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    line = ""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            pass_fds=(w,), text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        res = ptckpt("dump", proc.pid, "-D", tmp_path / "img")
+        _assert_one_line_error(res, ExitCode.UNSUPPORTED_RESOURCE, "is connected outside the tree",
+                               f"fd {fd} (pipe:[", f"pid {os.getpid()} fd ", f"{os.getpid()} is an ancestor of the tree",
+                               "setsid PROG </dev/null >LOG 2>&1" + (f" {fd}>&-" if fd > 2 else "`"))
+        assert "dump the common ancestor" not in res.stderr
+    finally:
+        with contextlib.suppress(ValueError, IndexError, ProcessLookupError):
+            os.kill(int(line.split()[1]), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        os.close(r)
+        os.close(w)
 
 
 def test_directory_exists_and_not_empty(spawn, ptckpt, tmp_path):
