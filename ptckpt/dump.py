@@ -214,7 +214,7 @@ def dump(pid: int, directory: str | None = None, *,
             log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
             plan.precopy(running, pidns.pid_view(pid, running).of, writer)
         log.info("freeze the tree of %d", pid)
-        pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout)
+        pids, zombies, blocks = _freeze_outside_critical(session, pid, critical_timeout, events)
         result.pids = pids
         frozen_at = time.monotonic()
         realtime, monotonic, boottime = process.current_clocks()
@@ -347,10 +347,12 @@ def dump(pid: int, directory: str | None = None, *,
     return result
 
 
-def _freeze_outside_critical(session: Session, root: int, timeout: float):
+def _freeze_outside_critical(session: Session, root: int, timeout: float, events: Plugins | None = None):
     """Freeze the tree when none of its processes is inside a critical section (their app
-    blocks say): wait for that, freeze, and if one entered a section in between, thaw and
-    wait again.  (pids, zombies, app blocks {pid: address})."""
+    blocks say) and no plugin says it is busy (a transaction in flight): wait for that,
+    freeze, and if one entered a section in between or a plugin says busy, thaw, wait
+    again (the plugins' pre_dump) and freeze again, up to `timeout` seconds in all.
+    (pids, zombies, app blocks {pid: address})."""
     deadline = time.monotonic() + timeout
     blocks = appblock.locate_all(running_tree(root))
     while True:
@@ -364,10 +366,28 @@ def _freeze_outside_critical(session: Session, root: int, timeout: float):
             _refuse_if_traced(root)
             raise
         blocks.update(appblock.locate_all(p for p in pids if p not in blocks))
-        if appblock.busy(blocks) is None:
+        if appblock.busy(blocks) is not None:
+            log.info("a critical section began while freezing: thaw and wait")
+            session.resume_all()                  # the session is empty again, ready to re-freeze
+            continue
+        busy = _plugins_busy(events, root, pids, zombies)
+        if busy is None:
             return pids, zombies, {p: a for p, a in blocks.items() if p in pids}
-        log.info("a critical section began while freezing: thaw and wait")
-        session.resume_all()                      # the session is empty again, ready to re-freeze
+        name, why = busy
+        session.resume_all()
+        if time.monotonic() > deadline:
+            raise PluginError(name, "busy", f"{why}, still after {timeout:g} s of tries (--critical-timeout)")
+        log.info("plugin %s: %s: thaw, wait for a quiet moment and freeze again", name, why)
+        running = running_tree(root)
+        view = pidns.pid_view(root, running)
+        events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
+
+
+def _plugins_busy(events: Plugins | None, root: int, pids: list[int], zombies) -> tuple[str, str] | None:
+    if not events:
+        return None
+    view = pidns.pid_view(root, pids, zombies)
+    return events.busy([ProcessHandle(p, view.of(p)) for p in pids])
 
 
 def running_tree(root: int) -> list[int]:
