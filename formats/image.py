@@ -333,7 +333,7 @@ class ImageWriter:
         except OSError as err:
             raise ImageWriteError(self.path, err) from err
         if not stat.S_ISDIR(st.st_mode):
-            raise DestinationExists(self.path)
+            raise DestinationExists(self.path, f"is {_kind_of(st.st_mode)}, not a directory")
         try:
             if os.listdir(self.path):
                 raise DestinationExists(self.path)
@@ -1061,7 +1061,11 @@ class ImageReader:
 
     def _open(self) -> None:
         if not os.path.isdir(self.path):
-            raise NotAnImage(self.path, "no such directory")
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                raise NotAnImage(self.path, "no such directory") from None
+            raise NotAnImage(self.path, f"{_kind_of(st.st_mode)}, not a directory (an image is a directory)")
         self._require_inventory()
         header, entries = self._read_entries(INVENTORY_NAME, FileKind.INVENTORY)
         self.version = header.version
@@ -1304,3 +1308,13 @@ class ImageReader:
         if size > expected:
             raise CorruptImage(path, f"{size - expected} unexpected bytes after the payload")
         return header
+
+
+def _kind_of(mode: int) -> str:
+    """What a path that is not a directory is, for a message: "a file", "a symbolic link" ..."""
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a directory"

@@ -189,6 +189,33 @@ def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out, host) 
     return result, _ptckpt_error(run.directory)
 
 
+def check_image(image: str, inject: Sequence[str]) -> None:
+    """Before any run (and before -o is made): the image opens (its own errors, with their
+    exit codes: NotAnImage ...), and every symbol an --inject SPEC names is defined in the
+    process it names, as the image maps it (SymbolNotFound, naming the spec)."""
+    from . import faults
+    from .formats.image import ImageReader
+    from .symbols import SymbolError, SymbolTable
+    with ImageReader(image, verify_pages=False) as reader:
+        tables: dict[int, SymbolTable] = {}
+        for text in inject:
+            fault = faults.parse_spec(text)
+            names = [n for n in (fault.symbol, fault.function, fault.flip) if n]
+            if not names:
+                continue
+            pid = fault.pid or reader.inventory.root_pid
+            if pid not in reader.pids:
+                raise UsageError(f"--inject {text}: the image has no process {pid} "
+                                 f"(it has {', '.join(map(str, reader.pids))})")
+            if pid not in tables:
+                tables[pid] = SymbolTable.for_image(reader, pid)
+            for name in names:
+                try:
+                    tables[pid].extent(name)
+                except SymbolError as err:
+                    raise UsageError(f"--inject {text}: {err} (process {pid} of {image})") from None
+
+
 def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=None) -> CampaignResult:
     """Run the campaign; `progress(done, total, counts, eta_seconds)` is called as runs end."""
     if spec.runs < 1:
@@ -197,6 +224,7 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
         raise UsageError("a campaign needs at least one --inject SPEC")
     if os.path.isdir(spec.out) and os.listdir(spec.out):
         raise UsageError(f"{spec.out} is not empty (another campaign's results?): give -o a new directory")
+    check_image(spec.image, spec.inject)
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
     runs_dir = os.path.join(spec.out, "runs")
     netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)

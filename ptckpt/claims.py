@@ -136,8 +136,8 @@ def check_numa(pid: int) -> None:
         fields = line.split()
         if len(fields) > 1 and fields[1] != "default":
             raise UnsupportedResource(pid, f"a NUMA memory policy ({fields[1]} at {fields[0]}, from "
-                                      "set_mempolicy or mbind) is not restored; dump it before "
-                                      "it sets one")
+                                      "set_mempolicy or mbind)", why="a restore does not make it again",
+                                      way_out="dump it before it sets one")
 
 
 # --- fdinfo ------------------------------------------------------------------
@@ -217,9 +217,9 @@ def check_namespaces(pid: int) -> None:
         except FileNotFoundError:
             continue                             # a kernel without this kind of namespace
         if theirs != ours:
-            raise UnsupportedResource(pid, f"a {ns} namespace other than ptckpt's (a container?): a "
-                                      f"restore would make it in ptckpt's; run ptckpt in it "
-                                      f"(nsenter -t {pid} {flag} ...)")
+            raise UnsupportedResource(pid, f"a {ns} namespace other than ptckpt's (a container?)",
+                                      why="a restore would make it in ptckpt's",
+                                      way_out=f"run ptckpt in it: nsenter -t {pid} {flag} ptckpt ...")
 
 
 # --- security labels -----------------------------------------------------------
@@ -233,14 +233,15 @@ def _label(pid: int | str) -> str | None:
         return None
 
 
-def label_refusal(theirs: str | None, ours: str | None) -> str | None:
+def label_refusal(theirs: str | None, ours: str | None) -> tuple[str, str, str] | None:
+    """(what, why, way out) of an UnsupportedResource, or None when the labels agree."""
     if theirs is None or theirs == ours:
         return None
-    return (f"a security label of its own ({theirs}; ptckpt runs as {ours}): a restore would run it "
-            "under ptckpt's; restore under its label (aa-exec -p, runcon)")
+    return (f"a security label of its own ({theirs}; ptckpt runs as {ours})",
+            "a restore would run it under ptckpt's", "restore under its label (aa-exec -p, runcon)")
 
 
 def check_label(pid: int) -> None:
-    why = label_refusal(_label(pid), _label("self"))
-    if why:
-        raise UnsupportedResource(pid, why)
+    refusal = label_refusal(_label(pid), _label("self"))
+    if refusal:
+        raise UnsupportedResource(pid, *refusal)

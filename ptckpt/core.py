@@ -5,7 +5,8 @@ Layout (the kernel's, fs/binfmt_elf.c): an ELF64 header, one PT_NOTE segment, th
 PT_LOAD per mapping.  The notes: per thread NT_PRSTATUS (registers, pids, signals), the
 first thread followed by the process-wide NT_PRPSINFO, NT_AUXV and NT_FILE (the mapped
 files, so a debugger finds the shared libraries), and per thread NT_FPREGSET and
-NT_X86_XSTATE (owner "LINUX").  A mapping's bytes are the image's pages; what the image
+NT_X86_XSTATE (owner "LINUX"), then once NT_X86_XSAVE_LAYOUT (where each XSAVE feature is
+in NT_X86_XSTATE on this CPU).  A mapping's bytes are the image's pages; what the image
 does not hold is read from the mapped file where it has one and is readable (text and
 read-only data, which a dump leaves out when unchanged), else left a hole (zeros, and no
 disk: the core file is sparse).  A mapping backed by a file with no page in the image
@@ -32,6 +33,7 @@ PF_X, PF_W, PF_R = 1, 2, 4
 NT_PRSTATUS, NT_FPREGSET, NT_PRPSINFO, NT_AUXV = 1, 2, 3, 6
 NT_FILE = 0x46494C45
 NT_X86_XSTATE = 0x202
+NT_X86_XSAVE_LAYOUT = 0x205     # where each XSAVE feature lives in NT_X86_XSTATE (Linux 6.11+)
 FXSAVE_SIZE = 512
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
@@ -124,6 +126,33 @@ def _minus(span: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[in
     return parts
 
 
+_XFEAT_COMPONENT = struct.Struct("<IIII")      # struct x86_xfeat_component: type, size, offset, flags
+
+
+def xsave_layout(xcr0: int, xstate_size: int) -> bytes:
+    """The NT_X86_XSAVE_LAYOUT note's bytes, as the kernel writes it after the threads'
+    notes (arch/x86/kernel/fpu/xstate.c): for each extended feature (bit 2 and up) that
+    XCR0 enables, its number, size and offset in the standard XSAVE layout of NT_X86_XSTATE.
+    The layout is the CPU's (CPUID leaf 0xD): AMD's AVX-512 areas lie 0x100 bytes lower than
+    Intel's, and a debugger that assumes Intel's (gdb 13) finds the note too small.
+    CPUID tells this CPU's layout only: b"" (no note) when the image was dumped on a CPU
+    with other features or another XSAVE size, whose layout this one cannot tell."""
+    from .cpuid import cpuid
+    try:
+        here = cpuid(0xD, 0)
+    except OSError:
+        return b""
+    if xcr0 & ~(here[0] | here[3] << 32) or here[1] != xstate_size:
+        return b""                         # here[1]: the size for the XCR0 in force, the image's if the same
+    out = b""
+    for bit in range(2, 64):
+        if xcr0 >> bit & 1:
+            size, offset = cpuid(0xD, bit)[:2]
+            if size:
+                out += _XFEAT_COMPONENT.pack(bit, size, offset, 0)
+    return out
+
+
 def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
     """The core file of process `pid` of an open image, at `path` (0600)."""
     proc = image.process(pid)
@@ -143,6 +172,9 @@ def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
             notes += _note(b"CORE", NT_FILE, _nt_file(vmas))
         notes += _note(b"CORE", NT_FPREGSET, thread.xstate[:FXSAVE_SIZE])
         notes += _note(b"LINUX", NT_X86_XSTATE, thread.xstate)
+    layout = xsave_layout(image.inventory.xfeatures, image.inventory.xstate_size)
+    if layout:
+        notes += _note(b"LINUX", NT_X86_XSAVE_LAYOUT, layout)
 
     loads = []
     for v in vmas:

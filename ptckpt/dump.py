@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import appblock, claims, procfs
-from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess,
+from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, OwnAncestor,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource)
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
@@ -89,7 +89,36 @@ def check_target(pid: int) -> None:
         raise NoSuchProcess(pid, "live process (it is a zombie)")
     if pid == os.getpid():
         raise AccessDenied(pid, "checkpoint ptckpt itself as")
+    _refuse_own_ancestor(pid)
     _refuse_if_traced(pid)
+
+
+def _ancestors(pid: int) -> list[int]:
+    """The parent, grandparent ... of `pid` up to its pid namespace's init (or 1)."""
+    out = []
+    with contextlib.suppress(PtckptError):
+        while pid > 1:
+            pid = procfs.read_stat(pid).ppid
+            if pid <= 0 or pid in out:
+                break
+            out.append(pid)
+    return out
+
+
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
+
+
+def _refuse_own_ancestor(pid: int) -> None:
+    """The tree of an ancestor of ptckpt holds ptckpt itself, which cannot trace itself:
+    refuse by name (the freeze would otherwise fail on ptckpt's own pid)."""
+    ancestors = _ancestors(os.getpid())
+    if pid in ancestors:
+        name = procfs.comm_or_unknown(pid)
+        if ancestors.index(pid) == 0:
+            how = "the shell that runs it" if name in SHELLS else "the program that runs it"
+        else:
+            how = f"ptckpt runs {ancestors.index(pid) + 1} levels below it"
+        raise OwnAncestor(pid, name, how)
 
 
 def _refuse_if_traced(pid: int) -> None:
@@ -102,10 +131,12 @@ def _refuse_if_traced(pid: int) -> None:
             raise AlreadyTraced(pid, tracer, procfs.comm_or_unknown(tracer))
 
 
-def freeze_outside_critical(session: Session, root: int, timeout: float):
+def freeze_outside_critical(session: Session, root: int, timeout: float, events: Plugins | None = None):
     """Freeze the tree when none of its processes is inside a critical section (their app
-    blocks say): wait for that, freeze, and if one entered a section in between, thaw and
-    wait again.  (pids, zombies, app blocks {pid: address})."""
+    blocks say) and no plugin says it is busy (a transaction in flight): wait for that,
+    freeze, and if one entered a section in between or a plugin says busy, thaw, wait
+    again (the plugins' pre_dump) and freeze again, up to `timeout` seconds in all.
+    (pids, zombies, app blocks {pid: address})."""
     deadline = time.monotonic() + timeout
     blocks = appblock.locate_all(running_tree(root))
     while True:
@@ -119,10 +150,28 @@ def freeze_outside_critical(session: Session, root: int, timeout: float):
             _refuse_if_traced(root)
             raise
         blocks.update(appblock.locate_all(p for p in pids if p not in blocks))
-        if appblock.busy(blocks) is None:
+        if appblock.busy(blocks) is not None:
+            log.info("a critical section began while freezing: thaw and wait")
+            session.resume_all()                  # the session is empty again, ready to re-freeze
+            continue
+        busy = _plugins_busy(events, root, pids, zombies)
+        if busy is None:
             return pids, zombies, {p: a for p, a in blocks.items() if p in pids}
-        log.info("a critical section began while freezing: thaw and wait")
-        session.resume_all()                      # the session is empty again, ready to re-freeze
+        name, why = busy
+        session.resume_all()
+        if time.monotonic() > deadline:
+            raise PluginError(name, "busy", f"{why}, still after {timeout:g} s of tries (--critical-timeout)")
+        log.info("plugin %s: %s: thaw, wait for a quiet moment and freeze again", name, why)
+        running = running_tree(root)
+        view = pidns.pid_view(root, running)
+        events.run("pre_dump", [ProcessHandle(p, view.of(p)) for p in running])
+
+
+def _plugins_busy(events: Plugins | None, root: int, pids: list[int], zombies) -> tuple[str, str] | None:
+    if not events:
+        return None
+    view = pidns.pid_view(root, pids, zombies)
+    return events.busy([ProcessHandle(p, view.of(p)) for p in pids])
 
 
 def running_tree(root: int) -> list[int]:
@@ -292,7 +341,8 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
                 continue                  # named: the restore reopens it and meets the outside end
             p, f = next((p, f) for p, f in holders if f.desc not in stdio)
             q, n = outside[link][0]
-            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too")
+            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too",
+                                *_way_out_of_an_ancestors_fd(root, q, f.fd))
         if holders[0][1].kind in pipes.PIPE_KINDS:
             internal_pipes.append(holders[0][1].ino)
     states = _fd_states(fds)
@@ -345,6 +395,19 @@ def _fd_states(fds: dict[int, list[Fd]]) -> list:
                 continue
             seen.add(f.desc)
     return out
+
+
+def _way_out_of_an_ancestors_fd(root: int, holder: int, fd: int) -> tuple[str, ...]:
+    """The way out when the outside holder of a pipe is an ancestor of the tree (the shell
+    or CI runner that started it, which hands its pipes to its children): that ancestor
+    cannot be dumped with it (its tree holds ptckpt, or things it never meant to share);
+    start the target without it.  () keeps SharedOutside's default way out."""
+    if holder not in _ancestors(root):
+        return ()
+    closed = f" {fd}>&-" if fd > 2 else ""
+    return (f"{holder} is an ancestor of the tree (what started it), which passed it this fd: start "
+            f"the program with its own stdin/stdout and without that fd, e.g. "
+            f"`setsid PROG </dev/null >LOG 2>&1{closed}`",)
 
 
 def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:

@@ -110,6 +110,17 @@ class AccessDenied(ProcessError):
         self.what = what
 
 
+class OwnAncestor(AccessDenied):
+    """The target is an ancestor of ptckpt: its tree holds ptckpt, which cannot trace itself."""
+
+    def __init__(self, pid: int, name: str, how: str):
+        ProcessError.__init__(self, pid, f"process {pid} ({name}) is ptckpt's own ancestor ({how}): a dump "
+                                         f"takes its whole tree, ptckpt included, so it cannot be dumped "
+                                         f"from inside; run ptckpt from another shell")
+        self.what = "dump"
+        self.name = name
+
+
 class AlreadyTraced(ProcessError):
     exit_code = ExitCode.ALREADY_TRACED
 
@@ -224,8 +235,8 @@ class UnsupportedVersion(ImageError):
 class DestinationExists(ImageError):
     exit_code = ExitCode.DESTINATION_EXISTS
 
-    def __init__(self, path: str):
-        super().__init__(path, f"{path} exists and is not empty; choose another -D directory")
+    def __init__(self, path: str, what: str = "exists and is not empty"):
+        super().__init__(path, f"{path} {what}; choose another -D directory")
 
 
 class ImageWriteError(ImageError):
@@ -250,12 +261,22 @@ class OutputError(PtckptError):
 # --- resources and environment ---------------------------------------------
 
 class UnsupportedResource(PtckptError):
+    """Process `pid` holds `what`, which ptckpt cannot dump or restore.
+
+    The message reads "process PID: WHAT is not supported", then ": WHY" (what would go
+    wrong) and "; WAY_OUT" (what the user can do instead) when given: give a refusal
+    with a way out as the three parts rather than one sentence in `what`, which the
+    words "is not supported" would end in the middle."""
+
     exit_code = ExitCode.UNSUPPORTED_RESOURCE
 
-    def __init__(self, pid: int, what: str):
-        super().__init__(f"process {pid}: {what} is not supported")
+    def __init__(self, pid: int, what: str, why: str = "", way_out: str = ""):
+        super().__init__(f"process {pid}: {what} is not supported" + (f": {why}" if why else "")
+                         + (f"; {way_out}" if way_out else ""))
         self.pid = pid
         self.what = what
+        self.why = why
+        self.way_out = way_out
 
 
 class ConnectionNotAllowed(PtckptError):
@@ -277,9 +298,9 @@ class SharedOutside(PtckptError):
 
     exit_code = ExitCode.UNSUPPORTED_RESOURCE
 
-    def __init__(self, pid: int, fd: int, what: str, peer: str):
-        super().__init__(f"process {pid} fd {fd} ({what}) is connected outside the tree: {peer}; "
-                         f"dump the common ancestor, or end the connection first")
+    def __init__(self, pid: int, fd: int, what: str, peer: str,
+                 way_out: str = "dump the common ancestor, or end the connection first"):
+        super().__init__(f"process {pid} fd {fd} ({what}) is connected outside the tree: {peer}; {way_out}")
         self.pid = pid
         self.fd = fd
         self.what = what

@@ -7,6 +7,10 @@ every process of the tree, plugins in the order given, and an event is over for
 every plugin and every process before the next one starts (the barrier):
 
 dump     ``pre_dump``   the tree still runs: ask it to quiesce, drain transactions
+         ``busy``       the tree just frozen, nothing captured yet: return why it may
+                        not be dumped now (a transaction in flight), or None; the dump
+                        thaws it, calls ``pre_dump`` again (the plugin's wait for a quiet
+                        moment) and freezes it again, up to ``--critical-timeout``
          ``shared``     a resource held by several processes, offered once with all
                         its holders: return the pid that saves and restores it
          ``frozen``     everything captured: add data to the image (ctx.save),
@@ -52,6 +56,7 @@ class Plugin:
     recorded: bool = True         # the image names it, and a restore needs it loaded
 
     def pre_dump(self, proc: "ProcessHandle", ctx: "DumpContext") -> None: ...
+    def busy(self, proc: "ProcessHandle", ctx: "DumpContext") -> str | None: ...
     def shared(self, resource: "SharedResource", ctx: "DumpContext") -> int | None: ...
     def frozen(self, proc: "ProcessHandle", ctx: "DumpContext") -> None: ...
     def post_dump(self, proc: "ProcessHandle", ctx: "DumpContext") -> None: ...
@@ -370,6 +375,20 @@ class Plugins:
         except Exception as err:
             raise PluginError(plugin_name(plugin), event,
                               f"process {handle.vpid}: {type(err).__name__}: {err}") from err
+
+    def busy(self, handles: Sequence[ProcessHandle]) -> tuple[str, str] | None:
+        """(plugin name, why) of the first plugin that says a frozen process may not be
+        dumped now (its `busy` event), or None when every one lets the dump go on."""
+        for plugin, ctx in zip(self.plugins, self.contexts):
+            for handle in handles:
+                try:
+                    why = plugin.busy(handle, ctx) if hasattr(plugin, "busy") else None
+                except Exception as err:
+                    raise PluginError(plugin_name(plugin), "busy",
+                                      f"process {handle.vpid}: {type(err).__name__}: {err}") from err
+                if why:
+                    return plugin_name(plugin), f"process {handle.vpid}: {why}"
+        return None
 
     def elect(self, resources: Sequence[SharedResource]) -> None:
         """Offer each shared resource once; the first plugin that names a holder decides."""

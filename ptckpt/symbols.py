@@ -353,11 +353,29 @@ class SymbolTable:
         """The table of `pid` as mapped now (freeze the process first: maps must not move)."""
         return cls(pid, _main_first(pid, group_mappings(procfs.read_maps(pid))))
 
+    @classmethod
+    def for_image(cls, image, pid: int = 0) -> SymbolTable:
+        """The table of process `pid` (0: the root) of `image` (an open formats.image.ImageReader)
+        as it will be mapped at restore, its files read by path: to check a spec before a restore."""
+        pid = pid or image.inventory.root_pid
+        proc = image.process(pid)
+        maps = [MapEntry(v.start, v.end, "", v.prot, v.shared, v.pgoff, v.dev_major, v.dev_minor, v.inode,
+                         v.path, v.file_deleted) for v in proc.vmas]
+        objects = group_mappings(maps)
+        phdr = dict(proc.mm.auxv).get(AT_PHDR)
+        main = next((o for o in objects if phdr is not None and o.contains(phdr)), None)
+        if main is not None:
+            objects = [main] + [o for o in objects if o is not main]
+        return _ImageSymbols(pid, objects)
+
+    def _open(self, obj: MappedObject) -> int:
+        return _open_mapped(self.pid, obj)
+
     def _load(self, index: int) -> _Loaded | None:
         """The parsed ELF and bias of objects[index]; None if it is no loaded ELF object."""
         if index not in self._loaded:
             obj = self.objects[index]
-            fd = _open_mapped(self.pid, obj)
+            fd = self._open(obj)
             try:
                 elf = _cached_parse(fd)
             finally:
@@ -537,3 +555,13 @@ def unset_env(env: Sequence[bytes], name: bytes | str) -> list[bytes]:
     """`env` without any NAME=... entry."""
     key = _env_key(name)
     return [e for e in env if not e.startswith(key)]
+
+
+class _ImageSymbols(SymbolTable):
+    """A SymbolTable of an image's root: its objects opened by path, here."""
+
+    def _open(self, obj: MappedObject) -> int:
+        try:
+            return os.open(obj.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise AccessDenied(self.pid, f"open the mapped file {obj.path} ({err.strerror}) of") from None

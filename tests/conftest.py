@@ -791,7 +791,7 @@ def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Targe
             try:
                 popen = subprocess.Popen(argv, stdin=child_stdin, stdout=so, stderr=se,
                                          start_new_session=True, close_fds=True,
-                                         env=env, cwd=tmp_path)
+                                         env=env, cwd=tmp_path, preexec_fn=_default_dispositions)
             finally:
                 if isinstance(child_stdin, int) and child_stdin >= 0:
                     os.close(child_stdin)
@@ -805,6 +805,15 @@ def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Targe
     yield _spawn
     for target in reversed(targets):
         target.cleanup()
+
+
+def _default_dispositions() -> None:
+    """preexec_fn of a fixture: SIGINT and SIGQUIT back to their default.  A non-interactive
+    shell starts a background job (`pytest ... &`, as CI runners do) with both ignored, and
+    an ignored signal stays ignored across fork and exec: the fixtures, their images and the
+    processes restored from them would ignore ^C, which the tests send them."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def _wait_ready(target: Target, timeout: float) -> None:

@@ -157,15 +157,21 @@ def test_runs_that_hang_are_killed_and_runs_that_crash_are_counted(spawn, ptckpt
         res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "crash", "--runs", "1",
                      "--inject", "reg:name=rip,value=0x10", "--check", "true", "--file-policy", "ignore")
         assert res.returncode == 2 and "not empty" in res.stderr, res.stderr
+        # a symbol the image does not define is refused before any run, in one line, no -o made
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "typo", "--runs", "2",
+                     "--inject", "set:symbol=no_such_symbol,value=1", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == ExitCode.USAGE and len(res.stderr.splitlines()) == 1, res.stderr
+        assert "--inject set:symbol=no_such_symbol,value=1: symbol 'no_such_symbol' not found" in res.stderr
+        assert not (tmp_path / "typo").exists()
         # runs whose restore fails are "error", and the campaign's exit status says so
         res = ptckpt("campaign", "-D", tmp_path / "img", "-o", tmp_path / "err", "--runs", "2", "--json",
-                     "--inject", "set:symbol=no_such_symbol,value=1", "--check", "true", "--file-policy", "ignore")
+                     "--inject", "set:addr=0x10,value=1", "--check", "true", "--file-policy", "ignore")
         assert res.returncode == ExitCode.RUNS_FAILED, res.stderr
         out = json.loads(res.stdout)
         assert out["summary"] == {"error": 2} and out["out"] == str(tmp_path / "err")
         assert out["runs"] == json.loads((tmp_path / "err" / "results.json").read_text())["runs"]
         assert res.stderr.startswith("ptckpt: error: 2 of 2 runs could not be restored") and \
-            "no_such_symbol" in res.stderr, res.stderr
+            "0x10" in res.stderr, res.stderr
     finally:
         kill_pids(_leftovers(str(target.argv[0])))
         reap_orphans()
@@ -254,3 +260,20 @@ def test_campaign_runs_of_a_server_image_each_get_a_network_namespace(spawn, ptc
     finally:
         kill_pids(_leftovers(str(fixture_bins["netcount"])))
         reap_orphans()
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "empty"])
+def test_a_campaign_of_a_non_image_fails_before_any_run_leaving_nothing(ptckpt, tmp_path, make):
+    """-D that is no image: the image's own error and exit code, before the reference run,
+    and no -o left behind (the same command, corrected, is not refused for it)."""
+    image = tmp_path / "img"
+    if make == "file":
+        image.write_text("x")
+    elif make == "empty":
+        image.mkdir()
+    res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--runs", "2",
+                 "--inject", "flip:symbol=design_state,bits=1", timeout=30)
+    assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stderr
+    assert len(res.stderr.splitlines()) == 1 and "reference run" not in res.stderr, res.stderr
+    assert str(image) in res.stderr
+    assert not (tmp_path / "out").exists()

@@ -117,3 +117,27 @@ def test_bad_input_is_one_line(ptckpt, tmp_path, killed_counter):
     _target, image = killed_counter
     (tmp_path / "afile").write_text("")
     _one_line(ptckpt("core", "-D", image, "-o", tmp_path / "afile"), ExitCode.IO_ERROR, "afile")
+
+
+def test_the_xstate_notes_are_the_kernels_for_this_cpu(spawn, ptckpt, tmp_path):
+    """NT_X86_XSTATE is the regset PTRACE_GETREGSET gives (CPUID's XSAVE size for the XCR0 in
+    force: 0x980 on an AMD EPYC with AVX-512, not the 0xa80 of Intel's layout that gdb's
+    gcore writes), and NT_X86_XSAVE_LAYOUT, once after the threads' notes, gives each
+    feature's size and offset from CPUID leaf 0xD, as the kernel's own core does (Linux 6.11+)."""
+    from ptckpt.cpuid import cpuid
+    target = spawn("avx")
+    _dump(ptckpt, target.pid, tmp_path / "img")
+    _cores(ptckpt, tmp_path / "img", tmp_path / "cores")
+    notes, _loads = _notes(tmp_path / "cores" / f"core.{target.pid}")
+    with ImageReader(tmp_path / "img") as image:
+        xcr0, size = image.inventory.xfeatures, image.inventory.xstate_size
+        xstate = image.process(target.pid).threads[0].xstate
+    assert size == len(xstate) == cpuid(0xD, 0)[1]
+    xstates = [n for n in notes if n["n_type"] == 0x202]
+    assert [n["n_descsz"] for n in xstates] == [size]
+    assert [n["n_type"] for n in notes][-1] == 0x205 and [n["n_name"] for n in notes][-1] == "LINUX"
+    layout = notes[-1]["n_desc"]
+    layout = layout.encode("latin-1") if isinstance(layout, str) else bytes(layout)
+    want = [(bit, *cpuid(0xD, bit)[:2], 0) for bit in range(2, 64) if xcr0 >> bit & 1 and cpuid(0xD, bit)[0]]
+    assert list(struct.iter_unpack("<IIII", layout)) == want
+    assert max(offset + size_ for _bit, size_, offset, _f in want) <= size

@@ -8,6 +8,7 @@ its memory and registers can be read afterwards exactly as they were frozen.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import signal
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -347,6 +349,73 @@ def test_pid_already_traced(spawn, ptckpt, tmp_path):
     _assert_one_line_error(res, ExitCode.ALREADY_TRACED, "already traced", str(os.getpid()))
     assert not (tmp_path / "img").exists()
     _assert_unharmed(target, before)
+
+
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_the_shell_that_runs_ptckpt_is_refused_as_its_own_ancestor(ptckpt_cmd, tmp_path, shell):
+    """`ptckpt dump $$` from a shell: the shell's tree holds ptckpt itself.  The refusal names
+    the shell, not ptckpt's own pid (which the freeze met first), and the way out."""
+    cmd = " ".join(ptckpt_cmd) + f" dump $$ -D {tmp_path / 'img'}; echo rc=$?"
+    proc = subprocess.run([shell, "-c", cmd], capture_output=True, text=True, timeout=60)
+    shell_pid = re.search(r"process (\d+) \((\w+)\)", proc.stderr)
+    assert f"rc={ExitCode.ACCESS_DENIED}" in proc.stdout, (proc.stdout, proc.stderr)
+    assert shell_pid and shell_pid.group(2) == shell, proc.stderr
+    assert "ptckpt's own ancestor (the shell that runs it)" in proc.stderr
+    assert "run ptckpt from another shell" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "img").exists()
+
+
+def test_an_ancestor_further_up_is_refused_by_name(ptckpt_cmd, tmp_path):
+    proc = subprocess.run(["bash", "-c", f"sh -c '{' '.join(ptckpt_cmd)} dump '$$' -D {tmp_path / 'img'}'; true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert re.search(r"process \d+ \(bash\) is ptckpt's own ancestor \(ptckpt runs 2 levels below it\)",
+                     proc.stderr), proc.stderr
+
+
+def test_a_file_given_as_the_directory_is_named_a_file(spawn, ptckpt, tmp_path):
+    target = spawn("counter")
+    path = tmp_path / "notes"
+    path.write_text("keep me")
+    res = ptckpt("dump", target.pid, "-D", path)
+    _assert_one_line_error(res, ExitCode.DESTINATION_EXISTS, f"{path} is a file, not a directory")
+    assert "not empty" not in res.stderr and path.read_text() == "keep me"
+    res = ptckpt("restore", "-D", path)
+    _assert_one_line_error(res, ExitCode.NOT_AN_IMAGE, f"{path}: a file, not a directory")
+    assert "no such directory" not in res.stderr
+
+
+@pytest.mark.parametrize("fd", [1, 7])
+def test_a_pipe_its_starter_still_holds_is_refused_with_how_to_start_it_without(ptckpt, tmp_path, fd):
+    """A CI runner (here: this test) hands a pipe to the program it starts, and keeps its end:
+    the holder is an ancestor of the tree, which "dump the common ancestor" cannot mean;
+    the way out is to start the program without that fd.  fd 1 of a child (not the root)."""
+    r, w = os.pipe()
+    script = ("import os, subprocess, sys, time\n"
+              f"if {fd} > 2: os.dup2({w}, {fd})\n"
+              f"child = subprocess.Popen(['sleep', '600'], stdout={w} if {fd} == 1 else None, pass_fds=({fd},))\n"
+              f"os.close({w})\n"
+              "print('READY', child.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    line = ""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            pass_fds=(w,), text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        res = ptckpt("dump", proc.pid, "-D", tmp_path / "img")
+        _assert_one_line_error(res, ExitCode.UNSUPPORTED_RESOURCE, "is connected outside the tree",
+                               f"fd {fd} (pipe:[", f"pid {os.getpid()} fd ", f"{os.getpid()} is an ancestor of the tree",
+                               "setsid PROG </dev/null >LOG 2>&1" + (f" {fd}>&-" if fd > 2 else "`"))
+        assert "dump the common ancestor" not in res.stderr
+    finally:
+        with contextlib.suppress(ValueError, IndexError, ProcessLookupError):
+            os.kill(int(line.split()[1]), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        os.close(r)
+        os.close(w)
 
 
 def test_directory_exists_and_not_empty(spawn, ptckpt, tmp_path):

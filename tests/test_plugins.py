@@ -283,3 +283,36 @@ def test_a_plugin_failing_halfway_leaves_the_target_running_or_nothing_behind(sp
               "killed", "plugin bad: restored", "vendor bug at restore")
     reap_orphans()
     wait_until(lambda: not os.path.exists(f"/proc/{target.pid}"), 5, message="nothing left behind")
+
+
+def test_a_plugin_that_says_busy_once_frozen_gets_the_tree_frozen_again(spawn, ptckpt, tmp_path):
+    """A plugin whose program was frozen mid-transaction says so in `busy`: the dump thaws
+    the tree, calls its pre_dump (its wait for a quiet moment) again and freezes it again,
+    instead of failing; one that stays busy fails the dump after --critical-timeout, naming
+    itself and why, and the target runs on untraced."""
+    log = tmp_path / "events"
+    plugin = tmp_path / "txn.py"
+    plugin.write_text("import os\nfrom ptckpt.plugins import Plugin\n"
+                      "class Txn(Plugin):\n"
+                      "    name = 'txn'\n"
+                      "    def pre_dump(self, proc, ctx):\n"
+                      f"        open({str(log)!r}, 'a').write('pre_dump\\n')\n"
+                      "    def busy(self, proc, ctx):\n"
+                      f"        n = open({str(log)!r}).read().count('busy')\n"
+                      f"        open({str(log)!r}, 'a').write('busy\\n')\n"
+                      "        if n < int(os.environ['BUSY_TIMES']): return 'a transaction in flight'\n"
+                      "    def frozen(self, proc, ctx):\n"
+                      f"        open({str(log)!r}, 'a').write('frozen\\n')\n")
+    target = spawn("counter")
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--plugin", str(plugin),
+                 env=dict(os.environ, BUSY_TIMES="2"))
+    assert res.returncode == 0, res.stderr
+    assert log.read_text().split() == ["pre_dump", "busy"] * 3 + ["frozen"]
+    log.unlink()
+    _one_line(ptckpt("dump", target.pid, "-D", tmp_path / "img2", "--plugin", str(plugin),
+                     "--critical-timeout", "0.3", env=dict(os.environ, BUSY_TIMES="1000000")),
+              ExitCode.PLUGIN, "plugin txn: busy", "a transaction in flight", "0.3 s")
+    assert not (tmp_path / "img2").exists() and "frozen" not in log.read_text()
+    with open(f"/proc/{target.pid}/status") as f:
+        assert "TracerPid:\t0" in f.read()
+    target.wait_progress()

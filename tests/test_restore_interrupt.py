@@ -153,8 +153,14 @@ def test_a_waiting_restore_passes_the_signal_to_its_process(sig, killed_counter,
         wait_until(lambda: pid_alive(target.pid) or proc.poll() is not None, 30)
         target.adopt(target.pid)
         target.wait_progress()
+        # the restored process must die of `sig` (an ignored one -- inherited from a shell's
+        # background job -- would leave ptckpt waiting on: conftest's spawn resets it)
+        assert not _ignores(target.pid, sig), f"the restored process ignores {sig.name}"
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        # the state needed: the restored process gone, then ptckpt with its status
+        wait_until(lambda: not pid_alive(target.pid) or proc.poll() is not None, 60,
+                   message=lambda: f"the restored process to end of {sig.name}: {_status(target.pid)}")
+        _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + sig, (proc.returncode, err)
         assert "interrupted" not in err, err
         wait_until(lambda: not pid_alive(target.pid), 5, message=lambda: _status(target.pid))
@@ -163,3 +169,10 @@ def test_a_waiting_restore_passes_the_signal_to_its_process(sig, killed_counter,
             proc.kill()
             proc.wait()
         reap_orphans()
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether process `pid` ignores signal `sig` (SigIgn of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (sig - 1) & 1)

@@ -57,6 +57,13 @@ class EmulatorLink(Plugin):
                 raise RuntimeError("a transaction stayed in flight for 5 s")
             time.sleep(0.001)
 
+    def busy(self, proc, ctx):
+        # frozen between transactions, or not at all: the dump thaws it, waits again
+        # (pre_dump) and freezes it again
+        if self._holds_link(proc) and struct.unpack("<i", proc.read_symbol("txn_pending", 4))[0]:
+            return "frozen in the middle of a transaction"
+        return None
+
     def frozen(self, proc, ctx):
         if not self._holds_link(proc):
             return

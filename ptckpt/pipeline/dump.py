@@ -208,7 +208,8 @@ def freeze(run: DumpRun) -> None:
         run.plan.precopy(running, pidns.pid_view(pid, running).of, run.writer)
     log.info("freeze the tree of %d", pid)
     progress.phase("freeze")
-    members, run.zombies, run.blocks = freeze_outside_critical(run.session, pid, run.opts.critical_timeout)
+    members, run.zombies, run.blocks = freeze_outside_critical(run.session, pid, run.opts.critical_timeout,
+                                                               run.events)
     run.result.pids = members
     run.frozen_at = time.monotonic()
     run.clocks = process.current_clocks()

@@ -260,7 +260,7 @@ def prepare_frozen(pid: int, remote, *, keep: bool = True) -> Tracker:
         if fd >= 0:
             remote.syscall("close", fd)
         from ..errors import UnsupportedResource
-        raise UnsupportedResource(pid, f"memory tracking: this kernel refuses asynchronous userfaultfd "
-                                       f"write-protection ({err.strerror}); dump without --track-mem/--prev"
+        raise UnsupportedResource(pid, "memory tracking", why=f"this kernel refuses asynchronous userfaultfd "
+                                  f"write-protection ({err.strerror})", way_out="dump without --track-mem/--prev"
                                   ) from None
     return Tracker(pid, fd, ours, None)

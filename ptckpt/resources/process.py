@@ -305,8 +305,8 @@ def dump_sharing(images: dict[int, ProcessImage], root: int) -> dict[int, Proces
         for kind in (KCMP_FILES, KCMP_FS):
             if pid == root:
                 if ppid > 0 and _shares(pid, ppid, kind, same_kernel_object):
-                    raise UnsupportedResource(pid, f"its {what[kind]} is shared with its parent "
-                                              f"{ppid} outside the tree; dump the parent's tree")
+                    raise UnsupportedResource(pid, f"its {what[kind]} shared with its parent {ppid} outside "
+                                              f"the tree", way_out="dump the parent's tree")
                 continue
             marks[kind] = ppid in images and _shares(pid, ppid, kind, same_kernel_object)
             if not marks[kind]:

@@ -222,10 +222,10 @@ def _take_pending(pid: int, f: Fd, d, holders: Mapping, diag: Mapping, leave_run
     queues: list[tuple[bytes, ...]] = [()] * len(clients)
     if any(c is None or c.wqueue for c in clients):
         if leave_running:
-            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, listening on {_show(d.name)}) has "
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, listening on {_show(d.name)}) with "
                                            f"{len(clients)} connections not yet accepted whose clients "
-                                           f"sent data or closed: a leave-running dump cannot read them "
-                                           f"without accepting them (dump with --kill)")
+                                           f"sent data or closed", why="a leave-running dump cannot read "
+                                           "them without accepting them", way_out="dump with --kill")
         queues = _accept_all(pid, f, len(clients))
     return [UnixSocket(ino=first + n, type=d.type, state=TCP_ESTABLISHED, name=d.name or b"",
                        peer=c.ino if c is not None and c.ino in holders else 0,
@@ -361,17 +361,17 @@ def _credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot, members: set[int
         return ()
     for n, creds in enumerate(snap.item_creds):
         if creds is None and snap.messages[n]:
-            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) has a queued message "
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with a queued message "
                                            f"without its sender's credentials (sent before SO_PASSCRED "
-                                           f"was on), which a restore cannot queue again; let it read "
-                                           f"its queue first")
+                                           f"was on)", why="a restore cannot queue it again",
+                                      way_out="let it read its queue first")
         if creds is not None and creds[0] not in members:
             cpid, uid, gid = creds
-            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) has queued messages "
+            raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with queued messages "
                                            f"carrying the credentials of pid {cpid} (uid {uid} gid {gid}), "
-                                           f"not a process of the tree: a restore can queue them again "
-                                           f"only with a live sender's pid; dump the sender's tree too, "
-                                           f"or let it read its queue first")
+                                           f"not a process of the tree", why="a restore can queue them again "
+                                           f"only with a live sender's pid", way_out="dump the sender's tree "
+                                           f"too, or let it read its queue first")
     return tuple(c or (0, 0, 0) for c in snap.item_creds)
 
 

@@ -346,8 +346,9 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
             typed = _int_ioctl(slave, TIOCINQ)
             if typed:
                 raise UnsupportedResource(pid, f"{what} with {typed} bytes typed into the pty that the "
-                                               f"program on it has not read yet: putting them back needs "
-                                               f"CAP_SYS_ADMIN (TIOCSTI); dump as root, or once it has read them")
+                                               f"program on it has not read yet", why="putting them back "
+                                               f"needs CAP_SYS_ADMIN (TIOCSTI)",
+                                          way_out="dump as root, or once it has read them")
         if packet:
             fcntl.ioctl(copy, TIOCPKT, PID_T.pack(0))
             paused = True
