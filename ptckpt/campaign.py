@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from .campaign_types import (OUTCOMES, Backend, CampaignResult, CampaignSpec, RunResult, RunSpec, fault_text,
                              kill_run)

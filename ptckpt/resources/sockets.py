@@ -370,8 +370,8 @@ def _credentials(pid: int, f: Fd, snap: sockdiag.QueueSnapshot, members: set[int
             raise UnsupportedResource(pid, f"fd {f.fd} ({f.path}, SO_PASSCRED on) with queued messages "
                                            f"carrying the credentials of pid {cpid} (uid {uid} gid {gid}), "
                                            f"not a process of the tree", why="a restore can queue them again "
-                                           f"only with a live sender's pid", way_out="dump the sender's tree "
-                                           f"too, or let it read its queue first")
+                                           "only with a live sender's pid", way_out="dump the sender's tree "
+                                           "too, or let it read its queue first")
     return tuple(c or (0, 0, 0) for c in snap.item_creds)
 
 

@@ -347,7 +347,7 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
             if typed:
                 raise UnsupportedResource(pid, f"{what} with {typed} bytes typed into the pty that the "
                                                f"program on it has not read yet", why="putting them back "
-                                               f"needs CAP_SYS_ADMIN (TIOCSTI)",
+                                               "needs CAP_SYS_ADMIN (TIOCSTI)",
                                           way_out="dump as root, or once it has read them")
         if packet:
             fcntl.ioctl(copy, TIOCPKT, PID_T.pack(0))
