@@ -153,10 +153,10 @@ def test_dask_campaign_matches_local_and_survives_a_lost_worker(ptckpt, ptckpt_c
 def test_dask_backend_refusals(ptckpt, tmp_path, killed_counter):
     """A scheduler that is not there, and an incremental image, are one line each."""
     _target, image = killed_counter
-    res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--inject", "flip:symbol=count,bits=1",
+    res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--inject", "flip:symbol=counter,bits=1",
                  "--runs", "1", "--backend", f"dask://127.0.0.1:{_free_port()}", timeout=120)
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "no Dask scheduler at" in res.stderr, res.stderr
-    res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--inject", "flip:symbol=count,bits=1",
+    res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--inject", "flip:symbol=counter,bits=1",
                  "--runs", "1", "--backend", "carrier-pigeon")
     assert res.returncode != 0 and "local or dask://HOST:PORT" in res.stderr, res.stderr
