@@ -179,3 +179,63 @@ def test_nothing_imports_dump_restore_or_stop_as_a_package_attribute():
                 bad += [f"{module}: from {'.' * node.level or 'ptckpt'} import {a.name}" for a in node.names
                         if a.name in ("dump", "restore", "stop")]
     assert not bad
+
+
+# --- issue 33: ptrace behind the tracee layer --------------------------
+
+TRACEE_LAYER = "ptckpt.tracee"
+
+
+def _ptrace_uses(path: Path) -> list[str]:
+    """What in a module speaks ptrace itself: a name (or attribute, or imported name) that
+    is a PTRACE_ constant, a call of a function named ptrace, an import of python-ptrace,
+    or a write to a Task's ``stop`` or ``seized``.  Docstrings and comments may name them."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name) and node.id.startswith("PTRACE_"):
+            found.append(f"line {line}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("PTRACE_"):
+            found.append(f"line {line}: .{node.attr}")
+        elif isinstance(node, ast.alias) and (node.asname or node.name).split(".")[-1].startswith("PTRACE_"):
+            found.append(f"line {line}: import {node.name}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in ("ptrace", "_ptrace"):
+                found.append(f"line {line}: {name}(...)")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"line {line}: imports {n}" for n in names if n == "ptrace" or n.startswith("ptrace.")]
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"line {line}: sets .{t.attr}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr in ("stop", "seized")
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+    return found
+
+
+def test_the_ptrace_detector_sees_what_it_should(tmp_path):
+    import textwrap
+    sample = textwrap.dedent('''
+        """PTRACE_SEIZE in a docstring is fine."""
+        from ptrace.binding import func
+        from .tracee import PTRACE_O_TRACESYSGOOD
+        X = PTRACE_SINGLESTEP
+        _libc.ptrace(9, 1, None, None)
+        task.stop = None
+        task.seized = True
+        ''')
+    path = tmp_path / "sample.py"
+    path.write_text(sample)
+    found = _ptrace_uses(path)
+    assert len(found) == 6, found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != TRACEE_LAYER))
+def test_only_the_tracee_layer_speaks_ptrace(module):
+    """DESIGN.md's layer 1: ptckpt/tracee.py alone names PTRACE_ constants, calls ptrace,
+    imports python-ptrace and keeps a Task's stop and seized state; the others ask its
+    Task, Session and remote_syscalls."""
+    found = _ptrace_uses(MODULES[module][0])
+    assert not found, f"{module} speaks ptrace itself (go through ptckpt.tracee):\n" + "\n".join(found)
