@@ -181,7 +181,26 @@ def test_nothing_imports_dump_restore_or_stop_as_a_package_attribute():
     assert not bad
 
 
-# --- issue 33: ptrace behind the tracee layer --------------------------
+# --- issue 33: short functions, and ptrace behind the tracee layer --------------------------
+
+LONGEST_FUNCTION = 80
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_over_80_lines():
+    """Every function and method of ptckpt/, formats/ and restorer/ fits in 80 lines (from its
+    ``def`` to its last line, decorators aside): a longer one is split into helpers of one
+    job each."""
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for module, (path, _init) in MODULES.items() for node in _functions(path)
+            if node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
+
 
 TRACEE_LAYER = "ptckpt.tracee"
 
