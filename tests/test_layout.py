@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the installed package -> its directory in the repository (pyproject's package-dir)
-PACKAGES = {"ptckpt": "ptckpt", "ptckpt.resources": "ptckpt/resources", "ptckpt.formats": "formats",
-            "ptckpt.restorer": "restorer"}
+PACKAGES = {"ptckpt": "ptckpt", "ptckpt.resources": "ptckpt/resources", "ptckpt.pipeline": "ptckpt/pipeline",
+            "ptckpt.formats": "formats", "ptckpt.restorer": "restorer"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -139,6 +139,14 @@ def test_the_graph_is_read():
     assert "ptckpt.dump" in GRAPH["ptckpt.api"], "a function-level import is an edge"
     assert "ptckpt.resources.pids" in GRAPH["ptckpt.restore"]
     assert "ptckpt.formats.model" in GRAPH["ptckpt.resources.memory"], "from ..formats.model import"
+
+
+def test_every_package_is_read():
+    """A subpackage (a directory with an __init__.py) under the package's directories is in
+    PACKAGES, so that neither the import graph nor the checks below miss its modules."""
+    found = {str(init.parent.relative_to(ROOT)) for directory in set(PACKAGES.values())
+             for init in (ROOT / directory).rglob("__init__.py")}
+    assert found <= set(PACKAGES.values()), f"not in PACKAGES: {sorted(found - set(PACKAGES.values()))}"
 
 
 def test_no_import_cycles():
