@@ -143,7 +143,30 @@ def check_page_runs(name: str, runs, spans: list[tuple[int, int]]) -> None:
 
 
 def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> list[tuple[int, int]]:
-    task = proc.task
+    """Every record of one process in range and consistent with the others (in this order,
+    which decides the error reported first); the spans of its mappings."""
+    _check_task(name, proc.task)
+    if proc.mm.membarrier & ~MEMBARRIER_REGISTRATIONS:
+        _fail(name, f"MM membarrier registrations {proc.mm.membarrier:#x}: unknown bits")
+    tids = _check_threads(name, pid, proc, xstate_size)
+    spans = _check_vmas(name, proc)
+    _check_signals(name, proc, tids)
+    fds = _check_fds(name, proc)
+    _unique(name, "rlimit", [r.resource for r in proc.rlimits])
+    for r in proc.rlimits:
+        if not 0 <= r.resource < RLIMITS:
+            _fail(name, f"rlimit {r.resource}")
+    _check_locks_and_owners(name, proc, fds)
+    _check_timers(name, proc, tids)
+    for ring in proc.aio_rings:
+        if ring.start % PAGE_SIZE or ring.end <= ring.start or not any(s <= ring.start and ring.end <= e
+                                                                       for s, e in spans):
+            _fail(name, f"AIO ring {ring.start:#x}: not one of the mappings")
+    return spans
+
+
+def _check_task(name: str, task) -> None:
+    """The TASK record's fields in their ranges."""
     for field in ("ppid", "pgid", "sid"):
         if not 0 <= getattr(task, field) < PID_MAX:
             _fail(name, f"TASK {field} {getattr(task, field)} out of range")
@@ -166,8 +189,11 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
     if task.stop_signal not in STOP_SIGNALS or (task.stop_signal and task.state != "T"):
         _fail(name, f"TASK stop signal {task.stop_signal} (state {task.state!r}): not a stop signal "
                     f"of a stopped process")
-    if proc.mm.membarrier & ~MEMBARRIER_REGISTRATIONS:
-        _fail(name, f"MM membarrier registrations {proc.mm.membarrier:#x}: unknown bits")
+
+
+def _check_threads(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> set[int]:
+    """The THREAD records: the leader's among them, each in range, and the same tids as the
+    TASK's list; the set of tids."""
     if not proc.threads:
         _fail(name, "no THREAD entry")
     _unique(name, "thread", [t.tid for t in proc.threads])
@@ -191,9 +217,13 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"thread {t.tid}: CPU affinity out of range")
         if t.sas_size < 0 or not 0 <= t.sas_flags < 2**32:
             _fail(name, f"thread {t.tid}: alternate signal stack malformed")
-    if set(task.tids) != tids:
+    if set(proc.task.tids) != tids:
         _fail(name, "TASK's thread list and the THREAD entries disagree")
-    spans = _check_vmas(name, proc)
+    return tids
+
+
+def _check_signals(name: str, proc: ProcessImage, tids: set[int]) -> None:
+    """The dispositions, one per signal, and the pending signals (of the process's threads)."""
     _unique(name, "signal", [s.signo for s in proc.sigactions])
     for s in proc.sigactions:
         if not 1 <= s.signo <= NSIG:
@@ -206,6 +236,10 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"pending signal {signo}")
         if p.tid and p.tid not in tids:
             _fail(name, f"pending signal for thread {p.tid}, which the process does not have")
+
+
+def _check_fds(name: str, proc: ProcessImage) -> set[int]:
+    """The fd records, one per number, each in range; the set of fd numbers."""
     _unique(name, "fd", [f.fd for f in proc.fds])
     fds = set()
     for f in proc.fds:
@@ -215,10 +249,11 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
         if f.desc < 0:
             _fail(name, f"fd {f.fd}: description {f.desc}")
         fds.add(f.fd)
-    _unique(name, "rlimit", [r.resource for r in proc.rlimits])
-    for r in proc.rlimits:
-        if not 0 <= r.resource < RLIMITS:
-            _fail(name, f"rlimit {r.resource}")
+    return fds
+
+
+def _check_locks_and_owners(name: str, proc: ProcessImage, fds: set[int]) -> None:
+    """Locks and fd owners name fds the process has."""
     for lock in proc.locks:
         if lock.fd not in fds:
             _fail(name, f"a lock held through fd {lock.fd}, which the process does not have")
@@ -227,6 +262,10 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
             _fail(name, f"an owner of fd {owner.fd}, which the process does not have")
         if not 0 <= owner.signo <= NSIG:
             _fail(name, f"fd {owner.fd}: signal {owner.signo}")
+
+
+def _check_timers(name: str, proc: ProcessImage, tids: set[int]) -> None:
+    """POSIX timers (ids, signals, threads, times) and interval timers, one of each kind."""
     _unique(name, "timer", [t.id for t in proc.timers])
     for t in proc.timers:
         if t.id < 0 or not 0 <= t.signo <= NSIG or (t.tid and t.tid not in tids):
@@ -237,11 +276,6 @@ def check_process(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> 
     for t in proc.itimers:
         if t.which not in (0, 1, 2) or t.interval_us < 0 or t.left_us < 0:
             _fail(name, f"interval timer {t.which}")
-    for ring in proc.aio_rings:
-        if ring.start % PAGE_SIZE or ring.end <= ring.start or not any(s <= ring.start and ring.end <= e
-                                                                       for s, e in spans):
-            _fail(name, f"AIO ring {ring.start:#x}: not one of the mappings")
-    return spans
 
 
 def check_tree(name: str, root: int, procs: dict[int, ProcessImage]) -> None:

@@ -17,7 +17,6 @@ which runs untraced; an exec ends the breakpoints of that process.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -27,19 +26,12 @@ from dataclasses import dataclass, field
 
 from .errors import PtckptError, TargetVanished
 from .formats.model import GP_REG_NAMES
-from .tracee import WALL, AddressSpace, StopKind, Task, WaitStatus
+from .tracee import AddressSpace, StopKind, Task, TraceEvent, WaitStatus
 
 log = logging.getLogger("ptckpt.breakpoints")
 
 INT3 = b"\xcc"
 ARG_REGISTERS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")       # the SysV x86-64 calling convention
-PTRACE_SINGLESTEP = 9
-PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK, PTRACE_EVENT_CLONE, PTRACE_EVENT_EXEC = 1, 2, 3, 4
-WNOHANG = os.WNOHANG
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.ptrace.restype = ctypes.c_long
-_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
 
 
 @dataclass
@@ -91,32 +83,6 @@ def _set_regs(task: Task, values: dict[str, int]) -> None:
     task.set_regs(regs)
 
 
-def _poll(task: Task) -> tuple[WaitStatus, int] | None:
-    """(the thread's next stop or end, the raw wait status), None while it runs."""
-    try:
-        got, status = os.waitpid(task.tid, WNOHANG | WALL)
-    except ChildProcessError:
-        return WaitStatus(StopKind.EXITED), -1
-    if got == 0:
-        return None
-    st = WaitStatus.decode(status)
-    task.stop = None if st.kind is StopKind.EXITED else st
-    return st, status
-
-
-def _single_step(task: Task) -> WaitStatus:
-    if _libc.ptrace(PTRACE_SINGLESTEP, task.tid, None, None) < 0:
-        raise TargetVanished(task.tgid, "single step")
-    while True:
-        st = task.wait()
-        if st.kind is StopKind.SIGNAL and st.signo == signal.SIGTRAP:
-            return st
-        if st.kind is StopKind.SIGNAL:          # a signal arrived first: keep it for later
-            task.deferred_signals.append((st.signo, b""))
-        if _libc.ptrace(PTRACE_SINGLESTEP, task.tid, None, None) < 0:
-            raise TargetVanished(task.tgid, "single step")
-
-
 class _Session:
     def __init__(self, pid: int, tasks: list[Task], breakpoints: list[Breakpoint], proc):
         self.pid = pid
@@ -159,7 +125,7 @@ class _Session:
                 break
             busy = False
             for task in list(self.tasks.values()):
-                got = _poll(task)
+                got = task.poll()
                 if got is None:
                     continue
                 busy = True
@@ -212,25 +178,23 @@ class _Session:
         # step over: the original byte for one instruction, then the int3 again if wanted
         self._remove(addr)
         if changed.get("rip", addr) == addr:
-            _single_step(task)
+            task.single_step()
         if self._wanted(addr):
             self._insert(addr)
         task.resume(0)
 
     def _event(self, task: Task, st: WaitStatus) -> None:
         new = task.get_event_msg()
-        if st.event == PTRACE_EVENT_CLONE:
-            self.tasks[new] = Task(new, self.pid)
-            self.tasks[new].seized = True       # auto-attached; it reports a stop of its own
-        elif st.event in (PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK):
-            child = Task(new, new)
-            child.seized = True
+        if st.event == TraceEvent.CLONE:
+            self.tasks[new] = Task.followed(new, self.pid)     # it reports a stop of its own
+        elif st.event in (TraceEvent.FORK, TraceEvent.VFORK):
+            child = Task.followed(new, new)
             with contextlib.suppress(TargetVanished):
                 child.wait()                    # its first stop
                 for addr in self.original:
                     self._remove(addr, new)     # the child has the int3s too: take them out
                 child.detach()
-        elif st.event == PTRACE_EVENT_EXEC:
+        elif st.event == TraceEvent.EXEC:
             self.original.clear()               # a new program: no breakpoints in it
             for b in self.bps.values():
                 b.active = False

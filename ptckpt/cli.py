@@ -252,13 +252,7 @@ def restore(
 
     Example: ptckpt restore -D /tmp/ckpt-1234 --pidns --detach --pidfile /tmp/pid
     """
-    if pidfile and not detach:
-        typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
-        raise typer.Exit(code=ExitCode.USAGE)
-    if new_pty and detach and not new_pty_program:
-        typer.echo("ptckpt: error: --new-pty with --detach needs --new-pty-program (someone must "
-                   "hold the pty's master)", err=True)
-        raise typer.Exit(code=ExitCode.USAGE)
+    _check_restore_usage(detach, pidfile, new_pty, new_pty_program)
     from . import api
     try:
         with _progress_bar("restore", as_json):
@@ -269,6 +263,24 @@ def restore(
                                new_pty_program=new_pty_program, inherit_stdio=inherit_stdio)
     except PtckptError as err:
         raise _fail(err) from None
+    _render_restore(tree, as_json=as_json, detach=detach, pidfile=pidfile)
+
+
+def _check_restore_usage(detach: bool, pidfile: str | None, new_pty: bool, new_pty_program: str | None) -> None:
+    """The restore's options that go together only in some ways (exit USAGE otherwise)."""
+    if pidfile and not detach:
+        typer.echo("ptckpt: error: --pidfile needs --detach", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
+    if new_pty and detach and not new_pty_program:
+        typer.echo("ptckpt: error: --new-pty with --detach needs --new-pty-program (someone must "
+                   "hold the pty's master)", err=True)
+        raise typer.Exit(code=ExitCode.USAGE)
+
+
+def _render_restore(tree, *, as_json: bool, detach: bool, pidfile: str | None) -> None:
+    """What a restore says once its tree runs (warnings, faults, the summary, the JSON
+    result), then: relay for a new pty, the pid for --detach, or wait for the process and
+    exit with its status."""
     for warning in tree.warnings:
         typer.echo(f"ptckpt: warning: {one_line(warning)}", err=True)
     for fault in tree.faults:
@@ -292,6 +304,12 @@ def restore(
         if not as_json:
             typer.echo(tree.pid)
         return
+    _wait_for_restored(tree)
+
+
+def _wait_for_restored(tree) -> None:
+    """Stay with the restored process, forwarding ^C & co to it, and exit with its status
+    (saying why, when something killed it)."""
     forward_to(tree.pid)                         # said: ^C & co now go to the restored process
     status = tree.wait()                         # (its record goes, the terminal comes back)
     if status == 128 + signal.SIGKILL:

@@ -311,40 +311,11 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
         for f in flist:
             if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
                 objects.setdefault(f.path, []).append((p, f))
-    tree = {p: list(im.task.tids) for p, im in images.items()}
-    for p, flist in fds.items():
-        # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
-        shell = {f.fd for f in flist if f.desc in stdio}
-        images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
-        bad = (files.unsupported_fds(flist, stdio | inside) + memory.unsupported_vmas(images[p].vmas)
-               + files.owners_outside(p, list(images[p].owners), tree, {im.task.pgid for im in images.values()}))
-        if bad:
-            raise UnsupportedResource(p, bad[0])
+    _refuse_unsupported(images, fds, stdio, inside)
     outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}
                                 | {f.path for _p, f in hung.values()}, set(images) | {os.getpid()})
-    for n, (_d, p, f) in masters.items():
-        if f"/dev/pts/{n}" in outside:
-            q, m = outside[f"/dev/pts/{n}"][0]
-            raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
-                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
-    for n, (p, f) in hung.items():
-        if f.path in outside:
-            q, m = outside[f.path][0]
-            raise SharedOutside(p, f.fd, f"{f.path} (a hung-up pty slave: its master was closed)",
-                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds it too")
-    internal_pipes = []
-    for link, holders in objects.items():
-        if all(f.desc in stdio for _p, f in holders):
-            continue                      # the shell job's stdio: ptckpt restore gives its own
-        if link in outside:
-            if holders[0][1].kind is FdKind.FIFO and not link.endswith(files.DELETED):
-                continue                  # named: the restore reopens it and meets the outside end
-            p, f = next((p, f) for p, f in holders if f.desc not in stdio)
-            q, n = outside[link][0]
-            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too",
-                                *_way_out_of_an_ancestors_fd(root, q, f.fd))
-        if holders[0][1].kind in pipes.PIPE_KINDS:
-            internal_pipes.append(holders[0][1].ino)
+    _refuse_ptys_held_outside(masters, hung, outside)
+    internal_pipes = _internal_pipes(root, objects, stdio, outside)
     states = _fd_states(fds)
     ghosts = files.dump_ghost_files(held, {p: list(im.vmas) for p, im in images.items()},
                                     {p: im.task for p, im in images.items()})
@@ -358,6 +329,55 @@ def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet
     # Last: reading a pending connection's data accepts it, which only a kill makes good.
     return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
                                                    flight=flight, external=ext_unix_sk)
+
+
+def _refuse_unsupported(images: dict[int, ProcessImage], fds: dict[int, list[Fd]], stdio: set,
+                        inside: set) -> None:
+    """Refuse, by name, an fd, a mapping or an fd owner no restore can make again (the
+    shell job's stdio and the tree's own ptys aside); the owners of the shell job's stdio
+    are dropped from `images` (its owner is left alone)."""
+    tree = {p: list(im.task.tids) for p, im in images.items()}
+    for p, flist in fds.items():
+        # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
+        shell = {f.fd for f in flist if f.desc in stdio}
+        images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
+        bad = (files.unsupported_fds(flist, stdio | inside) + memory.unsupported_vmas(images[p].vmas)
+               + files.owners_outside(p, list(images[p].owners), tree, {im.task.pgid for im in images.values()}))
+        if bad:
+            raise UnsupportedResource(p, bad[0])
+
+
+def _refuse_ptys_held_outside(masters: dict, hung: dict, outside: dict) -> None:
+    """A pty of the tree whose slave (or, hung up, itself) a process outside holds is refused."""
+    for n, (_d, p, f) in masters.items():
+        if f"/dev/pts/{n}" in outside:
+            q, m = outside[f"/dev/pts/{n}"][0]
+            raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
+                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
+    for n, (p, f) in hung.items():
+        if f.path in outside:
+            q, m = outside[f.path][0]
+            raise SharedOutside(p, f.fd, f"{f.path} (a hung-up pty slave: its master was closed)",
+                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds it too")
+
+
+def _internal_pipes(root: int, objects: dict[str, list[tuple[int, Fd]]], stdio: set, outside: dict) -> list[int]:
+    """The inodes of the pipes only the tree holds; a pipe or socket held outside too is
+    refused, naming both ends, unless it is the shell job's stdio or a named FIFO."""
+    internal_pipes = []
+    for link, holders in objects.items():
+        if all(f.desc in stdio for _p, f in holders):
+            continue                      # the shell job's stdio: ptckpt restore gives its own
+        if link in outside:
+            if holders[0][1].kind is FdKind.FIFO and not link.endswith(files.DELETED):
+                continue                  # named: the restore reopens it and meets the outside end
+            p, f = next((p, f) for p, f in holders if f.desc not in stdio)
+            q, n = outside[link][0]
+            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too",
+                                *_way_out_of_an_ancestors_fd(root, q, f.fd))
+        if holders[0][1].kind in pipes.PIPE_KINDS:
+            internal_pipes.append(holders[0][1].ino)
+    return internal_pipes
 
 
 def _check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:

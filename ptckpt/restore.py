@@ -546,7 +546,10 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
                   credentials: sockets.QueuedCredentials | None = None) -> dict:
     """Open what `plan` names, and make the shared memory objects, in ptckpt: inheritable
     and above every fd number of the image (so the stubs inherit them where no fd of
-    theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}."""
+    theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}.
+
+    Each step below adds to `opened` as it goes, so that a failure closes whatever was
+    opened before it."""
     stdio = root_stdio(procs[image.inventory.root_pid])
     pipe_inos = {b.ino for b in image.pipes}
     pipe_descs = {d: f for d, f in plan.items() if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos}
@@ -555,63 +558,15 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     try:
         opened.update(pipes.create_pipes(image.pipes, pipe_descs))
         ghost_paths = files.create_ghost_files(list(image.ghost_files))
-        mapped = {files.ghost_key(v) for proc in procs.values() for v in proc.vmas}
-        for g in image.ghost_files:
-            key = ("ghost", g.dev, g.ino)
-            if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
-                opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
-                    ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            elif key in mapped:                       # what the deleted mappings map
-                opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
+        _open_ghost_files(image, procs, ghost_paths, opened)
         socket_inos = {u.ino for u in image.unix_sockets}
-        inet_inos = {r.ino for r in image.inet_sockets}
-        if inet_inos:
-            net = net if net is not None else inet.InetRestore(image.inet_sockets)
-            opened.update(net.create({d: f for d, f in plan.items()
-                                      if f.kind is FdKind.SOCKET and f.ino in inet_inos}))
-        netlink_inos = {r.ino for r in image.netlink_sockets}
-        opened.update(netlink.create_netlink_sockets(
-            image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
-        slaves = pty_slaves(image, procs)
-        for rec in image.ptys:                       # the tree's own pty pairs, master and slaves
-            mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
-            if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
-                mine.append(ctty_key(rec))           # (it may hold none: opened and closed it)
-            master, slave_fds = terminals.create_pty(rec, [plan[d].flags if d in plan else os.O_RDWR
-                                                           for d in mine])
-            if master >= 0:
-                opened[rec.desc] = master
-            opened.update(zip(mine, slave_fds))
-        made = {}
+        _create_net_sockets(image, plan, net, opened)
+        _create_ptys(image, procs, plan, opened)
+        made: dict = {}
         later = {s.desc for s in image.fd_states if isinstance(s, PidfdState)}   # once the tree exists
-        for state in image.fd_states:
-            f = plan.get(state.desc)
-            if f is None or state.desc in later:
-                continue
-            key = (os.major(f.dev), os.minor(f.dev), f.ino) if f.kind is FdKind.MEMFD else None
-            if key in made:                           # another description of one memfd
-                opened[state.desc] = anonfds.reopen_memfd(made[key], state, f.flags)
-                continue
-            opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                                  else anonfds.create_anon_fd(state, f.flags, ghost_paths))
-            if key is not None:                       # the same object for its mappings
-                made[key] = opened[state.desc]
-        for d, f in plan.items():
-            if d in opened or d in later or f.kind is FdKind.SOCKET and f.ino in socket_inos:
-                continue
-            tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
-            if tty is not None and "pty-master" not in opened:
-                opened["pty-master"], opened[d], _path = terminals.open_new_pty(terminals.from_record(tty))
-            elif d in stdio:
-                try:
-                    opened[d] = os.dup(f.fd)
-                except OSError:
-                    raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
-                                        f"restore has no fd {f.fd} of its own to give it") from None
-            elif nsfs.bound_path(f):
-                opened[d] = nsfs.open_bound(f)
-            else:
-                opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
+        _create_anon_fds(image, plan, later, ghost_paths, made, opened)
+        _open_other_files(image, plan, stdio, new_pty, later | _socket_descs(plan, socket_inos),
+                          ghost_paths, opened)
         # Unix sockets last: their queues may carry any of the others in flight.
         cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
         opened.update(sockets.create_unix_sockets(
@@ -620,24 +575,122 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
         files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
         opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
                                                    made))
-        for pid, number, fd in installs:             # fds plugins give in pre_restore
-            opened[("install", pid, number)] = os.dup(fd)
-        if channel:                                  # for fds plugins give in `restored`
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            opened["plugin-channel-ours"], opened["plugin-channel"] = ours.detach(), theirs.detach()
-        base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds]
-                       + [number for _pid, number, _fd in installs])
-        for d, fd in list(opened.items()):
-            if d in ("pty-master", "plugin-channel-ours"):
-                continue                          # ptckpt's own end: not for the stubs
-            opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)     # F_DUPFD: not close-on-exec
-            os.close(fd)
+        _add_plugin_fds(installs, channel, opened)
+        _move_above_image_fds(procs, installs, opened)
     except BaseException:
         files.remove_ghost_files(ghost_paths)
         for fd in opened.values():
             os.close(fd)
         raise
     return opened
+
+
+def _socket_descs(plan: dict[int, Fd], inos: set) -> set:
+    return {d for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in inos}
+
+
+def _open_ghost_files(image: ImageReader, procs: dict[int, ProcessImage], ghost_paths: dict,
+                      opened: dict) -> None:
+    """The deleted files recreated: a directory (a deleted cwd or root, fchdir()ed into) and
+    what the deleted mappings map are opened here, into `opened`."""
+    mapped = {files.ghost_key(v) for proc in procs.values() for v in proc.vmas}
+    for g in image.ghost_files:
+        key = ("ghost", g.dev, g.ino)
+        if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
+            opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
+                ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        elif key in mapped:                       # what the deleted mappings map
+            opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
+
+
+def _create_net_sockets(image: ImageReader, plan: dict[int, Fd], net: inet.InetRestore | None,
+                        opened: dict) -> None:
+    """The inet sockets (through `net`, or an InetRestore of the image's), then the netlink ones."""
+    inet_inos = {r.ino for r in image.inet_sockets}
+    if inet_inos:
+        net = net if net is not None else inet.InetRestore(image.inet_sockets)
+        opened.update(net.create({d: f for d, f in plan.items()
+                                  if f.kind is FdKind.SOCKET and f.ino in inet_inos}))
+    netlink_inos = {r.ino for r in image.netlink_sockets}
+    opened.update(netlink.create_netlink_sockets(
+        image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
+
+
+def _create_ptys(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
+                 opened: dict) -> None:
+    """The tree's own pty pairs, master and slaves."""
+    slaves = pty_slaves(image, procs)
+    for rec in image.ptys:
+        mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
+        if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
+            mine.append(ctty_key(rec))           # (it may hold none: opened and closed it)
+        master, slave_fds = terminals.create_pty(rec, [plan[d].flags if d in plan else os.O_RDWR
+                                                       for d in mine])
+        if master >= 0:
+            opened[rec.desc] = master
+        opened.update(zip(mine, slave_fds))
+
+
+def _create_anon_fds(image: ImageReader, plan: dict[int, Fd], later: set, ghost_paths: dict,
+                     made: dict, opened: dict) -> None:
+    """The anonymous-inode files (epolls, memfds, eventfds ...) but those made `later`; `made`
+    gets each memfd's object by (major, minor, ino), for the mappings of it."""
+    for state in image.fd_states:
+        f = plan.get(state.desc)
+        if f is None or state.desc in later:
+            continue
+        key = (os.major(f.dev), os.minor(f.dev), f.ino) if f.kind is FdKind.MEMFD else None
+        if key in made:                           # another description of one memfd
+            opened[state.desc] = anonfds.reopen_memfd(made[key], state, f.flags)
+            continue
+        opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
+                              else anonfds.create_anon_fd(state, f.flags, ghost_paths))
+        if key is not None:                       # the same object for its mappings
+            made[key] = opened[state.desc]
+
+
+def _open_other_files(image: ImageReader, plan: dict[int, Fd], stdio, new_pty: bool, skip: set,
+                      ghost_paths: dict, opened: dict) -> None:
+    """Every description of `plan` not opened yet nor in `skip`: a new pty for the terminal
+    (`new_pty`), ptckpt's own fd for the root's stdio, a bound namespace, or the file."""
+    for d, f in plan.items():
+        if d in opened or d in skip:
+            continue
+        tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
+        if tty is not None and "pty-master" not in opened:
+            opened["pty-master"], opened[d], _path = terminals.open_new_pty(terminals.from_record(tty))
+        elif d in stdio:
+            try:
+                opened[d] = os.dup(f.fd)
+            except OSError:
+                raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
+                                    f"restore has no fd {f.fd} of its own to give it") from None
+        elif nsfs.bound_path(f):
+            opened[d] = nsfs.open_bound(f)
+        else:
+            opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
+
+
+def _add_plugin_fds(installs: Sequence[tuple[int, int, int]], channel: bool, opened: dict) -> None:
+    """The fds plugins give in pre_restore, and the channel for those they give in `restored`."""
+    for pid, number, fd in installs:
+        opened[("install", pid, number)] = os.dup(fd)
+    if channel:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        opened["plugin-channel-ours"], opened["plugin-channel"] = ours.detach(), theirs.detach()
+
+
+def _move_above_image_fds(procs: dict[int, ProcessImage], installs: Sequence[tuple[int, int, int]],
+                          opened: dict) -> None:
+    """Every fd for the stubs moved above the image's fd numbers, inheritable (F_DUPFD: not
+    close-on-exec); ptckpt's own ends stay where they are."""
+    base = 1 + max([2] + [f.fd for proc in procs.values() for f in proc.fds]
+                   + [number for _pid, number, _fd in installs])
+    for d, fd in list(opened.items()):
+        if d in ("pty-master", "plugin-channel-ours"):
+            continue                          # ptckpt's own end: not for the stubs
+        opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)
+        os.close(fd)
 
 
 def _ghost_fd(key) -> Fd:
@@ -766,7 +819,8 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             pidfds_made: dict | None = None):
     """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
     the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
-    still stopped)."""
+    still stopped).  The order of the steps matters: locks after every other fd, creds
+    after the signals, the plugins' `restored` event after all, the gadget last."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
@@ -779,90 +833,153 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
             own_table = not proc.task.shares_files       # else its parent makes the fds for both
             if own_table:
-                # the pidfds ptckpt made once the tree existed come over the channel, above every fd
-                received = pidfds.install_pidfds_frozen(
-                    remote, channel, chan, pidfds_made, proc.fds,
-                    1 + max([2, *inherited] + [f.fd for f in proc.fds])) if pidfds_made else {}
-                files.restore_fds_frozen(remote, list(proc.fds), inherited, {**handed, **received},
-                                         extra=[(fd, key[2]) for key, fd in handed.items()
-                                                if isinstance(key, tuple) and key[:2] == ("install", vpid)],
-                                         keep={chan, *dirs.values()})
-                pidfds.close_received_frozen(remote, received)
-                for epfd, state in epolls:
-                    epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
-            warnings += process.restore_task_frozen(remote, proc.task, dirs)
-            process.restore_mm_frozen(remote, proc.mm)
-            membarrier.restore_registrations_frozen(remote, proc.mm.membarrier)
-            process.restore_root_frozen(remote, proc.task, dirs)
-            for fd in set(dirs.values()) & set(inherited) if own_table else ():   # a deleted cwd or root
-                remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
-            # Locks last among the fd work: closing any fd of a file drops the POSIX locks on it.
-            for fd, held in locks.from_records(proc.locks).items() if own_table else ():
-                locks.restore_locks_frozen(remote, fd, held)
+                _restore_files_frozen(remote, vpid, proc, handed, inherited, epolls, channel, chan,
+                                      dirs, pidfds_made)
+            warnings += _restore_task_and_mm_frozen(remote, proc, dirs)
+            if own_table:
+                _close_dirs_and_restore_locks_frozen(remote, proc, dirs, inherited)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             warnings += process.restore_cgroups(leader.tgid, proc.task.cgroups)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
             log.info("fix up %d: threads", proc.task.pid)
-            tasks = {proc.task.pid: leader}
-            for t in proc.threads:
-                if t.tid != proc.task.pid:
-                    tasks[t.tid] = threads.create_thread_frozen(remote, t.tid)
-            for t in proc.threads:
-                task = tasks[t.tid]
-                if task is leader:
-                    threads.restore_thread_frozen(task, remote, t)
-                else:
-                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
-                                         keep_regs=False) as tremote:
-                        threads.restore_thread_frozen(task, tremote, t)
-            # Everything blocked while the saved signals are queued and the last
-            # syscalls run: none may be delivered before the thread's own mask is back.
-            for task in tasks.values():
-                task.set_sigmask(signals.ALL_BLOCKED)
-            timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
-            # A signal of a kernel's si_code may only be queued by its own thread (rt_tgsigqueueinfo).
-            signals.restore_pending_frozen(remote, vpid, [p for p in proc.pending if p.tid in (0, vpid)])
-            for tid, task in tasks.items():
-                mine = [p for p in proc.pending if p.tid == tid and task is not leader]
-                if mine:
-                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
-                                         keep_regs=False) as tremote:
-                        signals.restore_pending_frozen(tremote, vpid, mine)
-            creds.restore_seccomp_frozen(remote, proc.creds)
-            warnings += creds.restore_creds_frozen(remote, proc.creds)
-            for tid, task in tasks.items():          # credentials are per thread
-                if task is not leader:
-                    with remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top,
-                                         keep_regs=False) as tremote:
-                        warnings += creds.restore_creds_frozen(tremote, proc.creds)
+            tasks = _create_threads_frozen(remote, mem, leader, proc)
+            _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)
+            warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
             if own_table:
                 # after the creds: F_SETOWN records the setter's, which decide whom SIGIO may reach
                 files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
             process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
-            overrides: dict = {}
-            if events:
-                log.info("plugins: restored %d", vpid)
-                events.run("restored", [ProcessHandle(
-                    leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
-                    fd_installer=functools.partial(_install_fd, remote, channel, chan,
-                                                   {f.fd: f.cloexec for f in proc.fds}),
-                    reg_overrides=overrides, breakpoints=breaks)])
+            overrides = _run_restored_event(events, remote, leader, vpid, proc, tasks, channel, chan,
+                                            breaks)
             if chan >= 0 and own_table:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
-            gadget = int(remote.gadget)
-            # The last injected syscall removes the gadget it runs from; the
-            # thread stops at its exit, before fetching another instruction.
-            remote.checked("munmap", gadget & ~(PAGE_SIZE - 1), memory.GADGET_PAGES * PAGE_SIZE,
-                           step="unmap the gadget")
-        for t in proc.threads:
-            if t.tid in overrides:                   # registers a plugin set in `restored`
-                t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
-            threads.set_final_state(tasks[t.tid], t)
-            warnings += threads.restore_affinity(tasks[t.tid], t)
-            warnings += threads.restore_sched(tasks[t.tid], t)
+            _remove_gadget_frozen(remote)
+        warnings += _set_final_states(proc, tasks, overrides)
     return warnings, [tasks[t.tid] for t in proc.threads if t.tid != proc.task.pid] + [leader]
+
+
+def _thread_syscalls(task, mem: AddressSpace, remote):
+    """Injection into another thread of a process being fixed up, at its leader's gadget."""
+    return remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top, keep_regs=False)
+
+
+def _restore_files_frozen(remote, vpid: int, proc: ProcessImage, handed: dict, inherited,
+                          epolls: list[tuple[int, EpollState]], channel: int, chan: int, dirs: dict,
+                          pidfds_made: dict | None) -> None:
+    """The fd table of a process that has one of its own: the pidfds made once the tree
+    existed, every fd, and the epolls' registrations."""
+    # the pidfds ptckpt made once the tree existed come over the channel, above every fd
+    received = pidfds.install_pidfds_frozen(
+        remote, channel, chan, pidfds_made, proc.fds,
+        1 + max([2, *inherited] + [f.fd for f in proc.fds])) if pidfds_made else {}
+    files.restore_fds_frozen(remote, list(proc.fds), inherited, {**handed, **received},
+                             extra=[(fd, key[2]) for key, fd in handed.items()
+                                    if isinstance(key, tuple) and key[:2] == ("install", vpid)],
+                             keep={chan, *dirs.values()})
+    pidfds.close_received_frozen(remote, received)
+    for epfd, state in epolls:
+        epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
+
+
+def _restore_task_and_mm_frozen(remote, proc: ProcessImage, dirs: dict) -> list[str]:
+    """The task's own state, its mm fields and membarrier registrations, then its root."""
+    warnings = process.restore_task_frozen(remote, proc.task, dirs)
+    process.restore_mm_frozen(remote, proc.mm)
+    membarrier.restore_registrations_frozen(remote, proc.mm.membarrier)
+    process.restore_root_frozen(remote, proc.task, dirs)
+    return warnings
+
+
+def _close_dirs_and_restore_locks_frozen(remote, proc: ProcessImage, dirs: dict, inherited) -> None:
+    """ptckpt's fds of deleted directories (a cwd or root) closed, then the file locks: last
+    among the fd work, since closing any fd of a file drops the POSIX locks on it."""
+    for fd in set(dirs.values()) & set(inherited):
+        remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
+    for fd, held in locks.from_records(proc.locks).items():
+        locks.restore_locks_frozen(remote, fd, held)
+
+
+def _create_threads_frozen(remote, mem: AddressSpace, leader, proc: ProcessImage) -> dict:
+    """The process's other threads cloned, then each thread's own state set from inside it;
+    {tid: Task}, the leader's included."""
+    tasks = {proc.task.pid: leader}
+    for t in proc.threads:
+        if t.tid != proc.task.pid:
+            tasks[t.tid] = threads.create_thread_frozen(remote, t.tid)
+    for t in proc.threads:
+        task = tasks[t.tid]
+        if task is leader:
+            threads.restore_thread_frozen(task, remote, t)
+        else:
+            with _thread_syscalls(task, mem, remote) as tremote:
+                threads.restore_thread_frozen(task, tremote, t)
+    return tasks
+
+
+def _restore_signals_frozen(remote, mem: AddressSpace, leader, vpid: int, proc: ProcessImage,
+                            tasks: dict) -> None:
+    """Every thread's signals blocked, the timers, then the pending signals: the process's
+    and each thread's own."""
+    # Everything blocked while the saved signals are queued and the last
+    # syscalls run: none may be delivered before the thread's own mask is back.
+    for task in tasks.values():
+        task.set_sigmask(signals.ALL_BLOCKED)
+    timers.restore_timers_frozen(remote, proc.timers, proc.itimers)
+    # A signal of a kernel's si_code may only be queued by its own thread (rt_tgsigqueueinfo).
+    signals.restore_pending_frozen(remote, vpid, [p for p in proc.pending if p.tid in (0, vpid)])
+    for tid, task in tasks.items():
+        mine = [p for p in proc.pending if p.tid == tid and task is not leader]
+        if mine:
+            with _thread_syscalls(task, mem, remote) as tremote:
+                signals.restore_pending_frozen(tremote, vpid, mine)
+
+
+def _restore_creds_frozen(remote, mem: AddressSpace, leader, proc: ProcessImage, tasks: dict) -> list[str]:
+    """The seccomp filters, then the credentials of every thread (they are per thread)."""
+    creds.restore_seccomp_frozen(remote, proc.creds)
+    warnings = creds.restore_creds_frozen(remote, proc.creds)
+    for tid, task in tasks.items():
+        if task is not leader:
+            with _thread_syscalls(task, mem, remote) as tremote:
+                warnings += creds.restore_creds_frozen(tremote, proc.creds)
+    return warnings
+
+
+def _run_restored_event(events: Plugins | None, remote, leader, vpid: int, proc: ProcessImage,
+                        tasks: dict, channel: int, chan: int, breaks: list | None) -> dict:
+    """The plugins' `restored` event for the rebuilt process; {tid: {register: value}} they
+    set for its threads."""
+    overrides: dict = {}
+    if events:
+        log.info("plugins: restored %d", vpid)
+        events.run("restored", [ProcessHandle(
+            leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
+            fd_installer=functools.partial(_install_fd, remote, channel, chan,
+                                           {f.fd: f.cloexec for f in proc.fds}),
+            reg_overrides=overrides, breakpoints=breaks)])
+    return overrides
+
+
+def _remove_gadget_frozen(remote) -> None:
+    """The last injected syscall removes the gadget it runs from; the thread stops at its
+    exit, before fetching another instruction."""
+    gadget = int(remote.gadget)
+    remote.checked("munmap", gadget & ~(PAGE_SIZE - 1), memory.GADGET_PAGES * PAGE_SIZE,
+                   step="unmap the gadget")
+
+
+def _set_final_states(proc: ProcessImage, tasks: dict, overrides: dict) -> list[str]:
+    """Every thread's registers (a plugin's overrides on top), affinity and scheduling."""
+    warnings: list[str] = []
+    for t in proc.threads:
+        if t.tid in overrides:                   # registers a plugin set in `restored`
+            t = dataclasses.replace(t, regs=tuple(overrides[t.tid][name] for name in GP_REG_NAMES))
+        threads.set_final_state(tasks[t.tid], t)
+        warnings += threads.restore_affinity(tasks[t.tid], t)
+        warnings += threads.restore_sched(tasks[t.tid], t)
+    return warnings
 
 
 def _virtual_tid(task) -> int:

@@ -66,8 +66,13 @@ PTRACE_GET_SYSCALL_INFO = 0x420E
 PTRACE_GET_RSEQ_CONFIGURATION = 0x420F
 PTRACE_PEEKSIGINFO_SHARED = 1
 PTRACE_EVENT_STOP = 128
-PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK, PTRACE_EVENT_CLONE = 1, 2, 3
+PTRACE_EVENT_FORK, PTRACE_EVENT_VFORK, PTRACE_EVENT_CLONE, PTRACE_EVENT_EXEC = 1, 2, 3, 4
+PTRACE_SINGLESTEP = 9
 PTRACE_O_TRACESYSGOOD = 0x1
+PTRACE_O_TRACEFORK = 0x2
+PTRACE_O_TRACECLONE = 0x8
+PTRACE_O_TRACEEXEC = 0x10
+PTRACE_O_EXITKILL = 0x100000
 PTRACE_O_SUSPEND_SECCOMP = 0x200000
 SUSPEND_SECCOMP = PTRACE_O_SUSPEND_SECCOMP if os.geteuid() == 0 else 0   # needs CAP_SYS_ADMIN
 NT_PRSTATUS = 1
@@ -87,6 +92,25 @@ SYSCALL_NUMBERS.update({"clone3": 435, "pidfd_open": 434, "pidfd_getfd": 438,
                         "rseq": 334, "mseal": 462})
 
 XSTATE_BUFFER_SIZE = 64 * 1024        # far above any XSAVE area a CPU has today
+
+
+class TraceEvent(enum.IntEnum):
+    """The PTRACE_EVENT_* a followed tracee stops with (``WaitStatus.event``)."""
+
+    FORK = PTRACE_EVENT_FORK
+    VFORK = PTRACE_EVENT_VFORK
+    CLONE = PTRACE_EVENT_CLONE
+    EXEC = PTRACE_EVENT_EXEC
+
+
+class TraceOptions(enum.IntFlag):
+    """The PTRACE_O_* options :meth:`Task.seize` takes."""
+
+    SYSGOOD = PTRACE_O_TRACESYSGOOD     # syscall stops tell themselves apart (SIGTRAP | 0x80)
+    FORK = PTRACE_O_TRACEFORK           # follow forks: the child starts traced and stopped
+    CLONE = PTRACE_O_TRACECLONE         # follow clones (threads)
+    EXEC = PTRACE_O_TRACEEXEC           # an exec event stop
+    EXITKILL = PTRACE_O_EXITKILL        # the tracee dies with its tracer
 
 
 class RemotePtr(int):
@@ -276,6 +300,14 @@ class Task:
         self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
         self.gadget: int | None = None          # a restore stub's syscall gadget, once moved
 
+    @classmethod
+    def followed(cls, tid: int, tgid: int) -> "Task":
+        """A thread the kernel attached to us when a traced one cloned or forked it (the
+        CLONE/FORK options): seized already, it reports a stop of its own."""
+        task = cls(tid, tgid)
+        task.seized = True
+        return task
+
     def __repr__(self) -> str:
         return f"Task(tid={self.tid}, tgid={self.tgid}, stop={self.stop})"
 
@@ -375,6 +407,34 @@ class Task:
         self.stop = None
         _ptrace(_pt.PTRACE_SYSCALL, self.tid, 0, 0, what="PTRACE_SYSCALL")
 
+    def poll(self) -> tuple[WaitStatus, int] | None:
+        """Without blocking: (the thread's next stop or end, the raw wait status; -1 when
+        it is no child of ours any more), None while it runs."""
+        try:
+            got, status = os.waitpid(self.tid, os.WNOHANG | WALL)
+        except ChildProcessError:
+            return WaitStatus(StopKind.EXITED), -1
+        if got == 0:
+            return None
+        st = WaitStatus.decode(status)
+        self.stop = None if st.kind is StopKind.EXITED else st
+        return st, status
+
+    def single_step(self) -> WaitStatus:
+        """Run one instruction (PTRACE_SINGLESTEP) and wait for its SIGTRAP; a signal whose
+        delivery-stop comes first is kept in ``deferred_signals`` (without its siginfo) and
+        the step is asked again."""
+        while True:
+            try:
+                _pt.ptrace(PTRACE_SINGLESTEP, self.tid, 0, 0)
+            except PtraceError:
+                raise TargetVanished(self.tgid, "single step") from None
+            st = self.wait()
+            if st.kind is StopKind.SIGNAL and st.signo == signal.SIGTRAP:
+                return st
+            if st.kind is StopKind.SIGNAL:      # a signal arrived first: keep it for later
+                self.deferred_signals.append((st.signo, b""))
+
     def detach(self, sig: int = 0) -> None:
         if not self.seized:
             return
@@ -393,6 +453,18 @@ class Task:
 
     def set_regs(self, regs: Regs) -> None:
         _ptrace(PTRACE_SETREGS, self.tid, 0, ctypes.addressof(regs._raw), what="PTRACE_SETREGS")
+
+    def aim_syscall(self, at: int, nr: int, *args: int) -> None:
+        """Point the stopped thread at the syscall instruction `at` with syscall `nr` and its
+        arguments (rdi, rsi, rdx, r10, r8, r9) in place and no syscall to restart: its next
+        resume runs that syscall.  The other registers stay as they are."""
+        regs = self.get_regs()
+        regs.rip = at
+        regs.rax = nr
+        regs.orig_rax = 2**64 - 1
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
+            setattr(regs, name, value)
+        self.set_regs(regs)
 
     def get_xstate(self) -> bytes:
         """The NT_X86_XSTATE regset (XSAVE layout, fx_sw_bytes at offset 464)."""

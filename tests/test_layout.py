@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the installed package -> its directory in the repository (pyproject's package-dir)
-PACKAGES = {"ptckpt": "ptckpt", "ptckpt.resources": "ptckpt/resources", "ptckpt.formats": "formats",
-            "ptckpt.restorer": "restorer"}
+PACKAGES = {"ptckpt": "ptckpt", "ptckpt.resources": "ptckpt/resources", "ptckpt.pipeline": "ptckpt/pipeline",
+            "ptckpt.formats": "formats", "ptckpt.restorer": "restorer"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -141,6 +141,14 @@ def test_the_graph_is_read():
     assert "ptckpt.formats.model" in GRAPH["ptckpt.resources.memory"], "from ..formats.model import"
 
 
+def test_every_package_is_read():
+    """A subpackage (a directory with an __init__.py) under the package's directories is in
+    PACKAGES, so that neither the import graph nor the checks below miss its modules."""
+    found = {str(init.parent.relative_to(ROOT)) for directory in set(PACKAGES.values())
+             for init in (ROOT / directory).rglob("__init__.py")}
+    assert found <= set(PACKAGES.values()), f"not in PACKAGES: {sorted(found - set(PACKAGES.values()))}"
+
+
 def test_no_import_cycles():
     """Module-level and function-level imports together are acyclic: a lazy import is no
     licence to import upwards (README, Layout)."""
@@ -179,3 +187,82 @@ def test_nothing_imports_dump_restore_or_stop_as_a_package_attribute():
                 bad += [f"{module}: from {'.' * node.level or 'ptckpt'} import {a.name}" for a in node.names
                         if a.name in ("dump", "restore", "stop")]
     assert not bad
+
+
+# --- issue 33: short functions, and ptrace behind the tracee layer --------------------------
+
+LONGEST_FUNCTION = 80
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_over_80_lines():
+    """Every function and method of ptckpt/, formats/ and restorer/ fits in 80 lines (from its
+    ``def`` to its last line, decorators aside): a longer one is split into helpers of one
+    job each."""
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for module, (path, _init) in MODULES.items() for node in _functions(path)
+            if node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
+
+
+TRACEE_LAYER = "ptckpt.tracee"
+
+
+def _ptrace_uses(path: Path) -> list[str]:
+    """What in a module speaks ptrace itself: a name (or attribute, or imported name) that
+    is a PTRACE_ constant, a call of a function named ptrace, an import of python-ptrace,
+    or a write to a Task's ``stop`` or ``seized``.  Docstrings and comments may name them."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name) and node.id.startswith("PTRACE_"):
+            found.append(f"line {line}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("PTRACE_"):
+            found.append(f"line {line}: .{node.attr}")
+        elif isinstance(node, ast.alias) and (node.asname or node.name).split(".")[-1].startswith("PTRACE_"):
+            found.append(f"line {line}: import {node.name}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in ("ptrace", "_ptrace"):
+                found.append(f"line {line}: {name}(...)")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"line {line}: imports {n}" for n in names if n == "ptrace" or n.startswith("ptrace.")]
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"line {line}: sets .{t.attr}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr in ("stop", "seized")
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+    return found
+
+
+def test_the_ptrace_detector_sees_what_it_should(tmp_path):
+    import textwrap
+    sample = textwrap.dedent('''
+        """PTRACE_SEIZE in a docstring is fine."""
+        from ptrace.binding import func
+        from .tracee import PTRACE_O_TRACESYSGOOD
+        X = PTRACE_SINGLESTEP
+        _libc.ptrace(9, 1, None, None)
+        task.stop = None
+        task.seized = True
+        ''')
+    path = tmp_path / "sample.py"
+    path.write_text(sample)
+    found = _ptrace_uses(path)
+    assert len(found) == 6, found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != TRACEE_LAYER))
+def test_only_the_tracee_layer_speaks_ptrace(module):
+    """DESIGN.md's layer 1: ptckpt/tracee.py alone names PTRACE_ constants, calls ptrace,
+    imports python-ptrace and keeps a Task's stop and seized state; the others ask its
+    Task, Session and remote_syscalls."""
+    found = _ptrace_uses(MODULES[module][0])
+    assert not found, f"{module} speaks ptrace itself (go through ptckpt.tracee):\n" + "\n".join(found)

@@ -36,7 +36,7 @@ from .. import procfs, testhooks
 from ..formats.model import MsgImage, PidfdState, ProcessImage, SemImage, ShmImage, Terminal, UnixSocket, Zombie
 from ..errors import PidBusy, PrivilegeNeeded, PtckptError, TargetVanished, TraceeError, UnsupportedResource
 from ..restorer.stub import stub_memfd
-from ..tracee import PTRACE_O_TRACESYSGOOD, StopKind, Task
+from ..tracee import StopKind, Task, TraceEvent, TraceOptions
 
 NR_CLONE3 = 435
 CLONE_NEWPID = 0x20000000
@@ -45,11 +45,6 @@ CAP_SYS_ADMIN = 21
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
 NR_CAPGET, NR_CAPSET = 125, 126
 _CAP_V3 = 0x20080522
-PTRACE_O_TRACEFORK = 0x2
-PTRACE_O_TRACECLONE = 0x8
-PTRACE_O_TRACEEXEC = 0x10
-PTRACE_O_EXITKILL = 0x100000
-PTRACE_EVENT_EXEC = 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -299,12 +294,7 @@ def end_stub(task: Task, gadget: int, wait_status: int) -> None:
         resource.prlimit(task.tgid, resource.RLIMIT_CORE, (0, 0))
         os.kill(task.tgid, sig)
     else:
-        regs = task.get_regs()
-        regs.rip = gadget
-        regs.rax = NR_EXIT_GROUP
-        regs.orig_rax = 2**64 - 1
-        regs.rdi = os.WEXITSTATUS(wait_status)
-        task.set_regs(regs)
+        task.aim_syscall(gadget, NR_EXIT_GROUP, os.WEXITSTATUS(wait_status))
     try:
         if sig != signal.SIGKILL:                # SIGKILL ends even a stopped task: no resume
             task.resume(0)
@@ -389,12 +379,12 @@ def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
     # (a traced stub would otherwise run on from wherever the rebuild was).  The resume
     # detaches, which ends it; a process kept traced for plugin breakpoints dies with
     # ptckpt either way (its int3s would trap).
-    task.seize(PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | PTRACE_O_TRACEEXEC
-               | PTRACE_O_EXITKILL)
+    task.seize(TraceOptions.SYSGOOD | TraceOptions.CLONE | TraceOptions.FORK | TraceOptions.EXEC
+               | TraceOptions.EXITKILL)
     os.kill(pid, signal.SIGCONT)
     while True:
         st = task.wait()
-        if st.kind is StopKind.EVENT and st.event == PTRACE_EVENT_EXEC:
+        if st.kind is StopKind.EVENT and st.event == TraceEvent.EXEC:
             # The exec event comes from inside execve(); step to its syscall
             # exit, so the next resume starts at the stub's first instruction.
             while True:

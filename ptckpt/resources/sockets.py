@@ -486,7 +486,6 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
     if credited and later is None:
         raise RestoreFailed(f"unix socket: socket:[{min(credited)}] has messages with their "
                             f"senders' credentials, and nothing to fill its queue once they exist")
-    waits: set[int] = set()                          # sockets whose shutdown and options wait
     cwd_of = cwd_of or {}
     made: dict[int, socket.socket] = {}
     temps: list[socket.socket] = []
@@ -501,44 +500,15 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
         raise RestoreFailed(f"unix socket: a description in flight (desc {desc}) was not made")
     names = _Names(cwd_of)
     try:
-        listeners: dict[bytes, socket.socket] = {}
-        for r in sorted((r for r in records if r.state == TCP_LISTEN), key=lambda r: r.deleted):
-            made[r.ino] = _new(r, names)
-            made[r.ino].listen(max(r.backlog, 1))
-            listeners[r.name] = made[r.ino]
-        waiting = {r.peer for r in records if r.pending}      # clients not yet accepted
-        for r in records:
-            if r.ino in made or r.pending or r.ino in waiting:
-                continue
-            peer = by_ino.get(r.peer)
-            if peer is not None and peer.peer == r.ino and not (r.name or peer.name):
-                made[r.ino], made[peer.ino] = socket.socketpair(socket.AF_UNIX, r.type)
-            elif queue_sender(r, by_ino) == "stand-in" and (r.queue or r.type != socket.SOCK_DGRAM):
-                # Its peer was closed: a pair whose other end goes away again after the refill.
-                made[r.ino], other = socket.socketpair(socket.AF_UNIX, r.type)
-                temps.append(other)
-                senders[r.ino] = other
-            elif r.type == socket.SOCK_DGRAM or r.state != TCP_ESTABLISHED:
-                made[r.ino] = _new(r, names)
-            else:
-                made.update(_accepted_pair(r, peer, listeners, temps, names))
+        listeners = _make_listeners(records, made, names)
+        _make_connected(records, by_ino, listeners, made, senders, temps, names)
         for e in (r for r in records if r.pending):  # accept queues, in queue order
             _queue_connection(e, by_ino.get(e.peer), made, names, temps)
             refilled.add(e.ino)
         for r in records:                            # datagram connections, by name (in the tree or not)
             if r.type == socket.SOCK_DGRAM and r.peer_name:
                 _call(f"connect to {_show(r.peer_name)}", made[r.ino].connect, _addr(r.peer_name))
-        for r in records:
-            if r.ino not in refilled and r.queue:
-                peer = by_ino.get(r.peer)
-                mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
-                sender = senders.get(r.ino) or (made[r.peer] if mutual else None)
-                if r.ino in credited:
-                    later.add(r, _credited_sender(r, sender, names, temps), [[fd_of(d) for d in item]
-                                                                      for item in r.queue_fds])
-                    waits |= {r.ino, r.peer if mutual else 0}
-                else:
-                    _refill(r, sender, fd_of, names)
+        waits = _refill_queues(records, by_ino, made, senders, refilled, credited, later, fd_of, names, temps)
         for r in records:
             if r.ino in made and r.ino in waits:
                 later.end(r, made[r.ino])
@@ -558,6 +528,61 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
         names.unlink_deleted()
         for s in made.values():
             s.close()
+
+
+def _make_listeners(records: Sequence[UnixSocket], made: dict, names: "_Names") -> dict[bytes, socket.socket]:
+    """The listening sockets (the deleted names last), into `made`; {name: listener}."""
+    listeners: dict[bytes, socket.socket] = {}
+    for r in sorted((r for r in records if r.state == TCP_LISTEN), key=lambda r: r.deleted):
+        made[r.ino] = _new(r, names)
+        made[r.ino].listen(max(r.backlog, 1))
+        listeners[r.name] = made[r.ino]
+    return listeners
+
+
+def _make_connected(records: Sequence[UnixSocket], by_ino: dict, listeners: dict, made: dict,
+                    senders: dict, temps: list, names: "_Names") -> None:
+    """Every other socket but the clients still in an accept queue, into `made`: a pair for
+    two unnamed peers, a pair with a stand-in (in `senders` and `temps`) for one whose peer
+    had closed, a socket of its own for a datagram or unconnected one, else a connection
+    accepted from its listener."""
+    waiting = {r.peer for r in records if r.pending}      # clients not yet accepted
+    for r in records:
+        if r.ino in made or r.pending or r.ino in waiting:
+            continue
+        peer = by_ino.get(r.peer)
+        if peer is not None and peer.peer == r.ino and not (r.name or peer.name):
+            made[r.ino], made[peer.ino] = socket.socketpair(socket.AF_UNIX, r.type)
+        elif queue_sender(r, by_ino) == "stand-in" and (r.queue or r.type != socket.SOCK_DGRAM):
+            # Its peer was closed: a pair whose other end goes away again after the refill.
+            made[r.ino], other = socket.socketpair(socket.AF_UNIX, r.type)
+            temps.append(other)
+            senders[r.ino] = other
+        elif r.type == socket.SOCK_DGRAM or r.state != TCP_ESTABLISHED:
+            made[r.ino] = _new(r, names)
+        else:
+            made.update(_accepted_pair(r, peer, listeners, temps, names))
+
+
+def _refill_queues(records: Sequence[UnixSocket], by_ino: dict, made: dict, senders: dict,
+                   refilled: set[int], credited: set[int], later: QueuedCredentials | None,
+                   fd_of, names: "_Names", temps: list) -> set[int]:
+    """The queued messages sent again from each socket's sender, but those with their
+    senders' credentials, which go to `later`; the sockets whose shutdown and options wait
+    for those."""
+    waits: set[int] = set()
+    for r in records:
+        if r.ino not in refilled and r.queue:
+            peer = by_ino.get(r.peer)
+            mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
+            sender = senders.get(r.ino) or (made[r.peer] if mutual else None)
+            if r.ino in credited:
+                later.add(r, _credited_sender(r, sender, names, temps), [[fd_of(d) for d in item]
+                                                                  for item in r.queue_fds])
+                waits |= {r.ino, r.peer if mutual else 0}
+            else:
+                _refill(r, sender, fd_of, names)
+    return waits
 
 
 def _queue_connection(e: UnixSocket, client: UnixSocket | None, made: dict, names: "_Names",

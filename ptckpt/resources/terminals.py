@@ -904,6 +904,8 @@ def relay(master_fd: int, *, stdin_fd: int = 0, stdout_fd: int = 1,
 
 
 def _relay_loop(master_fd: int, stdin_fd: int, stdout_fd: int, waiter: _Waiter | None) -> None:
+    """Relay with stdin raw (when a terminal) and the window size followed (SIGWINCH, in the
+    main thread); the master's flags, stdin's termios and the SIGWINCH handler put back."""
     tty_in = os.isatty(stdin_fd)
     size_src = stdin_fd if tty_in else (stdout_fd if os.isatty(stdout_fd) else None)
     saved_tio = None
@@ -931,48 +933,7 @@ def _relay_loop(master_fd: int, stdin_fd: int, stdout_fd: int, waiter: _Waiter |
                         os.write(wake_w, b"w")
                 old_winch = signal.signal(signal.SIGWINCH, on_winch)
 
-        to_master = b""
-        stdin_open = True
-        while True:
-            if waiter is not None and waiter.status is not None:
-                _drain(master_fd, stdout_fd)
-                break
-            rlist = [master_fd]
-            if stdin_open and len(to_master) < _CHUNK:
-                rlist.append(stdin_fd)
-            if waiter is not None:
-                rlist.append(waiter.pidfd)
-            if wake_r >= 0:
-                rlist.append(wake_r)
-            r, w, _ = select.select(rlist, [master_fd] if to_master else [], [])
-            if wake_r in r:
-                with contextlib.suppress(OSError):
-                    os.read(wake_r, 64)
-                copy_size()
-            if master_fd in r:
-                data = _read_master(master_fd)
-                if data is None:
-                    break
-                _write_all(stdout_fd, data)
-            if stdin_fd in r:
-                data = os.read(stdin_fd, _CHUNK)
-                if data:
-                    to_master += data
-                else:
-                    stdin_open = False
-                    to_master += _eof_bytes(master_fd)
-            if master_fd in w and to_master:
-                try:
-                    n = os.write(master_fd, to_master)
-                    to_master = to_master[n:]
-                except BlockingIOError:
-                    pass
-                except OSError as err:
-                    if err.errno == errno.EIO:
-                        break
-                    raise
-            if waiter is not None and waiter.pidfd in r:
-                waiter.ended()
+        _relay_copy(master_fd, stdin_fd, stdout_fd, waiter, wake_r, copy_size)
     finally:
         if old_winch is not None:
             signal.signal(signal.SIGWINCH, old_winch)
@@ -984,6 +945,64 @@ def _relay_loop(master_fd: int, stdin_fd: int, stdout_fd: int, waiter: _Waiter |
                 termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved_tio)
         with contextlib.suppress(OSError):
             fcntl.fcntl(master_fd, fcntl.F_SETFL, old_flags)
+
+
+def _relay_copy(master_fd: int, stdin_fd: int, stdout_fd: int, waiter: _Waiter | None, wake_r: int,
+                copy_size) -> None:
+    """Copy between the master and stdin/stdout until the master hangs up or the process
+    ends (what the master still holds drained then); a byte on `wake_r` (SIGWINCH) copies
+    the window size again."""
+    to_master = b""
+    stdin_open = True
+    while True:
+        if waiter is not None and waiter.status is not None:
+            _drain(master_fd, stdout_fd)
+            return
+        rlist = [master_fd]
+        if stdin_open and len(to_master) < _CHUNK:
+            rlist.append(stdin_fd)
+        if waiter is not None:
+            rlist.append(waiter.pidfd)
+        if wake_r >= 0:
+            rlist.append(wake_r)
+        r, w, _ = select.select(rlist, [master_fd] if to_master else [], [])
+        if wake_r in r:
+            with contextlib.suppress(OSError):
+                os.read(wake_r, 64)
+            copy_size()
+        if master_fd in r:
+            data = _read_master(master_fd)
+            if data is None:
+                return
+            _write_all(stdout_fd, data)
+        if stdin_fd in r:
+            data = os.read(stdin_fd, _CHUNK)
+            if data:
+                to_master += data
+            else:
+                stdin_open = False
+                to_master += _eof_bytes(master_fd)
+        if master_fd in w and to_master:
+            left = _write_master(master_fd, to_master)
+            if left is None:
+                return
+            to_master = left
+        if waiter is not None and waiter.pidfd in r:
+            waiter.ended()
+
+
+def _write_master(master_fd: int, data: bytes) -> bytes | None:
+    """Write what the (non-blocking) master takes of `data`; what is left, or None when the
+    master hung up (EIO)."""
+    try:
+        n = os.write(master_fd, data)
+        return data[n:]
+    except BlockingIOError:
+        return data
+    except OSError as err:
+        if err.errno == errno.EIO:
+            return None
+        raise
 
 
 def _drain(master_fd: int, stdout_fd: int) -> None:

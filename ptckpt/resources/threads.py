@@ -162,8 +162,7 @@ def _clone_frozen(remote: RemoteSyscalls, tid: int, flags: int, exit_signal: int
     # clone3 returns the tid in the process's own pid namespace; the clone or
     # fork event told the tracer the tid in its namespace.
     new = remote.last_clone
-    task = Task(new, new if tgid is None else tgid)
-    task.seized = True
+    task = Task.followed(new, new if tgid is None else tgid)
     task.wait_frozen()
     return task
 
