@@ -306,10 +306,10 @@ def kinds_table() -> list[Kind]:
     status fields, fdinfo keys and VmFlags from the modules that check them (which import
     ptckpt.kinds: the table cannot gather them itself without a cycle)."""
     from . import claims
-    from .kinds import ANON_INODES, FD, MAPPINGS, NAMESPACES, SOCKETS, Kind
+    from .kinds import ABIS, ANON_INODES, FD, MAPPINGS, NAMESPACES, SOCKETS, Kind
     from .resources import memory
     rows = [*FD.values(), *(Kind("anon_inode", n, f"as fd kind {k.name.lower()}") for n, k in ANON_INODES.items()),
-            *SOCKETS.values(), *MAPPINGS.values(), *NAMESPACES.values()]
+            *SOCKETS.values(), *MAPPINGS.values(), *ABIS.values(), *NAMESPACES.values()]
     rows += [Kind("status", k, c.by) for k, c in claims.STATUS.items()]
     rows += [Kind("fdinfo", k, c.by) for k, c in claims.FDINFO_COMMON.items()]
     rows += [Kind("fdinfo", f"{kind.lower()}: {k}", c.by) for kind, keys in claims.FDINFO_BY_KIND.items()

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import appblock, claims, procfs
+from . import appblock, claims, kinds, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, OwnAncestor,
                      PluginError, SharedOutside, TargetVanished, UnsupportedResource)
 from .formats.image import ImageWriter
@@ -90,7 +90,25 @@ def check_target(pid: int) -> None:
     if pid == os.getpid():
         raise AccessDenied(pid, "checkpoint ptckpt itself as")
     _refuse_own_ancestor(pid)
+    refuse_other_abi(pid)
     _refuse_if_traced(pid)
+
+
+def refuse_other_abi(pid: int) -> None:
+    """A program of an instruction set the table of kinds (ptckpt.kinds.ABIS) does not say
+    is restored (a 32-bit one: ELF class 1) is refused by name before anything is injected."""
+    try:
+        with open(f"/proc/{pid}/exe", "rb") as f:
+            head = f.read(5)
+    except OSError:
+        return                                   # no program to read (gone): the freeze says so
+    if head[:4] != b"\x7fELF":
+        return
+    row = kinds.ABIS["ia32" if head[4] == 1 else "x86_64"]
+    if not row.restored:
+        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, {row.refusal.split(':')[0]}",
+                                  why=row.refusal.split(": ", 1)[1],
+                                  way_out="checkpoint its x86_64 build, or a tree without it")
 
 
 def _ancestors(pid: int) -> list[int]:
@@ -530,6 +548,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     """One frozen member; `parent`: its parent's image, when a member too, and `cow` the
     pages they share copy-on-write (memory.shared_with_parent): saved once, in the parent's;
     `lent`: the ranges of this process's pages its children share (read without pinning)."""
+    refuse_other_abi(pid)                        # a member of another instruction set, before any injection
     tasks = session.threads_of(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)

@@ -134,6 +134,14 @@ MAPPINGS: dict[VmaKind, Kind] = _fds("mapping", {
     VmaKind.OTHER: ("", "a kind of mapping ptckpt cannot make again"),
 })
 
+# -- the instruction set a process runs (its program's ELF class) ------------------------
+ABIS: dict[str, Kind] = {n: Kind("abi", n, *v) for n, v in {
+    "x86_64": ("ptckpt.tracee, the restorer stub (64-bit registers, syscalls and signal frames)",),
+    "ia32": ("", "a 32-bit (ia32) program: its system calls, registers and signal frames are the "
+                 "compat ABI's, which this version does not inject or restore"),
+}.items()}
+
+
 # -- namespace files of /proc/PID/ns ------------------------------------------------------
 _OWN = "ptckpt's own: a member in another is refused (claims.check_namespaces), run ptckpt in it"
 NAMESPACES: dict[str, Kind] = {n: Kind("namespace", n, *v) for n, v in {

@@ -19,6 +19,7 @@
 #   mpich, libmpich-dev  mpicc and mpiexec, the MPI job tests/test_mpi.py checkpoints
 #   iverilog        iverilog and vvp, the simulator tests/test_simulators.py checkpoints
 #   iproute2        ip and ss (named network namespaces, connection listings)
+#   gcc-multilib    gcc -m32: the 32-bit program tests/test_compat32.py shows refused by name
 # A Debian install starts the packaged redis service; the tests start their own, so the
 # service is stopped.
 set -euo pipefail
@@ -54,8 +55,15 @@ cc_works() {
 		gcc -x c -o /dev/null - >/dev/null 2>&1
 }
 
+cc32_works() {
+	have gcc &&
+		printf '#include <stdio.h>\nint main(void){return 0;}\n' |
+		gcc -m32 -x c -o /dev/null - >/dev/null 2>&1
+}
+
 wanted=()
 cc_works || wanted+=(gcc libc6-dev)
+cc32_works || wanted+=(gcc-multilib)
 for pkg in "${ORDER[@]}"; do
 	for prog in ${PROGRAMS[$pkg]}; do
 		if ! have "$prog"; then
@@ -85,6 +93,7 @@ if ((${#wanted[@]})); then
 		echo "$0: gcc still cannot compile a C program" >&2
 		exit 1
 	fi
+	cc32_works || { echo "$0: gcc -m32 still cannot compile a 32-bit program" >&2; exit 1; }
 	for pkg in "${ORDER[@]}"; do
 		for prog in ${PROGRAMS[$pkg]}; do
 			have "$prog" || { echo "$0: $prog still missing after installing $pkg" >&2; exit 1; }
