@@ -28,7 +28,8 @@ from .. import kinds, procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
-from .anonfds import file_handle, is_mqueue, open_file_handle
+from .fhandles import file_handle, open_file_handle
+from .mqueue import is_mqueue
 from . import filepolicy, nsfs
 from .filepolicy import path_matches
 

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 from ..errors import RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, PidfdState
 from .. import procfs
-from .anonfds import fs_type
+from .fdstate import fs_type
 
 PIDFD_NONBLOCK = os.O_NONBLOCK
 PIDFD_THREAD = os.O_EXCL
