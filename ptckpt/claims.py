@@ -152,15 +152,15 @@ FDINFO_COMMON: dict[str, Claim] = {
     "lock": _restored("resources.locks"),
 }
 FDINFO_BY_KIND: dict[str, dict[str, Claim]] = {
-    "EVENTFD": {k: _restored("resources.anonfds") for k in ("eventfd-count", "eventfd-semaphore")}
+    "EVENTFD": {k: _restored("resources.eventfd") for k in ("eventfd-count", "eventfd-semaphore")}
     | {"eventfd-id": _derived("the object's id, new for the object made again")},
-    "TIMERFD": {k: _restored("resources.anonfds")
+    "TIMERFD": {k: _restored("resources.timerfd")
                 for k in ("clockid", "ticks", "settime flags", "it_value", "it_interval")},
-    "SIGNALFD": {"sigmask": _restored("resources.anonfds")},
-    "INOTIFY": {"inotify wd": _restored("resources.anonfds")},
+    "SIGNALFD": {"sigmask": _restored("resources.signalfd")},
+    "INOTIFY": {"inotify wd": _restored("resources.inotify")},
     "PTY_MASTER": {"tty-index": _restored("resources.terminals (the pty made again, at its index "
                                           "when free)")},
-    "FANOTIFY": {k: _restored("resources.anonfds (which refuses content classes and unread events)")
+    "FANOTIFY": {k: _restored("resources.fanotify (which refuses content classes and unread events)")
                  for k in ("fanotify flags", "fanotify ino", "fanotify mnt_id", "fanotify sdev")},
     "EPOLL": {"tfd": _restored("resources.epoll")},
     "PIDFD": {k: _restored("resources.pidfds (the process it refers to: a member, a zombie of the "

@@ -10,7 +10,8 @@ does not know is refused, never passed over.  ``ptckpt check --kinds`` prints th
 (ptckpt.check.kinds_table, with the rows those modules keep).
 
 Adding a kind: its module under resources/ (dump and restore halves side by side), then
-its row here, naming that module.
+its row here, naming that module (an anonymous-fd kind: also one row in resources.anonfds'
+registry, KINDS).
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def _fds(family: str, rows: dict) -> dict:
     return {k: Kind(family, getattr(k, "name", str(k)).lower(), *v) for k, v in rows.items()}
 
 
-_ANON = "resources.anonfds (state from fdinfo, object made again in ptckpt, handed over)"
+def _anon(module: str) -> tuple[str]:
+    """A kind of resources.anonfds' registry: its own module, one row there."""
+    return (f"resources.{module} (state from fdinfo, object made again in ptckpt, handed over; "
+            f"a row of resources.anonfds)",)
+
+
 _BY_PATH = "resources.files (reopened by path at its offset and flags; deleted: a ghost file in the image)"
 
 # -- fds, by the kind resources.files.classify_fd gives them --------------------------
@@ -51,9 +57,9 @@ FD: dict[FdKind, Kind] = _fds("fd", {
     FdKind.PIPE: ("resources.pipes (made in ptckpt with their bytes, handed over)",),
     FdKind.FIFO: ("resources.pipes (FIFOs reopened by path, with their bytes)",),
     FdKind.SOCKET: ("by family, type and protocol: see the socket rows",),
-    FdKind.EVENTFD: (_ANON,), FdKind.TIMERFD: (_ANON,), FdKind.SIGNALFD: (_ANON,),
-    FdKind.INOTIFY: (_ANON,), FdKind.FANOTIFY: (_ANON,), FdKind.MEMFD: (_ANON,),
-    FdKind.MQUEUE: (_ANON,),
+    FdKind.EVENTFD: _anon("eventfd"), FdKind.TIMERFD: _anon("timerfd"), FdKind.SIGNALFD: _anon("signalfd"),
+    FdKind.INOTIFY: _anon("inotify"), FdKind.FANOTIFY: _anon("fanotify"), FdKind.MEMFD: _anon("memfd"),
+    FdKind.MQUEUE: _anon("mqueue"),
     FdKind.EPOLL: ("resources.epoll (its watches registered again once every fd exists)",),
     FdKind.TTY: ("resources.terminals (by path; a shell job's terminal is the restore's own)",),
     FdKind.PTY_MASTER: ("resources.terminals (the pair made again, queued data both ways)",),
