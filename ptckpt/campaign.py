@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from .campaign_types import (OUTCOMES, Backend, CampaignResult, CampaignSpec, RunResult, RunSpec, fault_text,
                              kill_run)
-from .errors import PtckptError, UsageError
+from .errors import PtckptError, ReferenceFailed, UsageError
 
 __all__ = ["OUTCOMES", "Backend", "CampaignResult", "CampaignSpec", "LocalBackend", "RunResult", "RunSpec",
            "backend_for", "classify", "fault_text", "kill_run", "run_campaign", "write_results"]
@@ -190,6 +190,47 @@ def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out, host) 
     return result, _ptckpt_error(run.directory)
 
 
+FAILED_REFERENCE = "reference-failed"      # in -o: the reason a campaign's reference run failed
+
+
+def _only_failed_reference(out: str) -> bool:
+    """-o holds nothing but a failed reference run (what a campaign leaves then): its
+    marker and runs/reference/.  A retry reuses such an -o; any other content is refused."""
+    try:
+        return (set(os.listdir(out)) == {FAILED_REFERENCE, "runs"}
+                and os.listdir(os.path.join(out, "runs")) == ["reference"])
+    except OSError:
+        return False
+
+
+def _clear_failed_reference(out: str) -> None:
+    import shutil
+    shutil.rmtree(os.path.join(out, "runs", "reference"))
+    os.rmdir(os.path.join(out, "runs"))
+    os.unlink(os.path.join(out, FAILED_REFERENCE))
+
+
+def _reference_failed(out: str, directory: str, ref: RunResult, error: str) -> ReferenceFailed:
+    """The error for a reference run that did not succeed, its reason also left in
+    OUT/reference-failed (so that a retry knows -o holds only that): the restore's own exit
+    code when the restore failed (its "ptckpt: error:" line), else REFERENCE_FAILED."""
+    restore_code = None
+    if ref.timed_out:
+        why = f"timed out (killed after {ref.seconds:.0f} s)"
+    elif error:
+        why = error.removeprefix("ptckpt: error:").strip()
+        if ref.status is not None and 0 < ref.status < 128:
+            restore_code = ref.status
+    elif ref.status is not None and ref.status > 128:
+        why = f"the program was killed by signal {ref.status - 128}"
+    else:
+        why = f"the program exited with status {ref.status}"
+    fd = os.open(os.path.join(out, FAILED_REFERENCE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(why + "\n")
+    return ReferenceFailed(why, directory, restore_code)
+
+
 def check_image(image: str, inject: Sequence[str]) -> None:
     """Before any run (and before -o is made): the image opens (its own errors, with their
     exit codes: NotAnImage ...), and every symbol an --inject SPEC names is defined in the
@@ -223,9 +264,11 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
         raise UsageError("--runs must be at least 1")
     if not spec.inject:
         raise UsageError("a campaign needs at least one --inject SPEC")
-    if os.path.isdir(spec.out) and os.listdir(spec.out):
+    if os.path.isdir(spec.out) and os.listdir(spec.out) and not _only_failed_reference(spec.out):
         raise UsageError(f"{spec.out} is not empty (another campaign's results?): give -o a new directory")
     check_image(spec.image, spec.inject)
+    if os.path.isdir(spec.out) and _only_failed_reference(spec.out):
+        _clear_failed_reference(spec.out)              # a retry after a failed reference takes -o again
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
     runs_dir = os.path.join(spec.out, "runs")
     netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)
@@ -248,8 +291,7 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
             for index, status, seconds, timed_out, host in backend.wait():
                 ref, error = _result(spec, specs[index], status, seconds, timed_out, host)
             if ref.timed_out or ref.status != 0:
-                why = error or ("timed out" if ref.timed_out else f"exit status {ref.status}")
-                raise UsageError(f"the reference run (no faults) did not succeed: {why} (see {specs[0].directory})")
+                raise _reference_failed(spec.out, specs[0].directory, ref, error)
             ref.outcome = "reference"
         for i in range(1, spec.runs + 1):
             backend.submit(specs[i])

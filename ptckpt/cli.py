@@ -342,7 +342,8 @@ def campaign(
     time, each with its own seed. Every run is classified masked, detected,
     crashed, hung (killed at --timeout) or error; the table goes to stdout and to
     OUT/results.csv, OUT/results.json and OUT/report.html. Exit 25 when some runs
-    could not be restored (outcome error).
+    could not be restored (outcome error); when the reference run fails, the exit code
+    of its restore (if that failed) or 27, and a retry reuses OUT.
 
     Example: ptckpt campaign -D /tmp/ckpt -o results --runs 100 --jobs 2 --timeout 30s --inject 'flip:symbol=design_state,bits=1'
     """

@@ -60,6 +60,7 @@ class Site:
 
     pid: int = 0
     root: bool = False
+    rseq_pages: frozenset[int] = frozenset()   # pages holding its threads' rseq areas (both images)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,16 @@ def _fs(*names: str) -> frozenset[str]:
 # (_RESUMED, _Comparer.thread_regs), and memory without the kernel's fields of each rseq
 # area (_RSEQ_REASON, _rseq_masks).
 _TCP_MAXSEG = (6, 2)                # (IPPROTO_TCP, TCP_MAXSEG)
+
+
+def _cow_pages(v) -> frozenset[int]:
+    return frozenset(a for cs, ce in v.cow for a in range(cs, ce, PAGE_SIZE))
+
+
+def _rseq_pages(*procs) -> frozenset[int]:
+    """The pages the rseq areas of the processes' threads are on (at most one or two per thread)."""
+    return frozenset(a & ~(PAGE_SIZE - 1) for proc in procs for t in proc.threads if t.rseq_addr and t.rseq_len
+                     for a in (t.rseq_addr, t.rseq_addr + t.rseq_len - 1))
 
 
 def _without_maxseg(options) -> list:
@@ -131,6 +142,10 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(Vma, _fs("vmflags"), "\"gu\" says a mapping may hold guard pages (its guard pages are "
              "compared): the kernel's hint, carried over to any mapping merged with one that held them",
              lambda a, b, s: set(a.vmflags.split()) ^ set(b.vmflags.split()) == {"gu"}),
+    Expected(Vma, _fs("cow"), "a page holding a thread's rseq area: the kernel writes the CPU it runs on there "
+             "when the thread comes back to user space after being preempted or moved (a dump's injected "
+             "syscalls, on a busy machine), which ends that page's copy-on-write sharing with the parent",
+             lambda a, b, s: _cow_pages(a) ^ _cow_pages(b) <= s.rseq_pages),
     Expected(ShmImage, _fs("atime", "dtime", "ctime", "cpid", "lpid", "nattch"),
              "times and last pids of a System V segment (for information)"),
     Expected(SemImage, _fs("otime", "ctime", "pids"), "times and last pids of a semaphore set"),
@@ -469,7 +484,7 @@ def _as_merged(vmas: Iterable[Vma]) -> list[Vma]:
 
 
 def _compare_process(c: _Comparer, pid: int, pa: ProcessImage, pb: ProcessImage, root: bool) -> None:
-    site = Site(pid, root)
+    site = Site(pid, root, _rseq_pages(pa, pb))
     here = f"process {pid}"
     c.record(f"{here} task", pa.task, pb.task, site)
     c.record(f"{here} creds", pa.creds, pb.creds, site)

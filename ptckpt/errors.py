@@ -42,6 +42,7 @@ class ExitCode:
     TRANSFER = 24         # page server, push, migrate: no connection, denied, broken, or it refused
     RUNS_FAILED = 25      # campaign: some runs could not be restored (outcome "error")
     NOT_RESTORED = 26     # `ptckpt stop`: the process is not a tree ptckpt restored
+    REFERENCE_FAILED = 27  # campaign: the reference run's program failed, crashed or hung
 
 
 class PtckptError(Exception):
@@ -376,6 +377,23 @@ class TransferError(PtckptError):
     """An image sent to (or a restore asked of) a page server did not get there."""
 
     exit_code = ExitCode.TRANSFER
+
+
+class ReferenceFailed(PtckptError):
+    """A campaign's reference run (no faults) did not succeed, so no run can be judged.
+
+    When the restore itself failed, the exit code is that restore's own (read from the
+    run's exit status: 15 for files changed under a strict --file-policy ...); when the
+    program failed, crashed or hung, REFERENCE_FAILED."""
+
+    exit_code = ExitCode.REFERENCE_FAILED
+
+    def __init__(self, why: str, directory: str, restore_code: int | None = None):
+        super().__init__(f"the reference run (no faults) did not succeed: {why}; its output is in {directory} "
+                         f"(stdout, stderr); run the campaign again once fixed (-o is reused)")
+        self.why, self.directory = why, directory
+        if restore_code is not None:
+            self.exit_code = restore_code
 
 
 class ControlError(PtckptError):

@@ -277,3 +277,43 @@ def test_a_campaign_of_a_non_image_fails_before_any_run_leaving_nothing(ptckpt, 
     assert len(res.stderr.splitlines()) == 1 and "reference run" not in res.stderr, res.stderr
     assert str(image) in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_reference_run_says_why_with_its_own_exit_code_and_the_retry_reuses_out(spawn, ptckpt, tmp_path):
+    """The reference run fails: the restore's own exit code when the restore failed (15: a file
+    changed under --file-policy strict), REFERENCE_FAILED when the program did not succeed (it
+    hung); one line naming where the run's output is; -o, holding only the failed reference,
+    is taken again by the same command, corrected (not refused as "not empty")."""
+    target = spawn("counter")
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    out = tmp_path / "out"
+    reference = out / "runs" / "reference"
+    try:
+        with open(target.out_path, "a") as f:
+            f.write("changed since the dump\n")
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", out, "--runs", "2",
+                     "--inject", "set:symbol=poke,value=77", "--file-policy", "strict", "--timeout", "20s")
+        assert res.returncode == ExitCode.INCOMPATIBLE, res.stderr
+        assert len(res.stderr.splitlines()) == 1 and "reference run" in res.stderr, res.stderr
+        assert str(reference) in res.stderr and "changed" in res.stderr, res.stderr
+        assert (reference / "stderr").exists() and not (out / "results.csv").exists()
+        # retried: -o is reused; the counter never ends, so now the reference hangs
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", out, "--runs", "2",
+                     "--inject", "set:symbol=poke,value=77", "--file-policy", "ignore", "--timeout", "1s")
+        assert res.returncode == ExitCode.REFERENCE_FAILED, res.stderr
+        assert len(res.stderr.splitlines()) == 1 and "not empty" not in res.stderr, res.stderr
+        assert "timed out" in res.stderr and str(reference) in res.stderr, res.stderr
+        assert _leftovers(str(target.argv[0])) == []
+        # and once more, with a check (no reference): the campaign runs in the same -o
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", out, "--runs", "1",
+                     "--inject", "reg:name=rip,value=0x10", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == 0, res.stderr
+        assert [r["outcome"] for r in _rows(out)] == ["crashed"]
+        assert not reference.exists(), "the failed reference's output went with the retry"
+        # a -o that holds a campaign's results is still refused
+        res = ptckpt("campaign", "-D", tmp_path / "img", "-o", out, "--runs", "1",
+                     "--inject", "reg:name=rip,value=0x10", "--check", "true", "--file-policy", "ignore")
+        assert res.returncode == ExitCode.USAGE and "not empty" in res.stderr, res.stderr
+    finally:
+        kill_pids(_leftovers(str(target.argv[0])))
+        reap_orphans()
