@@ -106,9 +106,8 @@ def refuse_other_abi(pid: int) -> None:
         return
     row = kinds.ABIS["ia32" if head[4] == 1 else "x86_64"]
     if not row.restored:
-        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, {row.refusal.split(':')[0]}",
-                                  why=row.refusal.split(": ", 1)[1],
-                                  way_out="checkpoint its x86_64 build, or a tree without it")
+        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit ({row.name}) program",
+                                  why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
 
 
 def _ancestors(pid: int) -> list[int]:

@@ -143,8 +143,8 @@ MAPPINGS: dict[VmaKind, Kind] = _fds("mapping", {
 # -- the instruction set a process runs (its program's ELF class) ------------------------
 ABIS: dict[str, Kind] = {n: Kind("abi", n, *v) for n, v in {
     "x86_64": ("ptckpt.tracee, the restorer stub (64-bit registers, syscalls and signal frames)",),
-    "ia32": ("", "a 32-bit (ia32) program: its system calls, registers and signal frames are the "
-                 "compat ABI's, which this version does not inject or restore"),
+    "ia32": ("", "a 32-bit program's system calls, registers and signal frames are the compat "
+                 "ABI's, which this version does not inject or restore"),
 }.items()}
 
 

@@ -45,24 +45,37 @@ def image_problems(image: ImageReader, proc: ProcessImage, handed: dict[int, Fd]
     return bad
 
 
+def init_root_refused(root: int) -> UnsupportedResource:
+    """The root of a tree restored in a pid namespace of its own may not be its init."""
+    return UnsupportedResource(root, "the root was the init (pid 1) of its pid namespace: "
+                                     "restoring a namespace's init is not supported yet")
+
+
+def queue_refusal(image: ImageReader, procs: dict[int, ProcessImage]) -> UnsupportedResource | None:
+    """Queued unix messages no restore could send again (sockets.unsendable_queues), named
+    for a process holding their socket."""
+    unsent = sockets.unsendable_queues(image.unix_sockets)
+    if not unsent:
+        return None
+    inos = {r.ino for r in unsent}
+    holder = next((p for p, proc in procs.items() for f in proc.fds
+                   if f.kind is FdKind.SOCKET and f.ino in inos), image.inventory.root_pid)
+    return UnsupportedResource(holder, "; ".join(f"socket:[{r.ino}] with {len(r.queue)} queued message(s) "
+                                                 f"and no end to send them from" for r in unsent))
+
+
 def tree_problems(image: ImageReader, procs: dict[int, ProcessImage]) -> UnsupportedResource | None:
     """The first refusal restore's plan would meet on this image on any host, or None."""
     root = image.inventory.root_pid
     if image.inventory.pid_level and root == 1:
-        return UnsupportedResource(root, "the root was the init (pid 1) of its pid namespace: "
-                                         "restoring a namespace's init is not supported yet")
+        return init_root_refused(root)
     handed = plan_handoff(image, procs)
     objects = memory_objects(procs)
     for p, proc in procs.items():
         bad = image_problems(image, proc, handed, objects)
         if bad:
             return UnsupportedResource(proc.task.pid, "; ".join(bad))
-    unsent = sockets.queue_problems(image.unix_sockets)
-    if unsent:
-        holder = next((p for p, proc in procs.items() for f in proc.fds
-                       if f.kind is FdKind.SOCKET and f"socket:[{f.ino}]" in unsent[0]), root)
-        return UnsupportedResource(holder, "; ".join(unsent))
-    return None
+    return queue_refusal(image, procs)
 
 
 def check_restorable(directory: str) -> None:

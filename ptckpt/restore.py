@@ -43,7 +43,7 @@ from . import appblock, procfs
 from . import plugins as plugin_mod
 from .errors import (ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
                      UnsupportedResource)
-from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, root_stdio
+from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, queue_refusal, root_stdio
 from .plugins import Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind,
@@ -164,13 +164,16 @@ def preflight(directory: str) -> list[Finding]:
                            0 if not inv.memory_only else ExitCode.USAGE))
         procs = {p: image.process(p) for p in inv.pids}
         host = Host.probe()
-        handoff = plan_handoff(image, procs)
+        handoff, objects = plan_handoff(image, procs), memory_objects(procs)
         bad = []
         for p, proc in procs.items():
             try:
-                plan_problems(image, proc, host, pidns=True, handed=handoff, objects=memory_objects(procs))
+                plan_problems(image, proc, host, pidns=True, handed=handoff, objects=objects)
             except PtckptError as err:
                 bad.append(err)
+        unsent = queue_refusal(image, procs)
+        if unsent is not None:
+            bad.append(unsent)
         out.append(Finding("this host", not bad, "; ".join(str(e) for e in bad) or
                            f"{os.uname().machine}, this kernel's vdso layout, the xsave features used "
                            f"(CPU {host.xcr0:#x})", bad[0].exit_code if bad else 0))

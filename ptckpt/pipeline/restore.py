@@ -44,7 +44,7 @@ from ..restore import (Host, RestoreResult, at_restored_pids, build_handoff, che
 from ..errors import CorruptImage, Incompatible, PtckptError, RestoreFailed, UnsupportedResource, UsageError
 from ..formats.image import ImageReader
 from ..formats.model import InetMode, PageRun, PidfdState, ProcessImage, ShmImage
-from ..plan import memory_objects, plan_handoff
+from ..plan import init_root_refused, memory_objects, plan_handoff, queue_refusal
 from ..plugins import Plugin, Plugins, ProcessHandle
 from ..resources import creds, filepolicy, files, inet, memory, pidfds, pids, process, signals, sockets, sysvipc
 from ..resources import terminals
@@ -206,8 +206,7 @@ def collect(run: RestoreRun) -> None:
         log.info("the tree lived in a pid namespace of its own: restored in a new one")
         run.pidns = True
     if run.pidns and root == 1:
-        raise UnsupportedResource(root, "the root was the init (pid 1) of its pid namespace: "
-                                        "restoring a namespace's init is not supported yet")
+        raise init_root_refused(root)
     run.procs = {p: image.process(p) for p in run.members}
     plugin_mod.check_present(image.plugin_data, opts.plugins)
     run.events = Plugins(opts.plugins, image.path, restore=True, data=image.plugin_data)
@@ -231,6 +230,9 @@ def plan(run: RestoreRun) -> None:
     for p in run.members:
         plan_problems(image, procs[p], host, pidns=run.pidns, handed=run.plan, objects=objects)
         creds.check_restorable(p, procs[p].creds)
+    unsent = queue_refusal(image, procs)            # as the dump's check found none, none here
+    if unsent is not None:
+        raise unsent
     identities = file_identities(procs, {f.path for f in image.saved_files})
     moved = [i for i in identities if any(under(i.path, d) for d in events.moved())] if events else []
     missing = sorted({i.path for i in moved if not os.path.exists(i.path)})

@@ -279,8 +279,8 @@ def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]],
         for what, path in (("cwd", task.cwd), ("root", task.root)):
             if not ghost_dir_key(path):
                 continue
-            if ended_process_file(path):
-                raise UnsupportedResource(pid, f"{what} -> {path}: " + _ENDED.format(pid=ended_process_file(path)))
+            if ended := ended_process_file(path):
+                raise UnsupportedResource(pid, f"{what} -> {path}: " + _ENDED.format(pid=ended))
             g = _read_ghost(pid, f"/proc/{pid}/{what}", path, what)
             other = dirs.setdefault(g.path, g)
             if (other.dev, other.ino) != (g.dev, g.ino):
@@ -409,8 +409,8 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
             what = ("symbolic link, FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH
                     else "device node")
             out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
-        if ended_process_file(f.path):
-            out.append(f"fd {f.fd} -> {f.path} ({_ENDED.format(pid=ended_process_file(f.path))})")
+        if ended := ended_process_file(f.path):
+            out.append(f"fd {f.fd} -> {f.path} ({_ENDED.format(pid=ended)})")
             continue
         if f.kind is FdKind.PTY_SLAVE and not is_controlling_tty(f):
             out.append(f"fd {f.fd} -> {f.path} (a pty slave whose master is outside the tree, not the "

@@ -281,10 +281,10 @@ def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set
     for ino, (pid, f) in holders.items():
         d = diag.get(ino)
         if d is not None and d.peer and d.peer not in holders:
-            if external and external_peer(d, diag.get(d.peer)):
+            by_name = external_peer(d, diag.get(d.peer))
+            if external and by_name:
                 continue
-            hint = (" (or --ext-unix-sk, to connect it to its name again at restore)"
-                    if external_peer(d, diag.get(d.peer)) else "")
+            hint = " (or --ext-unix-sk, to connect it to its name again at restore)" if by_name else ""
             raise SharedOutside(pid, f.fd, f.path, f"its peer socket:[{d.peer}]"
                                 f"{_named(diag.get(d.peer))} is {_holder(d.peer, members)}{hint}")
         for c in d.icons if d is not None and d.listening else ():
@@ -450,7 +450,7 @@ def queue_sender(r: UnixSocket, by_ino: Mapping[int, UnixSocket]) -> str | None:
     """What sends r's receive queue again at restore: "peer" (its peer, made too), "name" (a
     datagram socket's messages, sent to its name), "stand-in" (a socket whose peer had closed:
     made as one end of a pair whose other end sends, then goes), None (nothing can).
-    A queue no socket of the image sends that way is refused (:func:`queue_problems`)."""
+    A queue no socket of the image sends that way is refused (:func:`unsendable_queues`)."""
     peer = by_ino.get(r.peer)
     if r.state == TCP_LISTEN:
         return None
@@ -465,11 +465,10 @@ def queue_sender(r: UnixSocket, by_ino: Mapping[int, UnixSocket]) -> str | None:
     return "stand-in" if r.state == TCP_ESTABLISHED and peer is None else None
 
 
-def queue_problems(records: Sequence[UnixSocket]) -> list[str]:
-    """The queued messages of the image's unix sockets that no restore could send again."""
+def unsendable_queues(records: Sequence[UnixSocket]) -> list[UnixSocket]:
+    """The image's unix sockets whose queued messages no restore could send again."""
     by_ino = {r.ino: r for r in records}
-    return [f"socket:[{r.ino}] with {len(r.queue)} queued message(s) and no end to send them from"
-            for r in records if r.queue and not r.pending and queue_sender(r, by_ino) is None]
+    return [r for r in records if r.queue and not r.pending and queue_sender(r, by_ino) is None]
 
 
 def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
@@ -573,8 +572,7 @@ def _refill_queues(records: Sequence[UnixSocket], by_ino: dict, made: dict, send
     waits: set[int] = set()
     for r in records:
         if r.ino not in refilled and r.queue:
-            peer = by_ino.get(r.peer)
-            mutual = peer is not None and (peer.peer == r.ino or r.type != socket.SOCK_DGRAM)
+            mutual = queue_sender(r, by_ino) == "peer"
             sender = senders.get(r.ino) or (made[r.peer] if mutual else None)
             if r.ino in credited:
                 later.add(r, _credited_sender(r, sender, names, temps), [[fd_of(d) for d in item]
