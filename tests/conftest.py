@@ -716,7 +716,9 @@ class Target:
             warnings.warn(str(err))
 
     def cleanup(self) -> None:
-        """The teardown: never raises, always kills and reaps."""
+        """The teardown: never raises, always kills and reaps, and removes the POSIX message
+        queue a fixture announced ("MQ /name": fdkinds), which outlives it otherwise and
+        would be opened again, messages and all, by a later fixture given the same pid."""
         try:
             self.close_stdin()
         except OSError:
@@ -725,6 +727,9 @@ class Target:
         for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if f is not None:
                 f.close()
+        for line in self.preamble:
+            if line.startswith("MQ /"):
+                ctypes.CDLL(None).mq_unlink(line.split()[1].encode())
 
 
 def _resolve_program(program: str, request: pytest.FixtureRequest) -> tuple[str, list[str]]:
