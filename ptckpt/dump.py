@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 from . import appblock, claims, kinds, procfs
 from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoSuchProcess, OwnAncestor,
-                     PluginError, SharedOutside, TargetVanished, UnsupportedResource)
+                     PluginError, TargetVanished, UnsupportedResource)
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
 from .plugins import Plugins, ProcessHandle, SharedResource
-from .formats.model import Fd, FdKind, InotifyState, PendingSignal, ProcessImage, VmaKind, Zombie
-from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, memory, netlink, pids as pidns,
-                        pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+from .formats.model import FdKind, PendingSignal, ProcessImage
+from .resources import (aio, creds, filepolicy, files, inet, locks, memory, pids as pidns, process, registry,
+                        signals, sockets, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
 
 log = logging.getLogger("ptckpt.dump")
@@ -110,25 +110,13 @@ def refuse_other_abi(pid: int) -> None:
                                   why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
 
 
-def _ancestors(pid: int) -> list[int]:
-    """The parent, grandparent ... of `pid` up to its pid namespace's init (or 1)."""
-    out = []
-    with contextlib.suppress(PtckptError):
-        while pid > 1:
-            pid = procfs.read_stat(pid).ppid
-            if pid <= 0 or pid in out:
-                break
-            out.append(pid)
-    return out
-
-
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
 
 
 def _refuse_own_ancestor(pid: int) -> None:
     """The tree of an ancestor of ptckpt holds ptckpt itself, which cannot trace itself:
     refuse by name (the freeze would otherwise fail on ptckpt's own pid)."""
-    ancestors = _ancestors(os.getpid())
+    ancestors = procfs.ancestors(os.getpid())
     if pid in ancestors:
         name = procfs.comm_or_unknown(pid)
         if ancestors.index(pid) == 0:
@@ -293,209 +281,26 @@ def freeze_tree_frozen(session: Session, root: int) -> tuple[list[int], list[int
 
 
 def capture_sharing_frozen(root: int, images: dict[int, ProcessImage], net: inet.InetDump | None = None,
-                           flight: sockets.InFlight | None = None, ext_unix_sk: bool = False):
-    """What the members of a frozen tree share (their fd descriptions numbered already):
-    (the images, image-wide records of the pipes and sockets inside the tree).
+                           flight: sockets.InFlight | None = None, *, zombies: Sequence[int] = (),
+                           save_files: Sequence[str] = (), ext_unix_sk: bool = False) -> registry.Capture:
+    """What the members of a frozen tree share (their fd descriptions numbered already), each
+    kind of resources.registry capturing its own in the registry's order: the capture,
+    whose ``images`` are the images to write and whose records (registry.image_records)
+    the image-wide ones.
 
     Inet sockets go through `net` (the dump's policy for TCP connections, and what it
-    holds until the dump ends); without it, a tree holding one is refused.
-
-    An fd of a kind no restore can make again is refused, by name.  A pipe or
-    socket that a process outside the tree also holds is refused,
-    naming both ends, unless it is the root's stdio (fds 0-2: the shell job's
-    terminal or pipe, which a restore takes from ptckpt restore).  A FIFO held
-    outside too is left to its name: the restore reopens it by path, and its
-    bytes stay in the kernel as long as the outside end keeps it open.
-
-    `flight` (sockets.peek_queues_frozen) has the unix sockets' queues and the fds in
-    flight in them, numbered with the tree's: those files are dumped as if held by one
-    more process (ptckpt, which holds copies), and recorded as IN_FLIGHT_FD.
+    holds until the dump ends); without it, a tree holding one is refused.  An fd of a kind
+    no restore can make again is refused, by name, and so is what the tree shares with a
+    process outside it (resources.sharing).  `flight` (sockets.peek_queues_frozen) has the
+    unix sockets' queues and the fds in flight in them, numbered with the tree's: those
+    files are dumped as if held by one more process (ptckpt, which holds copies), and
+    recorded as IN_FLIGHT_FD.  `zombies`: the tree's; `save_files`: the path patterns of
+    files whose contents go into the image.
     """
-    # fds claimed as external by a plugin are not this function's business
-    fds = {p: [f for f in im.fds if not f.external] for p, im in images.items()}
-    stdio = {f.desc for f in fds[root] if f.fd <= 2 and f.kind in files.STDIO_KINDS}
-    flight = (flight or sockets.InFlight()).without(
-        {f.ino for im in images.values() for f in im.fds if f.external and f.kind is FdKind.SOCKET})
-    sockets.refuse_in_flight(flight)
-    held = {**fds, flight.holder: flight.fds} if flight.fds else fds
-    masters = _pty_masters(fds)
-    hung = _hung_up_ptys(fds, masters)
-    inside = {d for d, _p, _f in masters.values()} | {
-        f.desc for flist in fds.values() for f in flist
-        if f.kind is FdKind.PTY_SLAVE and terminals.slave_index(f.rdev) in masters.keys() | hung.keys()}
-    objects: dict[str, list[tuple[int, Fd]]] = {}
-    for p, flist in held.items():
-        for f in flist:
-            if f.kind in (FdKind.PIPE, FdKind.FIFO, FdKind.SOCKET):
-                objects.setdefault(f.path, []).append((p, f))
-    _refuse_unsupported(images, fds, stdio, inside)
-    outside = procfs.fd_holders(set(objects) | {f"/dev/pts/{n}" for n in masters}
-                                | {f.path for _p, f in hung.values()}, set(images) | {os.getpid()})
-    _refuse_ptys_held_outside(masters, hung, outside)
-    internal_pipes = _internal_pipes(root, objects, stdio, outside)
-    states = _fd_states(fds)
-    ghosts = files.dump_ghost_files(held, {p: list(im.vmas) for p, im in images.items()},
-                                    {p: im.task for p, im in images.items()})
-    _check_deleted_watches(fds, states, {("ghost", g.dev, g.ino) for g in ghosts})
-    if net is None:
-        net = inet.InetDump(inet.Policy(), "")
-    out = (pipes.dump_pipes(held, internal_pipes) + net.capture_frozen(fds, stdio)
-           + netlink.dump_netlink_sockets(fds) + states + _terminals(root, fds[root])
-           + _ptys_frozen(masters, set(images)) + [terminals.hung_up_record(n) for n in hung] + ghosts
-           + flight.records())
-    # Last: reading a pending connection's data accepts it, which only a kill makes good.
-    return images, out + sockets.dump_unix_sockets(held, stdio, leave_running=net.policy.leave_running,
-                                                   flight=flight, external=ext_unix_sk)
-
-
-def _refuse_unsupported(images: dict[int, ProcessImage], fds: dict[int, list[Fd]], stdio: set,
-                        inside: set) -> None:
-    """Refuse, by name, an fd, a mapping or an fd owner no restore can make again (the
-    shell job's stdio and the tree's own ptys aside); the owners of the shell job's stdio
-    are dropped from `images` (its owner is left alone)."""
-    tree = {p: list(im.task.tids) for p, im in images.items()}
-    for p, flist in fds.items():
-        # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
-        shell = {f.fd for f in flist if f.desc in stdio}
-        images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))
-        bad = (files.unsupported_fds(flist, stdio | inside) + memory.unsupported_vmas(images[p].vmas)
-               + files.owners_outside(p, list(images[p].owners), tree, {im.task.pgid for im in images.values()}))
-        if bad:
-            raise UnsupportedResource(p, bad[0])
-
-
-def _refuse_ptys_held_outside(masters: dict, hung: dict, outside: dict) -> None:
-    """A pty of the tree whose slave (or, hung up, itself) a process outside holds is refused."""
-    for n, (_d, p, f) in masters.items():
-        if f"/dev/pts/{n}" in outside:
-            q, m = outside[f"/dev/pts/{n}"][0]
-            raise SharedOutside(p, f.fd, f"/dev/ptmx (the master of /dev/pts/{n})",
-                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds its slave")
-    for n, (p, f) in hung.items():
-        if f.path in outside:
-            q, m = outside[f.path][0]
-            raise SharedOutside(p, f.fd, f"{f.path} (a hung-up pty slave: its master was closed)",
-                                f"pid {q} fd {m} ({procfs.comm_or_unknown(q)}) holds it too")
-
-
-def _internal_pipes(root: int, objects: dict[str, list[tuple[int, Fd]]], stdio: set, outside: dict) -> list[int]:
-    """The inodes of the pipes only the tree holds; a pipe or socket held outside too is
-    refused, naming both ends, unless it is the shell job's stdio or a named FIFO."""
-    internal_pipes = []
-    for link, holders in objects.items():
-        if all(f.desc in stdio for _p, f in holders):
-            continue                      # the shell job's stdio: ptckpt restore gives its own
-        if link in outside:
-            if holders[0][1].kind is FdKind.FIFO and not link.endswith(files.DELETED):
-                continue                  # named: the restore reopens it and meets the outside end
-            p, f = next((p, f) for p, f in holders if f.desc not in stdio)
-            q, n = outside[link][0]
-            raise SharedOutside(p, f.fd, link, f"pid {q} fd {n} ({procfs.comm_or_unknown(q)}) holds it too",
-                                *_way_out_of_an_ancestors_fd(root, q, f.fd))
-        if holders[0][1].kind in pipes.PIPE_KINDS:
-            internal_pipes.append(holders[0][1].ino)
-    return internal_pipes
-
-
-def _check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:
-    """An inotify watch on a deleted file needs the file in the image (a ghost file)."""
-    for state in states:
-        if isinstance(state, InotifyState):
-            bad = anonfds.deleted_watches_unheld(state, ghosts)
-            if bad:
-                p, f = next((p, f) for p, flist in fds.items() for f in flist if f.desc == state.desc)
-                raise UnsupportedResource(p, f"fd {f.fd} ({f.path}): {bad[0]}")
-
-
-def capture_sysv_frozen(images: dict[int, ProcessImage]) -> list:
-    """The System V IPC objects the tree uses: segments it has attached or made, semaphore
-    sets and message queues it operated on last (sysvipc.used_by), with their contents."""
-    shmids = {v.inode for im in images.values() for v in im.vmas if v.path.startswith("/SYSV")}
-    shms, sems, msgs = sysvipc.used_by(set(images), shmids)     # before our own attach changes lpid
-    return ([sysvipc.dump_shm(s) for s in shms] + [sysvipc.dump_sem(s) for s in sems]
-            + [sysvipc.dump_msg(q) for q in msgs])
-
-
-def _fd_states(fds: dict[int, list[Fd]]) -> list:
-    """The state of each eventfd, timerfd, signalfd, inotify, memfd, mqueue and epoll description."""
-    out, seen = [], set()
-    for p, flist in fds.items():
-        for f in flist:
-            if f.desc in seen:
-                continue
-            if f.kind in anonfds.ANON_FD_KINDS:
-                out.append(dataclasses.replace(anonfds.dump_anon_fd(p, f.fd, f.kind), desc=f.desc))
-            elif f.kind is FdKind.EPOLL:
-                out.append(dataclasses.replace(epoll.dump_epoll(p, f.fd, flist),
-                                               desc=f.desc))
-            else:
-                continue
-            seen.add(f.desc)
-    return out
-
-
-def _way_out_of_an_ancestors_fd(root: int, holder: int, fd: int) -> tuple[str, ...]:
-    """The way out when the outside holder of a pipe is an ancestor of the tree (the shell
-    or CI runner that started it, which hands its pipes to its children): that ancestor
-    cannot be dumped with it (its tree holds ptckpt, or things it never meant to share);
-    start the target without it.  () keeps SharedOutside's default way out."""
-    if holder not in _ancestors(root):
-        return ()
-    closed = f" {fd}>&-" if fd > 2 else ""
-    return (f"{holder} is an ancestor of the tree (what started it), which passed it this fd: start "
-            f"the program with its own stdin/stdout and without that fd, e.g. "
-            f"`setsid PROG </dev/null >LOG 2>&1{closed}`",)
-
-
-def _pty_masters(fds: dict[int, list[Fd]]) -> dict[int, tuple[int, int, Fd]]:
-    """{pty index: (desc, a pid holding it, its fd)} for each pty master description of the tree."""
-    out: dict[int, tuple[int, int, Fd]] = {}
-    seen: set[int] = set()
-    for p, flist in fds.items():
-        for f in flist:
-            if f.kind is FdKind.PTY_MASTER and f.desc not in seen:
-                seen.add(f.desc)
-                out[terminals.master_index(p, f.fd)] = (f.desc, p, f)
-    return out
-
-
-def _hung_up_ptys(fds: dict[int, list[Fd]], masters) -> dict[int, tuple[int, Fd]]:
-    """{pty index: (a pid holding it, its fd)} for each pty whose slaves the tree holds and
-    whose master was closed (the slaves are hung up: /dev/pts/N (deleted), EIO)."""
-    out: dict[int, tuple[int, Fd]] = {}
-    for p, flist in fds.items():
-        for f in flist:
-            if f.kind is FdKind.PTY_SLAVE and not files.is_controlling_tty(f):
-                n = terminals.slave_index(f.rdev)
-                if n not in masters and n not in out and terminals.is_hung_up(p, f.fd):
-                    out[n] = (p, f)
-    return out
-
-
-def _ptys_frozen(masters: dict[int, tuple[int, int, Fd]], members: set[int]) -> list:
-    """The PTY records of the tree's pty masters; a pty that is the controlling terminal of a
-    session whose leader is not in the tree is refused (no process could take it again)."""
-    out = []
-    for n, (d, p, f) in masters.items():
-        rec = terminals.dump_pty_frozen(p, f.fd, d)
-        if rec.sid > 0 and rec.sid not in members:
-            raise UnsupportedResource(p, f"fd {f.fd} -> /dev/ptmx (the master of /dev/pts/{n}), the "
-                                         f"controlling terminal of session {rec.sid}, whose leader is "
-                                         f"not in the tree (dump the session's leader too)")
-        out.append(rec)
-    return out
-
-
-def _terminals(root: int, fds: list[Fd]) -> list:
-    """The terminal the root's stdio is on (termios, window size, job control), once per
-    description: a restore puts it on its own terminal, or on a new pty (--new-pty)."""
-    out, seen = [], set()
-    for f in fds:
-        if f.fd <= 2 and f.kind in (FdKind.TTY, FdKind.PTY_SLAVE) and f.desc not in seen:
-            seen.add(f.desc)
-            with contextlib.suppress(PtckptError):
-                out.append(terminals.to_record(terminals.dump_terminal(root, f.fd), f.desc))
-    return out
+    capture = registry.Capture.frozen(root, images, net, flight, zombies=zombies, save_files=save_files,
+                                      ext_unix_sk=ext_unix_sk)
+    registry.capture_frozen(capture)
+    return capture
 
 
 def mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:
@@ -503,25 +308,6 @@ def mark_skipped(image: ProcessImage, patterns: Sequence[str]) -> ProcessImage:
                 if f.kind is FdKind.REGULAR and any(filepolicy.path_matches(p, f.path) for p in patterns)
                 else f for f in image.fds)
     return dataclasses.replace(image, fds=fds)
-
-
-def file_holders(images: dict[int, ProcessImage]) -> dict[str, int]:
-    """{path: a pid holding it} of every regular file open or mapped in the tree (not deleted)."""
-    out: dict[str, int] = {}
-    for p, im in images.items():
-        for f in im.fds:
-            if f.kind is FdKind.REGULAR and not f.path.endswith(files.DELETED):
-                out.setdefault(f.path, p)
-        for v in im.vmas:
-            if v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and not v.file_deleted:
-                out.setdefault(v.path, p)
-    return out
-
-
-
-def zombie_record(pid: int) -> Zombie:
-    st = procfs.read_stat(pid)
-    return Zombie(pid=pid, ppid=st.ppid, pgid=st.pgrp, sid=st.session, wait_status=st.exit_code)
 
 
 def _becomes_zombie(pid: int, timeout: float = 0.2) -> bool:

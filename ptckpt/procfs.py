@@ -1425,6 +1425,21 @@ def comm_or_unknown(pid: int) -> str:
         return "?"
 
 
+def ancestors(pid: int, *, procfs: str = "/proc") -> list[int]:
+    """The parent, grandparent ... of `pid` up to its pid namespace's init (or 1); those
+    that could not be read (gone meanwhile) end the list."""
+    out: list[int] = []
+    try:
+        while pid > 1:
+            pid = read_stat(pid, procfs=procfs).ppid
+            if pid <= 0 or pid in out:
+                break
+            out.append(pid)
+    except PtckptError:
+        pass
+    return out
+
+
 @_wrap_exceptions
 def read_exe(pid: int, *, procfs: str = "/proc") -> str:
     """The executable's path (" (deleted)" appended by the kernel if unlinked)."""

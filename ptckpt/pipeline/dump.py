@@ -33,16 +33,15 @@ from dataclasses import dataclass, field
 
 from .. import __version__, appblock, procfs, progress
 from ..state import committed, not_committed
-from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen,
-    capture_sharing_frozen, capture_sysv_frozen, check_target, file_holders,
-    freeze_outside_critical, mark_skipped, plugins_frozen, running_tree, wait_gone, zombie_record)
+from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen, capture_sharing_frozen,
+    check_target, freeze_outside_critical, mark_skipped, plugins_frozen, running_tree, wait_gone)
 from .. import plan as restore_plan
 from ..errors import PtckptError, UsageError
 from ..formats.image import ImageWriter
 from ..formats.model import Inventory, ProcessImage
 from ..increment import MemoryPlan
 from ..plugins import Plugin, Plugins, ProcessHandle
-from ..resources import aio, files, filepolicy, inet, memory, pidfds, process, sockets
+from ..resources import aio, files, filepolicy, inet, memory, process, registry, sockets
 from ..resources import pids as pidns
 from ..tracee import Session
 from . import Undo, stage
@@ -237,17 +236,11 @@ def capture(run: DumpRun) -> None:
     images = {p: dataclasses.replace(im, fds=tuple(numbered[p])) for p, im in images.items()}
     if run.events:
         images = plugins_frozen(run.events, run.session, images, run.view)
-    # pidfds first: a refusal there comes before capture_sharing_frozen takes pending connections
-    pidfd_states = pidfds.dump_pidfds({p: im.fds for p, im in images.items()},
-                                      {p: im.task.tids for p, im in images.items()}, run.zombies)
-    images, shared = capture_sharing_frozen(pid, images, run.net, run.flight, opts.ext_unix_sk)
-    shared += pidfd_states
-    shared += run.events.image_records()
-    if opts.save_files:
-        shared += files.dump_saved_files(file_holders(images), opts.save_files)
-    shared += capture_sysv_frozen(images)
-    shared += [zombie_record(z) for z in run.zombies]
-    run.images, run.shared = images, pidns.virtual_records(run.view, shared)
+    # each kind of resources.registry in its order (the pidfds first, the unix sockets last)
+    shared = capture_sharing_frozen(pid, images, run.net, run.flight, zombies=run.zombies,
+                                    save_files=opts.save_files, ext_unix_sk=opts.ext_unix_sk)
+    shared.records["plugins"] = run.events.image_records()
+    run.images, run.shared = shared.images, pidns.virtual_records(run.view, registry.image_records(shared))
 
 
 def _capture_processes(run: DumpRun) -> None:

@@ -22,11 +22,11 @@ import os
 import socket
 import stat as _stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .. import kinds, procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..formats.model import Fd, FdKind, FdOwner, GhostFile, SavedFile, Task, Vma, VmaKind
+from ..formats.model import Fd, FdKind, FdOwner, GhostFile, ProcessImage, SavedFile, Task, Vma, VmaKind
 from ..tracee import pidfd_getfd, same_open_file
 from .fhandles import file_handle, open_file_handle
 from .mqueue import is_mqueue
@@ -542,6 +542,27 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
     return out
 
 
+def open_ghost_files(ghosts: Sequence[GhostFile], procs: Mapping[int, ProcessImage], ghost_paths: dict,
+                     opened: dict) -> None:
+    """The deleted files made again (create_ghost_files: `ghost_paths`) that ptckpt itself
+    opens, into `opened`: a directory (a deleted cwd or root, fchdir()ed into), at its
+    ghost_dir_key, and what the deleted mappings of `procs` map, at its ghost_key."""
+    mapped = {ghost_key(v) for proc in procs.values() for v in proc.vmas}
+    for g in ghosts:
+        key = ("ghost", g.dev, g.ino)
+        if _stat.S_ISDIR(g.mode):                 # a deleted cwd or root: fchdir()ed into
+            opened[ghost_dir_key(g.path + DELETED)] = os.open(
+                ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        elif key in mapped:                       # what the deleted mappings map
+            opened[key] = open_description(_ghost_fd(key), ghost_paths[key])
+
+
+def _ghost_fd(key) -> Fd:
+    """The open of a deleted file that a mapping needs (read-write: a shared mapping may write)."""
+    return Fd(fd=-1, kind=FdKind.REGULAR, path=f"deleted file {key[1]:#x}:{key[2]}", flags=os.O_RDWR,
+              pos=0, cloexec=True, mnt_id=0, dev=key[1], ino=key[2], mode=0, rdev=0, size=0, mtime_ns=0)
+
+
 def open_description(f: Fd, path: str | None = None) -> int:
     """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset."""
     flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
@@ -627,6 +648,20 @@ def _make_parents(directory: str, made: list[str]) -> None:
     _make_parents(os.path.dirname(directory), made)
     os.mkdir(directory, 0o700)
     made.append(directory)
+
+
+def file_holders(images: dict) -> dict[str, int]:
+    """{path: a pid holding it} of every regular file open or mapped in the tree ({pid:
+    ProcessImage}; not the deleted ones)."""
+    out: dict[str, int] = {}
+    for p, im in images.items():
+        for f in im.fds:
+            if f.kind is FdKind.REGULAR and not f.path.endswith(DELETED):
+                out.setdefault(f.path, p)
+        for v in im.vmas:
+            if v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and not v.file_deleted:
+                out.setdefault(v.path, p)
+    return out
 
 
 def dump_saved_files(pid_of: dict[str, int], patterns) -> list[SavedFile]:

@@ -48,7 +48,8 @@ import os
 import struct
 
 from .. import procfs
-from ..formats.model import FdKind, InotifyState, InotifyWatch
+from ..errors import UnsupportedResource
+from ..formats.model import Fd, FdKind, InotifyState, InotifyWatch
 from .fdstate import (DELETED, O_CLOEXEC, O_NONBLOCK, FdKindOps, Target, check, closing_on_error, proto,
                       refuse_unread_events, set_status_flags)
 from .fhandles import Mounts, kernel_dev, path_of_mark
@@ -89,6 +90,17 @@ def deleted_watches_unheld(state: InotifyState, ghosts: set) -> list[str]:
     return [f"inotify watch {wd} on the deleted file {paths.get(wd)} (inode {ino}): no fd or mapping of "
             f"the tree holds the file, so it cannot be made again to watch it"
             for wd, dev, ino in state.deleted if ("ghost", dev, ino) not in ghosts]
+
+
+def check_deleted_watches(fds: dict[int, list[Fd]], states: list, ghosts: set) -> None:
+    """An inotify watch on a deleted file needs the file in the image (a ghost file: its
+    key in `ghosts`); `states`: the tree's fd states, `fds`: its members' fds."""
+    for state in states:
+        if isinstance(state, InotifyState):
+            bad = deleted_watches_unheld(state, ghosts)
+            if bad:
+                p, f = next((p, f) for p, flist in fds.items() for f in flist if f.desc == state.desc)
+                raise UnsupportedResource(p, f"fd {f.fd} ({f.path}): {bad[0]}")
 
 
 def _dump_watch(t: Target, line: str, mounts: Mounts) -> tuple[InotifyWatch, tuple[int, int] | None]:

@@ -192,6 +192,12 @@ def virtual_records(view: PidView, records: list) -> list:
     return out
 
 
+def zombie_record(pid: int) -> Zombie:
+    """A zombie of the tree: its parent, group, session and the status its parent will reap."""
+    st = procfs.read_stat(pid)
+    return Zombie(pid=pid, ppid=st.ppid, pgid=st.pgrp, sid=st.session, wait_status=st.exit_code)
+
+
 def pid_holder(pid: int) -> str | None:
     """'process 123 (comm)' of whoever holds `pid` now (as a process or a thread), else None."""
     try:

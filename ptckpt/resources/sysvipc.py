@@ -574,6 +574,15 @@ def _read_segment(shmid: int, size: int) -> bytes:
         _sys("shmdt", addr, call="shmdt")
 
 
+def dump_used_frozen(images: dict) -> list:
+    """The System V IPC objects a frozen tree ({pid: ProcessImage}) uses: segments it has
+    attached or made, semaphore sets and message queues it operated on last (used_by),
+    with their contents."""
+    shmids = {v.inode for im in images.values() for v in im.vmas if v.path.startswith("/SYSV")}
+    shms, sems, msgs = used_by(set(images), shmids)     # before our own attach changes lpid
+    return [dump_shm(s) for s in shms] + [dump_sem(s) for s in sems] + [dump_msg(q) for q in msgs]
+
+
 def dump_shm(seg: ShmSegment) -> ShmImage:
     """Attributes (IPC_STAT) and contents of a segment.  It may be marked destroyed
     (Linux allows attaching such a segment); its lpid/atime/dtime change."""

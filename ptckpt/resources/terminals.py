@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import procfs
-from ..formats.model import Pty, Terminal
+from ..formats.model import Fd, FdKind, Pty, Terminal
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..tracee import RemoteSyscalls, pidfd_getfd
 
@@ -374,6 +374,41 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
     return Pty(desc=desc, index=index, termios=tio.pack(), rows=win.rows, cols=win.cols, xpixel=win.xpixel,
                ypixel=win.ypixel, sid=-1 if sid is None else sid, fg_pgrp=-1 if fg is None else fg,
                locked=locked, packet=packet, output=output, input=typed, input_lines=lines)
+
+
+def dump_ptys_frozen(masters: dict[int, tuple[int, int, Fd]], members: set[int]) -> list[Pty]:
+    """The PTY records of the tree's pty masters ({index: (desc, a pid holding it, its fd)});
+    a pty that is the controlling terminal of a session whose leader is not in the tree is
+    refused (no process could take it again)."""
+    out = []
+    for n, (d, p, f) in masters.items():
+        rec = dump_pty_frozen(p, f.fd, d)
+        if rec.sid > 0 and rec.sid not in members:
+            raise UnsupportedResource(p, f"fd {f.fd} -> /dev/ptmx (the master of /dev/pts/{n}), the "
+                                         f"controlling terminal of session {rec.sid}, whose leader is "
+                                         f"not in the tree (dump the session's leader too)")
+        out.append(rec)
+    return out
+
+
+def dump_stdio_terminals(root: int, fds: Sequence[Fd]) -> list[Terminal]:
+    """The terminal the root's stdio is on (termios, window size, job control), once per
+    description: a restore puts it on its own terminal, or on a new pty (--new-pty)."""
+    out, seen = [], set()
+    for f in fds:
+        if f.fd <= 2 and f.kind in (FdKind.TTY, FdKind.PTY_SLAVE) and f.desc not in seen:
+            seen.add(f.desc)
+            try:
+                out.append(to_record(dump_terminal(root, f.fd), f.desc))
+            except PtckptError:
+                pass
+    return out
+
+
+def ctty_key(rec: Pty) -> tuple[str, int]:
+    """The hand-off's key of the slave ptckpt opens for the session whose controlling
+    terminal pty `rec` is (closed in every stub at fix-up: no fd of the image)."""
+    return ("ctty", rec.index)
 
 
 def is_hung_up(pid: int, fd: int) -> bool:
