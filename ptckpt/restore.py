@@ -34,22 +34,20 @@ import os
 import re
 import resource
 import socket
-import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import appblock, procfs
 from . import plugins as plugin_mod
-from .errors import (ExitCode, Incompatible, PluginError, PtckptError, RestoreFailed,
-                     UnsupportedResource)
-from .plan import image_problems, memory_objects, plan_handoff, pty_slaves, queue_refusal, root_stdio
+from .errors import ExitCode, Incompatible, PluginError, PtckptError, UnsupportedResource
+from .plan import image_problems, memory_objects, plan_handoff, queue_refusal
 from .plugins import Plugins, ProcessHandle
 from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind,
-                            InotifyState, MsgImage, PidfdState, ProcessImage, SemImage, ShmImage, VmaKind)
-from .resources import (aio, anonfds, creds, epoll, filepolicy, files, inet, locks, membarrier, memory, netlink, nsfs,
-                        pids, pidfds, pipes, process, signals, sockets, sysvipc, terminals, threads, timers)
+                            InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
+from .resources import (anonfds, creds, filepolicy, files, inet, membarrier, memory, pids, process, registry,
+                        signals, sockets, sysvipc, terminals, threads, timers)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -128,7 +126,7 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
     bad = image_problems(image, proc, handed, objects)
     if bad:
         raise UnsupportedResource(proc.task.pid, "; ".join(bad))
-    gone = nsfs.host_problems(proc.fds)
+    gone = registry.plan_problems(proc)
     if gone:
         raise Incompatible(f"process {proc.task.pid}: " + "; ".join(gone))
     if not pidns:
@@ -412,17 +410,11 @@ def pty_ttys(image: ImageReader, procs: dict[int, ProcessImage], handed: dict) -
     virtual = {real: v for v, real in image.inventory.real_pids}    # the ioctls saw the dumper's pids
     out = {}
     for rec in image.ptys:
-        fd = handed.get(ctty_key(rec))
+        fd = handed.get(terminals.ctty_key(rec))
         sid = virtual.get(rec.sid, rec.sid)
         if fd is not None and sid in procs and procs[sid].task.sid == sid:
             out[sid] = (fd, virtual.get(rec.fg_pgrp, rec.fg_pgrp))
     return out
-
-
-def ctty_key(rec) -> tuple[str, int]:
-    """build_handoff's key of the slave it opens for the session whose controlling terminal
-    pty `rec` is (closed in every stub at fix-up: no fd of the image)."""
-    return ("ctty", rec.index)
 
 
 def create_tree(procs: dict[int, ProcessImage], zombies, helpers, created: dict, tty=None,
@@ -551,127 +543,18 @@ def build_handoff(image: ImageReader, procs: dict[int, ProcessImage], plan: dict
     and above every fd number of the image (so the stubs inherit them where no fd of
     theirs lands).  {desc: fd number} and {memory.shared_object_key: fd number}.
 
-    Each step below adds to `opened` as it goes, so that a failure closes whatever was
-    opened before it."""
-    stdio = root_stdio(procs[image.inventory.root_pid])
-    pipe_inos = {b.ino for b in image.pipes}
-    pipe_descs = {d: f for d, f in plan.items() if f.kind in pipes.PIPE_KINDS and f.ino in pipe_inos}
-    opened: dict = {}
-    ghost_paths: dict = {}
+    Each kind of resources.registry makes its own, in the registry's order, adding to
+    the hand-off as it goes, so that a failure closes whatever was opened before it."""
+    made = registry.Handoff(image, procs, plan, new_pty, net, credentials)
     try:
-        opened.update(pipes.create_pipes(image.pipes, pipe_descs))
-        ghost_paths = files.create_ghost_files(list(image.ghost_files))
-        _open_ghost_files(image, procs, ghost_paths, opened)
-        socket_inos = {u.ino for u in image.unix_sockets}
-        _create_net_sockets(image, plan, net, opened)
-        _create_ptys(image, procs, plan, opened)
-        made: dict = {}
-        later = {s.desc for s in image.fd_states if isinstance(s, PidfdState)}   # once the tree exists
-        _create_anon_fds(image, plan, later, ghost_paths, made, opened)
-        _open_other_files(image, plan, stdio, new_pty, later | _socket_descs(plan, socket_inos),
-                          ghost_paths, opened)
-        # Unix sockets last: their queues may carry any of the others in flight.
-        cwd_of = {f.ino: proc.task.cwd for proc in procs.values() for f in proc.fds if f.ino in socket_inos}
-        opened.update(sockets.create_unix_sockets(
-            image.unix_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in socket_inos},
-            cwd_of, {d: fd for d, fd in opened.items() if isinstance(d, int)}, credentials))
-        files.remove_ghost_files(ghost_paths)         # deleted again: only the open files hold them
-        opened.update(memory.create_shared_objects((v for proc in procs.values() for v in proc.vmas),
-                                                   made))
-        _add_plugin_fds(installs, channel, opened)
-        _move_above_image_fds(procs, installs, opened)
+        registry.create(made)
+        _add_plugin_fds(installs, channel, made.opened)
+        _move_above_image_fds(procs, installs, made.opened)
     except BaseException:
-        files.remove_ghost_files(ghost_paths)
-        for fd in opened.values():
+        for fd in made.opened.values():
             os.close(fd)
         raise
-    return opened
-
-
-def _socket_descs(plan: dict[int, Fd], inos: set) -> set:
-    return {d for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in inos}
-
-
-def _open_ghost_files(image: ImageReader, procs: dict[int, ProcessImage], ghost_paths: dict,
-                      opened: dict) -> None:
-    """The deleted files recreated: a directory (a deleted cwd or root, fchdir()ed into) and
-    what the deleted mappings map are opened here, into `opened`."""
-    mapped = {files.ghost_key(v) for proc in procs.values() for v in proc.vmas}
-    for g in image.ghost_files:
-        key = ("ghost", g.dev, g.ino)
-        if stat.S_ISDIR(g.mode):                  # a deleted cwd or root: fchdir()ed into
-            opened[files.ghost_dir_key(g.path + files.DELETED)] = os.open(
-                ghost_paths[key], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        elif key in mapped:                       # what the deleted mappings map
-            opened[key] = files.open_description(_ghost_fd(key), ghost_paths[key])
-
-
-def _create_net_sockets(image: ImageReader, plan: dict[int, Fd], net: inet.InetRestore | None,
-                        opened: dict) -> None:
-    """The inet sockets (through `net`, or an InetRestore of the image's), then the netlink ones."""
-    inet_inos = {r.ino for r in image.inet_sockets}
-    if inet_inos:
-        net = net if net is not None else inet.InetRestore(image.inet_sockets)
-        opened.update(net.create({d: f for d, f in plan.items()
-                                  if f.kind is FdKind.SOCKET and f.ino in inet_inos}))
-    netlink_inos = {r.ino for r in image.netlink_sockets}
-    opened.update(netlink.create_netlink_sockets(
-        image.netlink_sockets, {d: f for d, f in plan.items() if f.kind is FdKind.SOCKET and f.ino in netlink_inos}))
-
-
-def _create_ptys(image: ImageReader, procs: dict[int, ProcessImage], plan: dict[int, Fd],
-                 opened: dict) -> None:
-    """The tree's own pty pairs, master and slaves."""
-    slaves = pty_slaves(image, procs)
-    for rec in image.ptys:
-        mine = [d for d, n in slaves.items() if n == rec.index and d in plan]
-        if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
-            mine.append(ctty_key(rec))           # (it may hold none: opened and closed it)
-        master, slave_fds = terminals.create_pty(rec, [plan[d].flags if d in plan else os.O_RDWR
-                                                       for d in mine])
-        if master >= 0:
-            opened[rec.desc] = master
-        opened.update(zip(mine, slave_fds))
-
-
-def _create_anon_fds(image: ImageReader, plan: dict[int, Fd], later: set, ghost_paths: dict,
-                     made: dict, opened: dict) -> None:
-    """The anonymous-inode files (epolls, memfds, eventfds ...) but those made `later`; `made`
-    gets each memfd's object by (major, minor, ino), for the mappings of it."""
-    for state in image.fd_states:
-        f = plan.get(state.desc)
-        if f is None or state.desc in later:
-            continue
-        key = (os.major(f.dev), os.minor(f.dev), f.ino) if f.kind is FdKind.MEMFD else None
-        if key in made:                           # another description of one memfd
-            opened[state.desc] = anonfds.reopen_memfd(made[key], state, f.flags)
-            continue
-        opened[state.desc] = (epoll.create_epoll() if isinstance(state, EpollState)
-                              else anonfds.create_anon_fd(state, f.flags, ghost_paths))
-        if key is not None:                       # the same object for its mappings
-            made[key] = opened[state.desc]
-
-
-def _open_other_files(image: ImageReader, plan: dict[int, Fd], stdio, new_pty: bool, skip: set,
-                      ghost_paths: dict, opened: dict) -> None:
-    """Every description of `plan` not opened yet nor in `skip`: a new pty for the terminal
-    (`new_pty`), ptckpt's own fd for the root's stdio, a bound namespace, or the file."""
-    for d, f in plan.items():
-        if d in opened or d in skip:
-            continue
-        tty = next((t for t in image.terminals if t.desc == d), None) if new_pty else None
-        if tty is not None and "pty-master" not in opened:
-            opened["pty-master"], opened[d], _path = terminals.open_new_pty(terminals.from_record(tty))
-        elif d in stdio:
-            try:
-                opened[d] = os.dup(f.fd)
-            except OSError:
-                raise RestoreFailed(f"fd {f.fd} was {f.path} ({f.kind.name.lower()}) and ptckpt "
-                                    f"restore has no fd {f.fd} of its own to give it") from None
-        elif nsfs.bound_path(f):
-            opened[d] = nsfs.open_bound(f)
-        else:
-            opened[d] = files.open_description(f, ghost_paths.get(files.ghost_key(f)))
+    return made.opened
 
 
 def _add_plugin_fds(installs: Sequence[tuple[int, int, int]], channel: bool, opened: dict) -> None:
@@ -694,12 +577,6 @@ def _move_above_image_fds(procs: dict[int, ProcessImage], installs: Sequence[tup
             continue                          # ptckpt's own end: not for the stubs
         opened[d] = fcntl.fcntl(fd, fcntl.F_DUPFD, base)
         os.close(fd)
-
-
-def _ghost_fd(key) -> Fd:
-    """The open of a deleted file that a mapping needs (read-write: a shared mapping may write)."""
-    return Fd(fd=-1, kind=FdKind.REGULAR, path=f"deleted file {key[1]:#x}:{key[2]}", flags=os.O_RDWR,
-              pos=0, cloexec=True, mnt_id=0, dev=key[1], ino=key[2], mode=0, rdev=0, size=0, mtime_ns=0)
 
 
 @contextlib.contextmanager
@@ -822,25 +699,27 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             pidfds_made: dict | None = None):
     """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
     the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
-    still stopped).  The order of the steps matters: locks after every other fd, creds
-    after the signals, the plugins' `restored` event after all, the gadget last."""
+    still stopped).  The order of the steps matters: the kinds of resources.registry
+    install at its points (INSTALL_POINTS: the fd table, then, after the task's cwd and
+    root, the locks last of the fd work; the fd owners after the creds), creds after the
+    signals, the plugins' `restored` event after all, the gadget last."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
         with _injection(leader, mem) as remote:
             if not memory_done:
                 _rebuild_memory_frozen(remote, mem, proc, runs, sources, handed, lazy)
-            aio.restore_aio_rings_frozen(remote, proc.aio_rings)
-            log.info("fix up %d: files and task state", proc.task.pid)
             chan = handed.get("plugin-channel", -1)
             dirs = {k: fd for k, fd in handed.items() if isinstance(k, tuple) and k[0] == "ghost-dir"}
-            own_table = not proc.task.shares_files       # else its parent makes the fds for both
-            if own_table:
-                _restore_files_frozen(remote, vpid, proc, handed, inherited, epolls, channel, chan,
-                                      dirs, pidfds_made)
+            # own_table: else its parent makes the fds for both
+            installing = registry.Install(remote, vpid, proc, handed, inherited, not proc.task.shares_files,
+                                          epolls, channel, chan, dirs, pidfds_made)
+            registry.install(installing, registry.MEMORY)
+            log.info("fix up %d: files and task state", proc.task.pid)
+            registry.install(installing, registry.FD_TABLE)
+            registry.install(installing, registry.AFTER_FDS)
             warnings += _restore_task_and_mm_frozen(remote, proc, dirs)
-            if own_table:
-                _close_dirs_and_restore_locks_frozen(remote, proc, dirs, inherited)
+            registry.install(installing, registry.AFTER_TASK)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             warnings += process.restore_cgroups(leader.tgid, proc.task.cgroups)
             signals.restore_sigactions_frozen(remote, proc.sigactions)
@@ -848,14 +727,12 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             tasks = _create_threads_frozen(remote, mem, leader, proc)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)
             warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
-            if own_table:
-                # after the creds: F_SETOWN records the setter's, which decide whom SIGIO may reach
-                files.restore_owners_frozen(remote, list(proc.fds), list(proc.owners))
+            registry.install(installing, registry.AFTER_CREDS)
             process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
             overrides = _run_restored_event(events, remote, leader, vpid, proc, tasks, channel, chan,
                                             breaks)
-            if chan >= 0 and own_table:
+            if chan >= 0 and installing.own_table:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
             _remove_gadget_frozen(remote)
@@ -868,24 +745,6 @@ def _thread_syscalls(task, mem: AddressSpace, remote):
     return remote_syscalls(task, mem, remote.gadget, scratch_top=remote.scratch_top, keep_regs=False)
 
 
-def _restore_files_frozen(remote, vpid: int, proc: ProcessImage, handed: dict, inherited,
-                          epolls: list[tuple[int, EpollState]], channel: int, chan: int, dirs: dict,
-                          pidfds_made: dict | None) -> None:
-    """The fd table of a process that has one of its own: the pidfds made once the tree
-    existed, every fd, and the epolls' registrations."""
-    # the pidfds ptckpt made once the tree existed come over the channel, above every fd
-    received = pidfds.install_pidfds_frozen(
-        remote, channel, chan, pidfds_made, proc.fds,
-        1 + max([2, *inherited] + [f.fd for f in proc.fds])) if pidfds_made else {}
-    files.restore_fds_frozen(remote, list(proc.fds), inherited, {**handed, **received},
-                             extra=[(fd, key[2]) for key, fd in handed.items()
-                                    if isinstance(key, tuple) and key[:2] == ("install", vpid)],
-                             keep={chan, *dirs.values()})
-    pidfds.close_received_frozen(remote, received)
-    for epfd, state in epolls:
-        epoll.restore_targets_frozen(remote, epfd, state, proc.fds)
-
-
 def _restore_task_and_mm_frozen(remote, proc: ProcessImage, dirs: dict) -> list[str]:
     """The task's own state, its mm fields and membarrier registrations, then its root."""
     warnings = process.restore_task_frozen(remote, proc.task, dirs)
@@ -893,15 +752,6 @@ def _restore_task_and_mm_frozen(remote, proc: ProcessImage, dirs: dict) -> list[
     membarrier.restore_registrations_frozen(remote, proc.mm.membarrier)
     process.restore_root_frozen(remote, proc.task, dirs)
     return warnings
-
-
-def _close_dirs_and_restore_locks_frozen(remote, proc: ProcessImage, dirs: dict, inherited) -> None:
-    """ptckpt's fds of deleted directories (a cwd or root) closed, then the file locks: last
-    among the fd work, since closing any fd of a file drops the POSIX locks on it."""
-    for fd in set(dirs.values()) & set(inherited):
-        remote.checked("close", fd, step=f"close ptckpt's fd {fd} of a deleted directory")
-    for fd, held in locks.from_records(proc.locks).items():
-        locks.restore_locks_frozen(remote, fd, held)
 
 
 def _create_threads_frozen(remote, mem: AddressSpace, leader, proc: ProcessImage) -> dict:
