@@ -304,10 +304,11 @@ def _network_lock() -> list[Check]:
 def kinds_table() -> list[Kind]:
     """The whole table of kinds (``ptckpt check --kinds``): ptckpt.kinds' rows, then /proc
     status fields, fdinfo keys and VmFlags from the modules that check them (which import
-    ptckpt.kinds: the table cannot gather them itself without a cycle)."""
+    ptckpt.kinds: the table cannot gather them itself without a cycle), then the rows of
+    resources.registry with their operations."""
     from . import claims
     from .kinds import ABIS, ANON_INODES, FD, MAPPINGS, NAMESPACES, SOCKETS, Kind
-    from .resources import memory
+    from .resources import memory, registry
     rows = [*FD.values(), *(Kind("anon_inode", n, f"as fd kind {k.name.lower()}") for n, k in ANON_INODES.items()),
             *SOCKETS.values(), *MAPPINGS.values(), *ABIS.values(), *NAMESPACES.values()]
     rows += [Kind("status", k, c.by) for k, c in claims.STATUS.items()]
@@ -317,4 +318,6 @@ def kinds_table() -> list[Kind]:
     rows += [Kind("vmflag", k, v) for k, v in memory.VMFLAGS_MADE.items()]
     rows += [Kind("vmflag", k, f"follows from the mapping: {v}") for k, v in memory.VMFLAGS_DERIVED.items()]
     rows += [Kind("vmflag", k, "", v) for k, v in memory.VMFLAGS_REFUSED.items()]
+    rows += [Kind("resource", row.name, f"resources.{row.module}: {', '.join(row.operations)}")
+             for row in registry.ROWS]
     return rows

@@ -9,9 +9,10 @@ sockets, resources.memory for mappings, ptckpt.claims for namespaces): a kind th
 does not know is refused, never passed over.  ``ptckpt check --kinds`` prints the table
 (ptckpt.check.kinds_table, with the rows those modules keep).
 
-Adding a kind: its module under resources/ (dump and restore halves side by side), then
-its row here, naming that module (an anonymous-fd kind: also one row in resources.anonfds'
-registry, KINDS).
+Adding a kind: its module under resources/ (dump and restore halves side by side), its
+row in resources.registry (its operations, and which keys of this table it answers for),
+then its row here, naming that module (an anonymous-fd kind: one row in resources.anonfds'
+KINDS instead of the registry's, whose "fd states" row dispatches through them).
 """
 
 from __future__ import annotations

@@ -92,3 +92,28 @@ def test_the_table_walked_against_the_fixtures(spawn, ptckpt, tmp_path):
     restored_sockets = {row for row in kinds.SOCKETS.values() if row.restored}
     families = {row.name.split()[0] for row in socks}
     assert {row.name.split()[0] for row in restored_sockets} <= families, families
+
+
+def test_the_table_of_kinds_and_the_registry_agree():
+    """Every fd kind and socket family the table says is restored is answered for by one row
+    of resources.registry, whose module (or one of its parts) is the one the table names;
+    a row answers only for what the table says is restored."""
+    from ptckpt.resources import registry
+    answering: dict = {}                   # by (type, key): FdKind and VmaKind are IntEnums
+    for row in registry.ROWS:
+        for key in row.answers:
+            assert (type(key), key) not in answering, f"{key} answered twice, the second time by {row.name}"
+            answering[(type(key), key)] = row
+    for kind, row in kinds.FD.items():
+        if kind is FdKind.SOCKET:
+            continue
+        assert row.restored == ((FdKind, kind) in answering), kind
+        if row.restored:
+            by = answering[(FdKind, kind)]
+            assert row.by.split()[0].removeprefix("resources.").rstrip(",") in {by.module, *by.parts}, (kind, row.by)
+    for key, row in kinds.SOCKETS.items():
+        if row.restored:
+            assert (str, key[0]) in answering, key
+            assert row.by.startswith(f"resources.{answering[(str, key[0])].module} "), (key, row.by)
+    for key, row in kinds.MAPPINGS.items():
+        assert (VmaKind, key) not in answering or row.restored, key

@@ -266,3 +266,97 @@ def test_only_the_tracee_layer_speaks_ptrace(module):
     Task, Session and remote_syscalls."""
     found = _ptrace_uses(MODULES[module][0])
     assert not found, f"{module} speaks ptrace itself (go through ptckpt.tracee):\n" + "\n".join(found)
+
+
+# --- issue 33: the table of resource kinds (resources/registry.py) --------------------------
+
+STAGE_MODULES = ["ptckpt.dump", "ptckpt.restore"] + sorted(m for m in MODULES if m.startswith("ptckpt.pipeline"))
+# A kind's own work: functions named so, of a module that has a row in the registry.
+KIND_WORK = ("dump_", "create_", "open_", "restore_", "install_", "reopen_", "put_back_", "make_", "capture_",
+             "scan_", "close_")
+# What the pipelines and stage helpers still do of a kind themselves, and why.
+DONE_OUTSIDE_THE_TABLE = {
+    # per process, into its ProcessImage's own fields, inside capture_process_frozen's injection scope
+    ("ptckpt.dump", "files", "dump_fds"): "a process's fds: what every row then reads",
+    ("ptckpt.dump", "files", "dump_owners"): "a process's fd owners (ProcessImage.owners)",
+    ("ptckpt.dump", "locks", "dump_process_locks"): "a process's locks (ProcessImage.locks)",
+    ("ptckpt.dump", "aio", "dump_aio_rings_frozen"): "a process's aio rings, read through its memory",
+    ("ptckpt.dump", "memory", "dump_vmas"): "the address space, not a kind of the table",
+    # the address space and the tree of processes, not kinds of the table
+    ("ptckpt.restore", "memory", "restore_vmas_frozen"): "the address space",
+    ("ptckpt.restore", "terminals", "make_controlling_tty_frozen"): "the sessions of the tree of stubs",
+    # made at other points of the restore than the hand-off
+    ("ptckpt.pipeline.restore", "files", "put_back_saved_files"): "before the hand-off, outside --netns",
+    ("ptckpt.pipeline.restore", "pidfds", "create_pidfds"): "once every process and zombie exists",
+}
+
+
+def _registry():
+    from ptckpt.resources import registry
+    return registry
+
+
+def _calls_of_modules(module: str) -> set[tuple[str, str]]:
+    """(resources module, function) of every call `module.function(...)` in `module`, where
+    the first name is a resources module it imported."""
+    path, is_init = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _resolve(module, is_init, node) in ("ptckpt.resources",
+                                                                                  "ptckpt"):
+            for alias in node.names:
+                if f"ptckpt.resources.{alias.name}" in MODULES:
+                    names[alias.asname or alias.name] = alias.name
+    return {(names[n.func.value.id], n.func.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id in names}
+
+
+def test_every_row_has_an_operation_or_a_refusal():
+    registry = _registry()
+    rows = list(registry.table())
+    assert len({row.name for row in rows}) == len(rows), "row names are unique"
+    for row in rows:
+        assert row.operations or row.refusal, row.name
+    for row in registry.ROWS:
+        assert f"ptckpt.resources.{row.module}" in MODULES, row
+        assert all(f"ptckpt.resources.{m}" in MODULES for m in row.parts), row
+        assert row.install is None or row.install_at in registry.INSTALL_POINTS, row
+    refused = [row for row in rows if row.refusal]
+    assert refused and all(not row.operations for row in refused)
+
+
+def test_the_orders_of_the_dump_name_every_capturing_row_once():
+    registry = _registry()
+    capturing = [row.name for row in registry.ROWS if row.capture is not None]
+    assert sorted(registry.CAPTURE_ORDER) == sorted(capturing)
+    writing = [row.name for row in registry.ROWS if row.records]
+    assert sorted(registry.IMAGE_ORDER) == sorted(writing + ["plugins"])
+    assert set(writing) <= set(capturing), "a row writes only what it captures"
+    owners = [t for row in registry.ROWS for t in row.records]
+    assert len(owners) == len(set(owners)), "each image record is one row's"
+
+
+@pytest.mark.parametrize("module", STAGE_MODULES)
+def test_the_stages_reach_the_kinds_through_the_registry(module):
+    """The pipelines and the stage helpers (dump.py, restore.py) do no kind's own work but
+    through resources/registry.py: they call none of the functions a row's operations call,
+    and no other function of a kind's module that captures, makes or installs one, but
+    those listed above with the reason they are done outside the table."""
+    registry = _registry()
+    through = {call for call in _calls_of_modules("ptckpt.resources.registry") if call[1].startswith(KIND_WORK)}
+    assert len(through) > 30, "the registry's operations are read"
+    kinds_modules = {m for row in registry.ROWS for m in (row.module, *row.parts)}
+    calls = _calls_of_modules(module)
+    bypassing = sorted(calls & through)
+    assert not bypassing, f"{module} calls a row's operation itself (go through resources.registry): {bypassing}"
+    own = sorted((m, f) for m, f in calls if m in kinds_modules and f.startswith(KIND_WORK)
+                 and (module, m, f) not in DONE_OUTSIDE_THE_TABLE)
+    assert not own, f"{module} does a kind's work itself (a row's operation, or DONE_OUTSIDE_THE_TABLE): {own}"
+
+
+def test_what_is_done_outside_the_table_is_still_so():
+    """DONE_OUTSIDE_THE_TABLE lists only calls that are there: moved into the table, a line goes."""
+    stale = [key for key in DONE_OUTSIDE_THE_TABLE if key[1:] not in _calls_of_modules(key[0])]
+    assert not stale, stale

@@ -4,8 +4,8 @@ Each kind is one module of resources/ holding its dump half and its restore half
 side (CRIU's one file per kind), and naming them in its ``KIND`` row (an
 :class:`~.fdstate.FdKindOps`: the FdKind, the image record, ``dump(target, fdinfo)``,
 ``make(state, flags)``, ``describe(state)``).  This module lists the rows, one per kind,
-and dispatches through them.  Adding a kind: its module, one row in :data:`KINDS` here,
-and one row in ptckpt/kinds.py.
+and dispatches through them (resources.registry's "fd states" row).  Adding a kind: its
+module, one row in :data:`KINDS` here, and one row in ptckpt/kinds.py.
 
 Dump half: :func:`dump_anon_fd` reads the state of one such fd of a frozen target into a
 frozen dataclass (one per kind, :data:`AnonFdState`), from the fd's fdinfo lines and a

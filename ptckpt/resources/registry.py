@@ -75,6 +75,7 @@ class Row:
 
     name: str
     module: str                               # resources.<module> holds its halves
+    parts: tuple[str, ...] = ()               # the modules of the kinds it dispatches to
     answers: tuple = ()                       # kinds.FD keys, socket families, kinds.MAPPINGS keys
     records: tuple[type, ...] = ()            # the image-wide records it writes
     capture: Callable[["Capture"], list] | None = None
@@ -374,6 +375,7 @@ def _describe_fd_state(state) -> str:
 
 _ANON = tuple(row.kind for row in anonfds.KINDS)
 _ANON_RECORDS = tuple(row.state for row in anonfds.KINDS)
+_ANON_MODULES = tuple(row.dump.__module__.rpartition(".")[2] for row in anonfds.KINDS)
 
 ROWS: tuple[Row, ...] = (
     Row("aio rings", "aio", install=lambda ctx: aio.restore_aio_rings_frozen(ctx.remote, ctx.proc.aio_rings),
@@ -392,7 +394,8 @@ ROWS: tuple[Row, ...] = (
         capture=lambda ctx: (terminals.dump_ptys_frozen(ctx.scan.masters, set(ctx.images))
                              + [terminals.hung_up_record(n) for n in ctx.scan.hung]),
         create=_create_ptys),
-    Row("fd states", "anonfds", answers=(*_ANON, FdKind.EPOLL), records=(*_ANON_RECORDS, EpollState),
+    Row("fd states", "anonfds", parts=(*_ANON_MODULES, "epoll"), answers=(*_ANON, FdKind.EPOLL),
+        records=(*_ANON_RECORDS, EpollState),
         capture=_capture_fd_states, create=_create_fd_states, install=_install_epoll_targets,
         install_at=AFTER_FDS, describe=_describe_fd_state),
     Row("pidfds", "pidfds", answers=(FdKind.PIDFD,), records=(PidfdState,), capture=_capture_pidfds,
