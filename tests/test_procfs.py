@@ -766,3 +766,11 @@ def test_kernel_thread():
         procfs.read_exe(2)
     with pytest.raises(errors.KernelThread):
         procfs.read_auxv(2)
+
+
+def test_ancestors_walks_up_to_init():
+    chain = procfs.ancestors(os.getpid())
+    assert chain[0] == os.getppid()
+    assert chain[-1] in (0, 1) or procfs.read_stat(chain[-1]).ppid in (0, 1)
+    assert os.getpid() not in chain and len(set(chain)) == len(chain)
+    assert procfs.ancestors(1) == []
