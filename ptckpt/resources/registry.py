@@ -14,7 +14,13 @@ and the operations it has; an operation a kind lacks is None:
   points of fix-up named by ``install_at`` (restore.fix_up);
 - ``describe(record) -> str``: a record of it in a message.
 
-The dump and the restore loop over this table; neither names a kind.  ptckpt/kinds.py is
+The dump's tree-level capture, the restore's hand-off and each process's fd work loop over
+this table instead of naming kinds.  What the pipelines still do of a kind themselves: at
+dump, a process's own fds, owners, locks and aio rings (its ProcessImage's fields); at
+restore, what is made at other points than the hand-off (saved files put back, the SysV
+objects, the pidfds once every process exists) and the notification groups settled once
+the tree is rebuilt.  tests/test_layout.py lists those calls with the reason
+(DONE_OUTSIDE_THE_TABLE) and fails on any other.  ptckpt/kinds.py is
 the table of what the kernel shows (an fd kind, a socket's family, a mapping kind) and who
 answers for it, or the refusal: a row here says in ``answers`` which of those keys it
 answers for, and tests/test_kinds.py checks that the two agree.  The kinds this ptckpt
