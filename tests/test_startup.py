@@ -37,7 +37,7 @@ NOT_LOADED = {
     "ptckpt.symbols": "breakpoints and faults by symbol",
 }
 
-_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| ( *)(\S+)$", re.M)
+_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| ( *)(\S+)$", re.MULTILINE)
 
 
 def _imported(stderr: str) -> set[str]:
