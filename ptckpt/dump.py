@@ -25,6 +25,7 @@ import enum
 import functools
 import logging
 import os
+import select
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -415,18 +416,20 @@ def _check_fdinfo(pid: int, fds) -> None:
 
 
 def wait_gone(pid: int, timeout: float = 3.0) -> None:
-    """After --kill: when the dead target's parent is init, which reaps lazily on these
-    machines (DESIGN.md), wait a little for the pid to be free, so a restore can follow.
-    A zombie of any other parent is that parent's to reap."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ppid = procfs.read_status(pid).ppid
-        except PtckptError:
-            return
-        if ppid != 1:
-            return
-        time.sleep(0.005)
+    """After --kill: until `pid` has ended (a zombie, or reaped), as its pidfd says.  Its
+    reaping is its parent's: init reaps lazily on these machines (DESIGN.md, about a
+    second), and a restore of the image waits for a zombie holding one of its pids
+    (pids.check_pids_free), so the dump does not wait for that."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)      # readable once the whole thread group ended
+        poller.poll(timeout * 1000)
+    finally:
+        os.close(fd)
 
 
 def _thread_comm(pid: int, tid: int) -> str:

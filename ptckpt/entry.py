@@ -4,6 +4,12 @@ The handlers (ptckpt.state) go in before anything heavy is imported, so that SIG
 SIGTERM or SIGHUP at any moment of a command unwind it like an error (a dump undoes what
 it did: the target resumed, the network lock removed, no image left) and end it with one
 line.
+
+When the command is over, everything left is frozen out of the garbage collector
+(gc.freeze): the interpreter's exit then frees what module teardown releases and skips
+the full collections over every object the command made, ~15 ms of a small command.
+Objects caught in reference cycles are then not finalized at exit: what ptckpt writes is
+closed (or committed) before its command returns.
 """
 
 from __future__ import annotations
@@ -23,3 +29,5 @@ def main() -> None:
         cli_main()
     finally:
         report_late_signal()
+        import gc
+        gc.freeze()

@@ -34,9 +34,10 @@ import functools
 import os
 import re
 import stat as _stat
+import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elftools.elf.elffile import ELFFile
@@ -62,8 +63,6 @@ def build_id(path: str) -> str | None:
     Raises FileNotFoundError (and NotADirectoryError) when there is no file at
     `path`: a missing file is the caller's to report.
     """
-    from elftools.elf.elffile import ELFFile   # here (a command that reads no build-id skips it), and out
-    #                                            of the try below: no fd left for its files is no "none"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO must not block
     except (FileNotFoundError, NotADirectoryError):
@@ -79,6 +78,17 @@ def build_id(path: str) -> str | None:
         try:
             if stream.read(4) != b"\x7fELF":
                 return None
+            found = _note_in_segments_quick(stream)
+        except OSError as err:
+            _raise_if_ours(err)
+            return None
+        if found:
+            return found
+        # pyelftools for the rest (no note in a PT_NOTE segment, or one that does not parse):
+        # imported here, as few files need it, and out of the try below: no fd left for its
+        # files is no "none"
+        from elftools.elf.elffile import ELFFile
+        try:
             elf = ELFFile(stream)
         except Exception as err:   # EIO, or pyelftools' anything from ELFError to struct.error
             _raise_if_ours(err)
@@ -98,6 +108,62 @@ def _gnu_build_id(notes: Iterable[Mapping[str, Any]]) -> str | None:
     for note in notes:
         if note["n_type"] == "NT_GNU_BUILD_ID" and note["n_name"] == "GNU" and note["n_desc"]:
             return note["n_desc"]
+    return None
+
+
+# The ELF file header's fields that lead to the program headers, by e_ident[EI_CLASS]
+# (elf(5), /usr/include/elf.h: Elf32_Ehdr / Elf64_Ehdr, Elf32_Phdr / Elf64_Phdr):
+# (e_phoff's offset and format, e_phentsize/e_phnum's offset, a Phdr's size, the format
+# of its p_type, p_offset, p_filesz).
+_ELF_CLASSES = {1: (0x1C, "I", 0x2A, 32, "II8xI"), 2: (0x20, "Q", 0x36, 56, "I4xQ16xQ")}
+_PT_NOTE, _NT_GNU_BUILD_ID = 4, 3
+_NOTES_LIMIT = 1 << 20       # bytes of one PT_NOTE segment read at most (they hold a few hundred)
+
+
+def _note_in_segments_quick(stream) -> str | None:
+    """The build-id from the PT_NOTE segments of an executable or shared object, read with
+    struct in a few small reads; None when there is none or anything is not as expected
+    (another ELF type, a header or note that does not parse), for pyelftools to decide."""
+    head = stream.read(60)                       # the rest of Elf64_Ehdr after the magic
+    if len(head) < 60 or head[0] not in _ELF_CLASSES or head[1] not in (1, 2):
+        return None
+    phoff_at, phoff_fmt, ph_at, phsize, phdr_fmt = _ELF_CLASSES[head[0]]
+    order = "<" if head[1] == 1 else ">"
+    if struct.unpack_from(order + "H", head, 0x10 - 4)[0] not in (2, 3):      # e_type: EXEC, DYN
+        return None
+    phoff = struct.unpack_from(order + phoff_fmt, head, phoff_at - 4)[0]
+    phentsize, phnum = struct.unpack_from(order + "HH", head, ph_at - 4)
+    if phentsize < phsize or not 0 < phnum < 0xFFFF:
+        return None
+    stream.seek(phoff)
+    table = stream.read(phentsize * phnum)
+    if len(table) < phentsize * phnum:
+        return None
+    for i in range(phnum):
+        p_type, offset, size = struct.unpack_from(order + phdr_fmt, table, i * phentsize)
+        if p_type != _PT_NOTE or size > _NOTES_LIMIT:
+            continue
+        stream.seek(offset)
+        found = _gnu_build_id_in(stream.read(size), order)
+        if found:
+            return found
+    return None
+
+
+def _gnu_build_id_in(notes: bytes, order: str) -> str | None:
+    """The first NT_GNU_BUILD_ID note named "GNU" in a run of notes (Elf_Nhdr: namesz,
+    descsz, type; the name and the descriptor each padded to 4 bytes, as pyelftools reads
+    them); None when there is none or a note runs past the end."""
+    at = 0
+    while at + 12 <= len(notes):
+        namesz, descsz, ntype = struct.unpack_from(order + "III", notes, at)
+        name_at = at + 12
+        desc_at = name_at + (namesz + 3) // 4 * 4
+        at = desc_at + (descsz + 3) // 4 * 4
+        if desc_at + descsz > len(notes):
+            return None
+        if ntype == _NT_GNU_BUILD_ID and descsz and notes[name_at:name_at + namesz].split(b"\0")[0] == b"GNU":
+            return notes[desc_at:desc_at + descsz].hex()
     return None
 
 
