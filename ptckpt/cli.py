@@ -113,6 +113,23 @@ def _progress_bar(what: str, as_json: bool):
     return progress.showing(progress.Bar(what))
 
 
+@contextlib.contextmanager
+def _runs_bar(what: str, total: int, first_phase: str, as_json: bool):
+    """A campaign's progress bar on stderr (phase, percent, runs done, outcomes, time left),
+    called as the campaign's progress(done, total, counts, eta); None (no bar) off a
+    terminal, with -q or --json."""
+    from . import progress
+    from .campaign_types import OUTCOMES
+    if _quiet or as_json or not sys.stderr.isatty():
+        yield None
+        return
+    bar = progress.RunsBar(what, total, OUTCOMES, first_phase)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
 
 
@@ -358,17 +375,11 @@ def campaign(
         from .faults import parse_spec
         for text in inject:
             parse_spec(text)
-        live = sys.stderr.isatty() and not _quiet
-
-        def progress(done: int, total: int, counts, eta: float) -> None:
-            so_far = ", ".join(f"{counts[o]} {o}" for o in ("masked", "detected", "crashed", "hung", "error")
-                               if counts.get(o))
-            end = "\n" if done == total else ""
-            sys.stderr.write(f"\r\x1b[Kcampaign: {done}/{total} runs, {so_far}; about {eta:.0f} s left{end}")
-            sys.stderr.flush()
-        result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
-                                           timeout=parse_duration(timeout), check=check or "", restore_args=extra,
-                                           backend=backend), progress=progress if live else None)
+        spec = CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
+                            timeout=parse_duration(timeout), check=check or "", restore_args=extra,
+                            backend=backend)
+        with _runs_bar("campaign", runs, "runs" if check else "reference", as_json) as bar:
+            result = run_campaign(spec, progress=bar)
     except PtckptError as err:
         raise _fail(err) from None
     if as_json:
