@@ -62,7 +62,7 @@ def _install_completion(value: Optional[str]) -> None:
     if value is not None:
         from typer._completion_shared import install
         shell, path = install(shell=_shell(value), prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE")
-        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)")
+        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)", err=True)
         raise typer.Exit()
 
 
@@ -427,7 +427,7 @@ def run(
     except PtckptError as err:
         raise _fail(err) from None
     for c in sup.state.checkpoints:
-        typer.echo(f"ptckpt: checkpoint ({c.reason}) {c.image} in {c.seconds:.3f} s", err=True)
+        _summary(f"ptckpt: checkpoint ({c.reason}) {c.image} in {c.seconds:.3f} s")
     for f in sup.state.failures:
         typer.echo(f"ptckpt: checkpoint ({f['reason']}) failed: {f['error']}", err=True)
     raise typer.Exit(code=status)
@@ -458,7 +458,7 @@ def control(
     elif command == "status":
         typer.echo(json.dumps(reply, indent=2))
     else:
-        typer.echo(f"stopped {reply['stopped']}")
+        _summary(f"stopped {reply['stopped']}: killed with its children; the run ends")
 
 
 @app.command()
