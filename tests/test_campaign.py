@@ -191,7 +191,7 @@ def _on_terminal(argv: list[str], env=None) -> str:
     """What a command draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex
     res = subprocess.run(["script", "-qec", shlex.join(argv), "/dev/null"], stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=120, env=env)
+                         capture_output=True, timeout=120, env=env, check=False)
     shown = res.stdout.decode(errors="replace")
     assert res.returncode == 0, shown
     return shown
@@ -202,6 +202,7 @@ def test_the_campaign_bar_names_its_phase_and_counts_the_runs_by_outcome():
     names its phase (the reference run, then the runs), the percentage, the runs done of all,
     the outcomes so far in their usual order and the time left."""
     import sys
+
     from ptckpt.campaign_types import OUTCOMES
     code = "; ".join([
         "import time", "from ptckpt import progress",
