@@ -259,7 +259,8 @@ def check_image(image: str, inject: Sequence[str]) -> None:
 
 
 def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=None) -> CampaignResult:
-    """Run the campaign; `progress(done, total, counts, eta_seconds)` is called as runs end."""
+    """Run the campaign; `progress(done, total, counts, eta_seconds)` is called as runs end
+    (and with 0 done, eta None, once the reference run passed)."""
     if spec.runs < 1:
         raise UsageError("--runs must be at least 1")
     if not spec.inject:
@@ -293,6 +294,8 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
             if ref.timed_out or ref.status != 0:
                 raise _reference_failed(spec.out, specs[0].directory, ref, error)
             ref.outcome = "reference"
+            if progress is not None:
+                progress(0, spec.runs, Counter(), None)     # the reference passed: the runs start
         for i in range(1, spec.runs + 1):
             backend.submit(specs[i])
         started = time.monotonic()

@@ -62,7 +62,7 @@ def _install_completion(value: Optional[str]) -> None:
     if value is not None:
         from typer._completion_shared import install
         shell, path = install(shell=_shell(value), prog_name="ptckpt", complete_var="_PTCKPT_COMPLETE")
-        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)")
+        typer.echo(f"{shell} completion installed in {path} (for shells started from now on)", err=True)
         raise typer.Exit()
 
 
@@ -111,6 +111,23 @@ def _progress_bar(what: str, as_json: bool):
     if _quiet or as_json or not sys.stderr.isatty():
         return contextlib.nullcontext()
     return progress.showing(progress.Bar(what))
+
+
+@contextlib.contextmanager
+def _runs_bar(what: str, total: int, first_phase: str, as_json: bool):
+    """A campaign's progress bar on stderr (phase, percent, runs done, outcomes, time left),
+    called as the campaign's progress(done, total, counts, eta); None (no bar) off a
+    terminal, with -q or --json."""
+    from . import progress
+    from .campaign_types import OUTCOMES
+    if _quiet or as_json or not sys.stderr.isatty():
+        yield None
+        return
+    bar = progress.RunsBar(what, total, OUTCOMES, first_phase)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c != 9} | {10: "\\n", 13: "\\r", 127: "\\x7f"}
@@ -358,17 +375,11 @@ def campaign(
         from .faults import parse_spec
         for text in inject:
             parse_spec(text)
-        live = sys.stderr.isatty() and not _quiet
-
-        def progress(done: int, total: int, counts, eta: float) -> None:
-            so_far = ", ".join(f"{counts[o]} {o}" for o in ("masked", "detected", "crashed", "hung", "error")
-                               if counts.get(o))
-            end = "\n" if done == total else ""
-            sys.stderr.write(f"\r\x1b[Kcampaign: {done}/{total} runs, {so_far}; about {eta:.0f} s left{end}")
-            sys.stderr.flush()
-        result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
-                                           timeout=parse_duration(timeout), check=check or "", restore_args=extra,
-                                           backend=backend), progress=progress if live else None)
+        spec = CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
+                            timeout=parse_duration(timeout), check=check or "", restore_args=extra,
+                            backend=backend)
+        with _runs_bar("campaign", runs, "runs" if check else "reference", as_json) as bar:
+            result = run_campaign(spec, progress=bar)
     except PtckptError as err:
         raise _fail(err) from None
     if as_json:
@@ -416,7 +427,7 @@ def run(
     except PtckptError as err:
         raise _fail(err) from None
     for c in sup.state.checkpoints:
-        typer.echo(f"ptckpt: checkpoint ({c.reason}) {c.image} in {c.seconds:.3f} s", err=True)
+        _summary(f"ptckpt: checkpoint ({c.reason}) {c.image} in {c.seconds:.3f} s")
     for f in sup.state.failures:
         typer.echo(f"ptckpt: checkpoint ({f['reason']}) failed: {f['error']}", err=True)
     raise typer.Exit(code=status)
@@ -447,7 +458,7 @@ def control(
     elif command == "status":
         typer.echo(json.dumps(reply, indent=2))
     else:
-        typer.echo(f"stopped {reply['stopped']}")
+        _summary(f"stopped {reply['stopped']}: killed with its children; the run ends")
 
 
 @app.command()

@@ -142,9 +142,12 @@ EXPECTED: tuple[Expected, ...] = (
     Expected(Vma, _fs("vmflags"), "\"gu\" says a mapping may hold guard pages (its guard pages are "
              "compared): the kernel's hint, carried over to any mapping merged with one that held them",
              lambda a, b, s: set(a.vmflags.split()) ^ set(b.vmflags.split()) == {"gu"}),
-    Expected(Vma, _fs("cow"), "a page holding a thread's rseq area: the kernel writes the CPU it runs on there "
-             "when the thread comes back to user space after being preempted or moved (a dump's injected "
-             "syscalls, on a busy machine), which ends that page's copy-on-write sharing with the parent",
+    Expected(Vma, _fs("cow"), "a page holding a thread's rseq area: the kernel writes the thread's CPU there "
+             "each time it comes back to user space after a context switch (a wait, a preemption, a ptrace "
+             "stop), which ends that page's copy-on-write sharing with the parent.  A dump sees it shared "
+             "only in the rare window before either process wrote it (2 of 400 sharedfd runs), and the "
+             "original loses it as soon as it runs again (3 of 3: SIGCONT, SIGSTOP); a restored thread has "
+             "written it already: the restore registers rseq, then runs further injected syscalls in it",
              lambda a, b, s: _cow_pages(a) ^ _cow_pages(b) <= s.rseq_pages),
     Expected(ShmImage, _fs("atime", "dtime", "ctime", "cpid", "lpid", "nattch"),
              "times and last pids of a System V segment (for information)"),

@@ -92,18 +92,16 @@ def rate(per_second: float | None) -> str:
     return f"{per_second / unit:.1f} {name}/s"
 
 
-class Bar:
-    """A transient rich progress bar on stderr: "dump copy ━━━━━━━  42% 0.4/1.0 GiB 280.1 MiB/s
-    0:00:02".  It shows once the work has taken `after` seconds ($PTCKPT_PROGRESS_AFTER,
-    0.5 s by default), or earlier when the rate so far says the work will take longer."""
+class _Transient:
+    """A transient rich progress line on stderr ("WHAT PHASE ━━━━━━━ ..."), started by a
+    subclass's _show once the work has taken `after` seconds ($PTCKPT_PROGRESS_AFTER, 0.5 s
+    by default) or is expected to, and gone when closed."""
 
     def __init__(self, what: str, after: float | None = None):
         self.what = what
         self.after = float(os.environ.get("PTCKPT_PROGRESS_AFTER", AFTER)) if after is None else after
         self.started = time.monotonic()
         self.name = ""
-        self.phase_started = self.started
-        self.total = self.done = 0
         self._bar = None
         self._task = None
         self._closed = False
@@ -111,6 +109,46 @@ class Bar:
         self._timer = threading.Timer(self.after, self._on_time)
         self._timer.daemon = True
         self._timer.start()
+
+    def _show(self, due: bool = False) -> None:
+        raise NotImplementedError
+
+    def _on_time(self) -> None:
+        with self._lock:
+            self._show(due=True)
+
+    def _description(self) -> str:
+        return f"{self.what} {self.name}".rstrip()
+
+    def _late(self) -> bool:
+        return time.monotonic() - self.started >= self.after
+
+    def _start(self, *columns) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), *columns,
+                             console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(self._description(), total=None)
+        self._bar.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._timer.cancel()
+            if self._bar is not None:
+                self._bar.stop()
+                self._bar = None
+
+
+class Bar(_Transient):
+    """A transient rich progress bar on stderr: "dump copy ━━━━━━━  42% 0.4/1.0 GiB 280.1 MiB/s
+    0:00:02".  It shows once the work has taken `after` seconds ($PTCKPT_PROGRESS_AFTER,
+    0.5 s by default), or earlier when the rate so far says the work will take longer."""
+
+    def __init__(self, what: str, after: float | None = None):
+        super().__init__(what, after)
+        self.phase_started = self.started
+        self.total = self.done = 0
 
     def phase(self, name: str) -> None:
         with self._lock:
@@ -131,13 +169,6 @@ class Bar:
             self.done += nbytes
             self._show()
 
-    def _on_time(self) -> None:
-        with self._lock:
-            self._show(due=True)
-
-    def _description(self) -> str:
-        return f"{self.what} {self.name}".rstrip()
-
     def _expected_long(self) -> bool:
         """By the rate so far, the phase ends more than `after` seconds after the start."""
         now = time.monotonic()
@@ -151,28 +182,69 @@ class Bar:
         if self._closed:
             return
         if self._bar is None:
-            if not (due or time.monotonic() - self.started >= self.after or self._expected_long()):
+            if not (due or self._late() or self._expected_long()):
                 return
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                 _Column(lambda t: f"{t.percentage:3.0f}%" if t.total else ""),
-                                 _Column(lambda t: amounts(int(t.completed), t.total)),
-                                 _Column(lambda t: rate(t.finished_speed or t.speed) if t.total else ""),
-                                 TimeRemainingColumn(),
-                                 console=Console(stderr=True), transient=True)
-            self._task = self._bar.add_task(self._description(), total=None)
-            self._bar.start()
+            from rich.progress import TimeRemainingColumn
+            self._start(_Column(lambda t: f"{t.percentage:3.0f}%" if t.total else ""),
+                        _Column(lambda t: amounts(int(t.completed), t.total)),
+                        _Column(lambda t: rate(t.finished_speed or t.speed) if t.total else ""),
+                        TimeRemainingColumn())
         self._bar.update(self._task, total=max(self.total, self.done) or None, completed=self.done,
                          description=self._description())
 
-    def close(self) -> None:
+
+def clock(seconds: float | None) -> str:
+    """'0:01:05' for 65 s (as the dump's bar shows time left); '-:--:--' before there is one."""
+    if seconds is None:
+        return "-:--:--"
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class RunsBar(_Transient):
+    """A campaign's transient bar on stderr: "campaign runs ━━━━━  30% 3/10 runs 2 masked,
+    1 crashed 0:00:12" (the phase, the part done, the runs ended, their outcomes so far in
+    the order of `outcomes`, the time left).  Call it as the campaign's
+    ``progress(done, total, counts, eta)``; :meth:`phase` names what it waits for before
+    (a campaign's ``reference`` run).  It shows once the campaign has taken `after` seconds."""
+
+    def __init__(self, what: str, total: int, outcomes: tuple[str, ...], phase: str = "",
+                 after: float | None = None):
+        super().__init__(what, after)
+        self.name = phase
+        self.total, self.done = total, 0
+        self.outcomes = outcomes
+        self.counts: dict[str, int] = {}
+        self.eta: float | None = None
+
+    def phase(self, name: str) -> None:
         with self._lock:
-            self._closed = True
-            self._timer.cancel()
-            if self._bar is not None:
-                self._bar.stop()
-                self._bar = None
+            self.name = name
+            self._show()
+
+    def __call__(self, done: int, total: int, counts, eta: float | None, phase: str = "runs") -> None:
+        with self._lock:
+            self.name = phase
+            self.done, self.total, self.counts, self.eta = done, total, dict(counts), eta
+            self._show()
+
+    def tally(self) -> str:
+        """'2 masked, 1 crashed': the outcomes seen so far, in their order."""
+        return ", ".join(f"{self.counts[o]} {o}" for o in self.outcomes if self.counts.get(o))
+
+    def _show(self, due: bool = False) -> None:
+        if self._closed:
+            return
+        if self._bar is None:
+            if not (due or self._late()):
+                return
+            self._start(_Column(lambda t: f"{100 * self.done / max(self.total, 1):3.0f}%"),
+                        _Column(lambda t: f"{self.done}/{self.total} runs"),
+                        _Column(lambda t: self.tally()),
+                        _Column(lambda t: clock(self.eta if self.done else None)))
+        # drawn at once: a campaign's runs end seldom, and each count is worth seeing
+        self._bar.update(self._task, total=self.total, completed=self.done, description=self._description(),
+                         refresh=True)
 
 
 def _Column(text):                                  # noqa: N802 - a column class, made on first use

@@ -134,7 +134,9 @@ def test_interval_checkpoints_and_control(fixture_bins, ptckpt, ptckpt_cmd, tmp_
         assert Path(taken.stdout.strip()).is_dir()
         first_value = _counter_in_image(run_dir / "ckpt-0001", counter, fixture_bins)
         stopped = ptckpt("control", sup.pid, "stop")              # by the run's pid
-        assert stopped.returncode == 0 and f"stopped {counter}" in stopped.stdout, stopped.stderr
+        # issue 37: a summary line, on stderr like every command's (it printed on stdout)
+        assert stopped.returncode == 0 and stopped.stdout == "", stopped
+        assert stopped.stderr.startswith(f"stopped {counter}: killed with its children"), stopped.stderr
         assert sup.wait(20) == 128 + 9
         assert not os.path.exists(f"/proc/{counter}") or open(f"/proc/{counter}/stat").read().split()[2] == "Z"
         last = int(out.read_text())

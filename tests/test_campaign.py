@@ -177,24 +177,72 @@ def test_runs_that_hang_are_killed_and_runs_that_crash_are_counted(spawn, ptckpt
         reap_orphans()
 
 
-def test_campaign_shows_live_progress_on_a_terminal_and_writes_a_report(spawn, ptckpt, ptckpt_cmd, tmp_path):
-    """On a terminal (script(1) gives it one) the campaign rewrites one progress line as runs
-    end (runs done, outcomes so far, time left); report.html is one offline page with the
-    outcome counts, the outcomes by fault site and the run-time histogram as inline SVG."""
-    import html.parser
+# One frame of the campaign's bar: "campaign runs ━━━━━  33% 1/3 runs 1 crashed 0:00:02"
+_RUNS_FRAME = re.compile(r"campaign (?P<phase>\w+) [━╸╺ ]*\s+(?P<pct>\d+)% (?P<done>\d+)/(?P<total>\d+) runs"
+                         r"(?P<tally>(?:\s+\d+ \w+,?)*)\s+(?P<eta>\d+:\d\d:\d\d|-:--:--)")
+
+
+def _runs_frames(shown: str) -> list[re.Match]:
+    frames = re.split(r"\x1b\[2K|\r|\n", shown)         # rich redraws the line: one frame each
+    return [m for f in frames if (m := _RUNS_FRAME.search(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f)))]
+
+
+def _on_terminal(argv: list[str], env=None) -> str:
+    """What a command draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex
+    res = subprocess.run(["script", "-qec", shlex.join(argv), "/dev/null"], stdin=subprocess.DEVNULL,
+                         capture_output=True, timeout=120, env=env, check=False)
+    shown = res.stdout.decode(errors="replace")
+    assert res.returncode == 0, shown
+    return shown
+
+
+def test_the_campaign_bar_names_its_phase_and_counts_the_runs_by_outcome():
+    """Issue 37: the campaign's bar (progress.RunsBar, as the campaign's progress callback)
+    names its phase (the reference run, then the runs), the percentage, the runs done of all,
+    the outcomes so far in their usual order and the time left."""
+    import sys
+
+    from ptckpt.campaign_types import OUTCOMES
+    code = "; ".join([
+        "import time", "from ptckpt import progress",
+        f"bar = progress.RunsBar('campaign', 4, {OUTCOMES!r}, 'reference', after=0)",
+        "time.sleep(0.5)", "bar(0, 4, {}, None)", "time.sleep(0.5)",
+        "bar(1, 4, {'crashed': 1}, 65.0)", "time.sleep(0.5)",
+        "bar(3, 4, {'crashed': 1, 'masked': 2}, 5.0)", "time.sleep(0.5)", "bar.close()"])
+    frames = _runs_frames(_on_terminal([sys.executable, "-c", code]))
+    seen = [(f["phase"], f["pct"], f["done"], f["total"], f["tally"].strip(), f["eta"]) for f in frames]
+    assert ("reference", "0", "0", "4", "", "-:--:--") in seen, seen
+    assert ("runs", "0", "0", "4", "", "-:--:--") in seen, seen
+    assert ("runs", "25", "1", "4", "1 crashed", "0:01:05") in seen, seen
+    assert ("runs", "75", "3", "4", "2 masked, 1 crashed", "0:00:05") in seen, seen
+    assert seen.index(("reference", "0", "0", "4", "", "-:--:--")) < seen.index(("runs", "25", "1", "4", "1 crashed", "0:01:05"))
+
+
+def test_campaign_shows_live_progress_on_a_terminal_and_writes_a_report(spawn, ptckpt, ptckpt_cmd, tmp_path):
+    """On a terminal (script(1) gives it one) the campaign draws a bar as runs end (phase,
+    percent, runs done, outcomes so far, time left), gone before the table; -q draws none.
+    report.html is one offline page with the outcome counts, the outcomes by fault site and
+    the run-time histogram as inline SVG."""
+    import html.parser
     target = spawn("counter")
     _dump_kill(ptckpt, target, tmp_path / "img")
+    env = dict(os.environ, PTCKPT_PROGRESS_AFTER="0")
     try:
-        cmd = shlex.join(ptckpt_cmd + ["campaign", "-D", str(tmp_path / "img"), "-o", str(tmp_path / "out"),
-                                       "--runs", "3", "--jobs", "3", "--inject", "reg:name=rip,value=0x10",
-                                       "--check", "true", "--file-policy", "ignore"])
-        res = subprocess.run(["script", "-qec", cmd, "/dev/null"], stdin=subprocess.DEVNULL, capture_output=True,
-                             timeout=120)
-        shown = res.stdout.decode(errors="replace")           # as the terminal got it, \r and all
-        assert res.returncode == 0, shown
-        assert re.search(r"\r\x1b\[Kcampaign: 1/3 runs, 1 crashed; about \d+ s left\r\x1b\[K", shown), shown
-        assert "campaign: 3/3 runs, 3 crashed; about 0 s left\r\n" in shown, shown
+        def campaign(out, *flags):
+            return _on_terminal(ptckpt_cmd + [*flags, "campaign", "-D", str(tmp_path / "img"), "-o", str(out),
+                                              "--runs", "3", "--jobs", "1", "--inject", "reg:name=rip,value=0x10",
+                                              "--check", "true", "--file-policy", "ignore"], env=env)
+        shown = campaign(tmp_path / "out")
+        frames = _runs_frames(shown)
+        assert frames and {f["phase"] for f in frames} == {"runs"}, shown
+        assert any(f["done"] == "1" and f["pct"] == "33" and f["tally"].strip() == "1 crashed"
+                   and f["eta"] != "-:--:--" for f in frames), shown
+        assert any(f["done"] == "3" and f["pct"] == "100" and f["tally"].strip() == "3 crashed" for f in frames), shown
+        bar_end = [m.end() for m in re.finditer(r"\d/3 runs", shown)][-1]
+        assert bar_end < shown.index("run    1"), "the bar goes before the table"
+        quiet = campaign(tmp_path / "quiet", "-q")
+        assert not _runs_frames(quiet) and "run    1" in quiet, quiet
         page = (tmp_path / "out" / "report.html").read_text()
         parser = html.parser.HTMLParser()
         parser.feed(page)

@@ -249,6 +249,16 @@ def test_show_completion_prints_the_script_of_the_shell_named(ptckpt, shell, mar
     assert res.returncode == ExitCode.USAGE and "bash, zsh, fish" in res.stderr, res.stderr
 
 
+def test_install_completion_says_where_on_stderr(ptckpt, tmp_path):
+    """Issue 37: results on stdout, what is said about them on stderr, for every command:
+    `--install-completion` printed its "installed in" line on stdout."""
+    res = ptckpt("--install-completion", "bash", env=dict(os.environ, HOME=str(tmp_path)))
+    assert res.returncode == 0 and res.stdout == "", res
+    assert res.stderr.startswith("bash completion installed in "), res.stderr
+    path = res.stderr.split(" installed in ", 1)[1].split(" (")[0]
+    assert os.path.isfile(path) and path.startswith(str(tmp_path)), path
+
+
 def _on_terminal(ptckpt_cmd, *args: str, env=None) -> str:
     """What `ptckpt ARGS` draws on a terminal (script(1) gives it one), escapes and all."""
     import shlex

@@ -186,10 +186,15 @@ def test_self_check_dump_restore_dump_agree(name, spawn, ptckpt, tmp_path, own_l
 
 
 def test_cow_may_differ_only_on_the_pages_of_the_threads_rseq_areas():
-    """The kernel writes a thread's rseq area (its CPU) when it comes back to user space after
-    a preemption, e.g. from a dump's injected syscalls: that ends the copy-on-write sharing of
-    that one page (measured with sharedfd: child A 22 -> 21 shared pages, the lost one its
-    inherited TLS page, never with glibc.pthread.rseq=0).  Only those pages may differ."""
+    """The kernel writes a thread's rseq area (its CPU) each time the thread comes back to user
+    space after a context switch: that ends the copy-on-write sharing of that one page.  It
+    cannot be kept, the original loses it too, measured on sharedfd's parent and child A
+    (/proc/PID/pagemap frames of the page holding A's rseq area, both stopped): shared in only
+    2 of 400 runs (the window before either wrote it), and in each such run (3 of 3) no longer
+    shared once they ran again (SIGCONT, then SIGSTOP).  A restore registers rseq and then
+    injects more syscalls in the thread, so the restored page is written before the second
+    dump: sharedfd's self-check failed whenever the first dump caught that window.  Only those
+    pages may differ."""
     import dataclasses
     from ptckpt.diff import Site, expected_reason
     from ptckpt.formats.model import Vma

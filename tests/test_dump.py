@@ -366,6 +366,23 @@ def test_the_shell_that_runs_ptckpt_is_refused_as_its_own_ancestor(ptckpt_cmd, t
     assert not (tmp_path / "img").exists()
 
 
+def test_in_a_pid_namespace_dump_1_names_process_1(ptckpt_cmd, tmp_path):
+    """Issue 37: in a pid namespace whose init is the shell, `ptckpt dump 1` answered about
+    "process 2" (ptckpt's own pid there); the refusal names process 1, the shell.  The
+    namespace ends with its shell (unshare --fork waits for it)."""
+    import shlex
+    import shutil
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    inner = shlex.join(ptckpt_cmd + ["dump", "1", "-D", str(tmp_path / "img")]) + "; echo rc=$?"
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", inner],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert f"rc={ExitCode.ACCESS_DENIED}" in proc.stdout, (proc.stdout, proc.stderr)
+    assert "process 1 (bash) is ptckpt's own ancestor" in proc.stderr, proc.stderr
+    assert "process 2" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "img").exists()
+
+
 def test_an_ancestor_further_up_is_refused_by_name(ptckpt_cmd, tmp_path):
     proc = subprocess.run(["bash", "-c", f"sh -c '{' '.join(ptckpt_cmd)} dump '$$' -D {tmp_path / 'img'}'; true"],
                           capture_output=True, text=True, timeout=60)
