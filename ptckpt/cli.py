@@ -334,6 +334,7 @@ def campaign(
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print results.json's object on stdout instead of the table.")] = False,
+    clones: Annotated[bool, typer.Option("--clones/--no-clones", help="Runs as copy-on-write copies of the image restored once, held stopped (a single-threaded process of files and memory, faults not at calls: see README); --no-clones: each run restores the image.")] = True,
     backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt\\[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
@@ -368,7 +369,7 @@ def campaign(
             sys.stderr.flush()
         result = run_campaign(CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
                                            timeout=parse_duration(timeout), check=check or "", restore_args=extra,
-                                           backend=backend), progress=progress if live else None)
+                                           backend=backend, clones=clones), progress=progress if live else None)
     except PtckptError as err:
         raise _fail(err) from None
     if as_json:
