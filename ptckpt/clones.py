@@ -124,7 +124,6 @@ class Copy:
     pid: int
     init: object            # tracee.Task of C1
     pidfd: int
-    faults: list
 
     def ended(self) -> int | None:
         """The copy's wait status once it has ended (a zombie its init never reaps), else None."""
@@ -157,6 +156,8 @@ class Template:
     def __init__(self, directory: str, *, plugins: Sequence[Plugin] = (), file_policy=None):
         from .pipeline.restore import restore_held
         from .resources.filepolicy import FilePolicy
+        self.copies: list[Copy] = []
+        self._symbols = None
         self.null = NullStdio()
         try:
             self.held = restore_held(directory, plugins=[*plugins, self.null], file_policy=file_policy or FilePolicy())
@@ -176,10 +177,21 @@ class Template:
         if self.gadget is None:
             self.close()
             raise PtckptError("the template has no [vdso] to inject its copies' syscalls from")
-        self._symbols = None
 
     def close(self) -> None:
+        """Every copy still there ended (its init is traced by ptckpt: the template's
+        namespace could not end before ptckpt took its end), then the template."""
+        for copy in self.copies:
+            copy.end()
+        self.copies.clear()
         self.held.close()
+
+    def symbols(self):
+        """The template's symbol table (ptckpt.symbols), read once: every copy maps the same."""
+        if self._symbols is None:
+            from .symbols import SymbolTable
+            self._symbols = SymbolTable.for_process(self.task.tgid)
+        return self._symbols
 
     def copy(self, stdout: str, stderr: str, plugins: Sequence[Plugin] = ()) -> Copy:
         """A new copy with the run's stdio, `plugins` given the pre_restore and restored
@@ -198,7 +210,9 @@ class Template:
         pid = task.tgid
         pidfd = os.pidfd_open(pid)
         task.detach()
-        return Copy(pid, init, pidfd, [])
+        self.copies = [c for c in self.copies if c.pidfd >= 0]
+        self.copies.append(Copy(pid, init, pidfd))
+        return self.copies[-1]
 
     def _new_namespace(self):
         """C1: the template's child, pid 1 of a new pid namespace; the template's ended
@@ -256,10 +270,7 @@ class Template:
         vpid = self.proc.task.pid
         events.run("pre_restore", [ProcessHandle(0, vpid, self.proc)])
         handle = ProcessHandle(task.tgid, vpid, self.proc, tasks={vpid: task}, reg_overrides=overrides)
-        if self._symbols is None:
-            from .symbols import SymbolTable
-            self._symbols = SymbolTable.for_process(self.task.tgid)
-        handle._symbols = self._symbols             # the template's mappings are the copy's
+        handle._symbols = self.symbols()             # the template's mappings are the copy's
         events.run("restored", [handle])
         return overrides
 
