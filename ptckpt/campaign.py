@@ -258,6 +258,27 @@ def check_image(image: str, inject: Sequence[str]) -> None:
                     raise UsageError(f"--inject {text}: {err} (process {pid} of {image})") from None
 
 
+def _clone_backend(spec: CampaignSpec, netns: bool) -> Backend | None:
+    """Runs as copies of one restored template (ptckpt.clones), when the campaign runs
+    here and its image and options allow it; None (the reason logged): each run restores
+    the image."""
+    if not spec.clones or spec.backend not in ("", "local"):
+        return None
+    from . import clones
+    why = "its sockets need a network namespace per run" if netns else \
+        clones.campaign_refusal(spec.image, spec.inject, spec.restore_args)
+    if why is None:
+        try:
+            template = clones.template_for(spec.image, spec.restore_args)
+        except PtckptError as err:
+            why = f"the template could not be made: {err}"
+        else:
+            log.info("runs are copies of one template (pid %d)", template.task.tgid)
+            return clones.CloneBackend(template, spec.inject, spec.jobs)
+    log.info("each run restores the image (no template: %s)", why)
+    return None
+
+
 def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=None) -> CampaignResult:
     """Run the campaign; `progress(done, total, counts, eta_seconds)` is called as runs end
     (and with 0 done, eta None, once the reference run passed)."""
@@ -281,8 +302,13 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
                        spec.timeout)
 
     first = 1 if spec.check else 0               # with a check no reference is needed
+    runs_as = "restores"
     if backend is None:
-        backend = backend_for(spec.backend, spec.image, spec.jobs)
+        backend = _clone_backend(spec, netns)
+        if backend is not None:
+            runs_as = "copies of a template"
+        else:
+            backend = backend_for(spec.backend, spec.image, spec.jobs)
     specs = {i: make(i) for i in range(first, spec.runs + 1)}
     results: dict[int, RunResult] = {}
     ref = RunResult(0, 0, None, 0.0, outcome="none")
@@ -311,7 +337,7 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
                     progress(done, spec.runs, Counter(r.outcome for r in results.values()), eta)
     finally:
         backend.cancel()
-    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out)
+    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out, runs_as)
     write_results(done)
     from .report import write_report
     write_report(done)

@@ -88,6 +88,8 @@ class CampaignSpec:
     check: str = ""                         # a shell command; exit 0: the run's result is right
     restore_args: Sequence[str] = ()        # more options for every restore (--plugin, --file-policy ...)
     backend: str = "local"                  # or dask://HOST:PORT (ptckpt.cluster)
+    clones: bool = True                     # runs as copies of one template where they can be
+                                            # (ptckpt.clones); False: each restores the image
 
 
 @dataclass
@@ -95,13 +97,14 @@ class CampaignResult:
     runs: list[RunResult]
     reference: RunResult
     out: str
+    runs_as: str = "restores"               # or "copies of a template" (ptckpt.clones)
 
     def counts(self) -> Counter:
         return Counter(r.outcome for r in self.runs)
 
     def as_json(self) -> dict:
         """results.json's object: {"summary": {outcome: n}, "reference": run, "runs": [run]}."""
-        return {"summary": dict(self.counts()), "reference": asdict(self.reference),
+        return {"summary": dict(self.counts()), "runs_as": self.runs_as, "reference": asdict(self.reference),
                 "runs": [asdict(r) for r in self.runs]}
 
     def summary(self) -> str:

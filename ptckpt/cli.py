@@ -351,6 +351,7 @@ def campaign(
     set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore. Repeatable.")] = None,
     remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore. Repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print results.json's object on stdout instead of the table.")] = False,
+    clones: Annotated[bool, typer.Option("--clones/--no-clones", help="Runs as copy-on-write copies of the image restored once, held stopped (a single-threaded process of files and memory, faults not at calls: see README); --no-clones: each run restores the image.")] = True,
     backend: Annotated[str, typer.Option("--backend", metavar="local|dask://HOST:PORT", help="Where runs execute: here (--jobs at a time), or as tasks of a Dask scheduler (pip install 'ptckpt\\[cluster]'), whose workers fetch the image once and run as many at a time as they have threads.")] = "local",
 ) -> None:
     """Restore an image many times with faults injected, each run in its own pid namespace.
@@ -377,7 +378,7 @@ def campaign(
             parse_spec(text)
         spec = CampaignSpec(image=directory, runs=runs, inject=inject, out=out, seed=seed, jobs=jobs,
                             timeout=parse_duration(timeout), check=check or "", restore_args=extra,
-                            backend=backend)
+                            backend=backend, clones=clones)
         with _runs_bar("campaign", runs, "runs" if check else "reference", as_json) as bar:
             result = run_campaign(spec, progress=bar)
     except PtckptError as err:

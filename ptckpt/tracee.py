@@ -435,6 +435,19 @@ class Task:
             if st.kind is StopKind.SIGNAL:      # a signal arrived first: keep it for later
                 self.deferred_signals.append((st.signo, b""))
 
+    def reap_end(self) -> None:
+        """After it was killed: take this traced thread's stops until its end (a tracer
+        sees it before the parent does; the parent still reaps it)."""
+        while self.seized:
+            try:
+                _, status = os.waitpid(self.tid, WALL)
+            except ChildProcessError:
+                break
+            if WaitStatus.decode(status).kind is StopKind.EXITED:
+                break
+        self.seized = False
+        self.stop = WaitStatus(StopKind.EXITED)
+
     def detach(self, sig: int = 0) -> None:
         if not self.seized:
             return

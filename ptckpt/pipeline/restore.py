@@ -167,6 +167,46 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     name it, its watchdog and their log.
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy)
+    run = _staged(directory, opts, (("hand off", hand_off), ("resume", resume)))
+    run.result.seconds = time.monotonic() - run.started
+    return run.result
+
+
+@dataclass
+class Held:
+    """A tree restored and held (:func:`restore_held`): every thread stopped under ptrace,
+    traced by the thread that restored it, not one instruction of its own run yet.  The
+    init of its pid namespace kills it should ptckpt die first."""
+
+    run: RestoreRun
+
+    @property
+    def root(self) -> ProcessImage:
+        return self.run.procs[self.run.root]
+
+    @property
+    def task(self):
+        """The root's (only, for a copy) thread, stopped."""
+        return self.run.created[self.run.root]
+
+    def close(self) -> None:
+        """Kill the held tree and its pid namespace."""
+        _kill_tree(self.run)
+
+
+def restore_held(directory: str, *, plugins: Sequence[Plugin] = (),
+                 file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy()) -> Held:
+    """Restore image `directory` in a new pid namespace up to the point where it would run,
+    and keep it there (ptckpt.clones makes copies of it): the stages of :func:`restore`
+    but the terminal, the stop signals and the resume.  Its fds 0-2 are what `plugins`
+    give it (else the image's)."""
+    opts = RestoreOptions(pidns=True, file_policy=file_policy, plugins=tuple(plugins), new_pty=False)
+    return Held(_staged(directory, opts, (("hold", hold),)))
+
+
+def _staged(directory: str, opts: RestoreOptions, last: Sequence) -> RestoreRun:
+    """collect and plan, then open, create, rebuild and the `last` stages under the run's
+    undo stack: a failure kills what was half-built and says why."""
     oom_before = process.oom_kills()
     raise_nofile()
     for line in inet.stale_lock_cleanup():
@@ -177,16 +217,14 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
         stage("plan", plan, run)
         try:
             with run.undo:
-                for name, fn in (("open", open_sources), ("create", create), ("rebuild", rebuild),
-                                 ("hand off", hand_off), ("resume", resume)):
+                for name, fn in (("open", open_sources), ("create", create), ("rebuild", rebuild), *last):
                     stage(name, fn, run)
         except BaseException as err:
             said = _said(run, err)
             if said is None:
                 raise
             raise said from err
-    run.result.seconds = time.monotonic() - run.started
-    return run.result
+    return run
 
 
 # --- 1. collect ------------------------------------------------------------------------
@@ -363,14 +401,25 @@ def _create_tree(run: RestoreRun) -> None:
 
 # --- 6. hand off -----------------------------------------------------------------------
 
-def hand_off(run: RestoreRun) -> None:
-    image, procs, created, result = run.image, run.procs, run.created, run.result
+def hold(run: RestoreRun) -> None:
+    """What a held tree needs before it (or a copy of it) may run: the page check's verdict,
+    notifications settled, the network lock lifted, app blocks marked RESTORED."""
     log.info("wait for the page check")
     run.page_check.wait()                     # before any of them runs an instruction of its own
     if run.server is not None:
         run.server.check()                    # a bad block met while serving ptckpt's own reads
-    settle_notifications(image.fd_states, run.handoff.fds)
+    settle_notifications(run.image.fd_states, run.handoff.fds)
     progress.finish()                         # off the terminal before the tree draws on it
+    run.net.finish()                          # the lock goes, the connections leave repair mode
+    run.blocks = {p: a for p in run.members
+                  if (a := appblock.locate(run.created[p].tgid, exe=run.procs[p].task.exe)) is not None}
+    for p, addr in run.blocks.items():        # the program learns it was restored
+        appblock.mark(run.created[p].tgid, addr, appblock.RESTORED, run.image.path)
+
+
+def hand_off(run: RestoreRun) -> None:
+    image, procs, created, result = run.image, run.procs, run.created, run.result
+    hold(run)
     if not run.opts.new_pty:
         # Only now: until here ^C reaches ptckpt (and ends the restore), not the job.
         run.undo.on_failure(_terminal_back, result)
@@ -380,11 +429,6 @@ def hand_off(run: RestoreRun) -> None:
             # instruction, so it redraws before it reads a key (sent once it ran, the redraw
             # could wipe what it drew for the first keys).
             terminals.redraw(result.foreground)
-    run.net.finish()                          # the lock goes, the connections leave repair mode
-    run.blocks = {p: a for p in run.members
-                  if (a := appblock.locate(created[p].tgid, exe=procs[p].task.exe)) is not None}
-    for p, addr in run.blocks.items():        # the program learns it was restored
-        appblock.mark(created[p].tgid, addr, appblock.RESTORED, image.path)
     log.info("resume %s", " ".join(map(str, run.members)))
     for p in run.members:
         if procs[p].task.state == "T":

@@ -1,0 +1,153 @@
+"""Template clones (ptckpt.clones): a campaign's runs as copy-on-write copies of one restored,
+held template -- the same outcomes as restoring the image for every run, each copy with its
+own memory and file offsets, nothing left behind when the campaign is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptckpt import clones
+from ptckpt.builtins import Inject
+from ptckpt.tracee import AddressSpace
+
+from conftest import kill_pids, reap_orphans, wait_until
+from test_restore import _dump_kill
+
+REST = "the rest of the input, read after the restore\n"
+
+
+def _running(exe: str) -> list[int]:
+    """Processes running `exe`: the template, its copies and their inits."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/exe") == exe:
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture
+def campaigner_image(spawn, ptckpt, fixture_bins, tmp_path):
+    """An image of fixtures/campaigner that has read 8 bytes of its input, with `wait_ms` of
+    its wait left (about), and the pid it had; copies still running are killed at the end."""
+    made = []
+
+    def make(wait_ms: int = 1500) -> tuple[Path, int]:
+        source = tmp_path / f"input{len(made)}"
+        source.write_text("HEADHEAD" + REST)
+        target = spawn("campaigner", source, wait_ms, out=False)
+        image = tmp_path / f"img{len(made)}"
+        _dump_kill(ptckpt, target, image)
+        made.append(image)
+        return image, target.pid
+    yield make
+    kill_pids(_running(str(fixture_bins["campaigner"])))
+    reap_orphans()
+
+
+def _table(out: Path) -> list[tuple]:
+    with open(out / "results.csv", newline="") as f:
+        return [tuple(v for k, v in r.items() if k not in ("seconds", "host")) for r in csv.DictReader(f)]
+
+
+def test_copies_give_the_table_of_full_restores(campaigner_image, ptckpt, tmp_path):
+    """The same seeds give the same outcome table, faults and stdout signatures whether each
+    run restores the image or is a copy of the template; every copy reads the input from
+    the dumped offset and has the original pid, its init as parent."""
+    image, pid = campaigner_image()
+    args = ["campaign", "-D", image, "--runs", "8", "--jobs", "2", "--seed", "40", "--timeout", "30s",
+            "--inject", "set:symbol=stop,value=1", "--inject", "flip:symbol=table,bits=1"]
+    copies = ptckpt(*args, "-o", tmp_path / "copies", "--json")
+    assert copies.returncode == 0, copies.stderr
+    full = ptckpt(*args, "-o", tmp_path / "full", "--no-clones", "--json")
+    assert full.returncode == 0, full.stderr
+    assert json.loads(copies.stdout)["runs_as"] == "copies of a template"
+    assert json.loads(full.stdout)["runs_as"] == "restores"
+    assert _table(tmp_path / "copies") == _table(tmp_path / "full")
+    outcomes = {r["outcome"] for r in json.loads(copies.stdout)["runs"]}
+    assert outcomes <= {"masked", "detected"} and len(outcomes) == 2, outcomes   # both kinds of bit
+    for run in sorted((tmp_path / "copies" / "runs").iterdir()):
+        lines = (run / "stdout").read_text().splitlines()
+        assert lines[0] == "rest " + REST.rstrip("\n"), (run, lines)
+        assert lines[-1] == f"pid {pid} ppid 1", (run, lines)
+
+
+def test_a_copy_owns_its_memory_and_offsets(campaigner_image, tmp_path):
+    """A copy's writes (its heap, a flipped bit of `table`) are seen neither by the template
+    nor by the next copies; two copies at once each read the input from the dumped offset."""
+    image, pid = campaigner_image(wait_ms=60000)
+    template = clones.Template(str(image))
+    try:
+        table = template.symbols().resolve("table")
+        before = AddressSpace(template.task.tgid).read(table, 64 * 8)
+
+        def run(name: str, *specs: str) -> clones.Copy:
+            d = tmp_path / name
+            d.mkdir()
+            for f in ("stdout", "stderr"):
+                (d / f).touch()
+            return template.copy(str(d / "stdout"), str(d / "stderr"),
+                                 [Inject(["set:symbol=stop,value=1", *specs], seed=7)])
+
+        def wait(copy: clones.Copy) -> int:
+            wait_until(lambda: copy.ended() is not None, 20, message="the copy's end")
+            status = copy.ended()
+            copy.end()
+            return status
+
+        assert os.WEXITSTATUS(wait(run("first", "flip:symbol=table,bits=3"))) == 0
+        both = [run("second"), run("third")]
+        assert [os.WEXITSTATUS(wait(c)) for c in both] == [0, 0]
+        assert AddressSpace(template.task.tgid).read(table, 64 * 8) == before
+        for name in ("first", "second", "third"):
+            text = (tmp_path / name / "stdout").read_text()
+            assert text.startswith("rest " + REST) and f"pid {pid} ppid 1" in text, (name, text)
+            assert (tmp_path / name / "stderr").read_text() == ""
+    finally:
+        template.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_killed_campaign_leaves_no_template_or_copy(campaigner_image, fixture_bins, tmp_path, sig):
+    image, _pid = campaigner_image(wait_ms=60000)
+    exe = str(fixture_bins["campaigner"])
+    argv = [sys.executable, "-m", "ptckpt", "campaign", "-D", str(image), "-o", str(tmp_path / "out"),
+            "--runs", "4", "--jobs", "2", "--check", "true", "--timeout", "60s",
+            "--inject", "flip:symbol=table,bits=1"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        # the template, two copies and their two inits
+        wait_until(lambda: len(_running(exe)) >= 5, 30, message=lambda: f"copies running: {_running(exe)}")
+        os.kill(proc.pid, sig)
+        proc.wait(20)
+        wait_until(lambda: not _running(exe), 10, message=lambda: f"left behind: {_running(exe)}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reap_orphans()
+
+
+def test_images_a_copy_cannot_own_take_the_full_path(spawn, ptckpt, campaigner_image, tmp_path):
+    """A threaded process, a per-run plugin and a call: fault are named as the reason and the
+    runs restore the image instead."""
+    target = spawn("threads")
+    threaded = tmp_path / "threaded"
+    _dump_kill(ptckpt, target, threaded)
+    assert "threads" in clones.campaign_refusal(str(threaded), ["flip:symbol=counters,bits=1"], ())
+    image, _pid = campaigner_image()
+    assert clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ()) is None
+    assert "--plugin" in clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ("--plugin", "x"))
+    assert "call" in clones.campaign_refusal(str(image), ["call:function=read,n=1,ret=0"], ())
