@@ -197,15 +197,20 @@ class Template:
         """A new copy with the run's stdio, `plugins` given the pre_restore and restored
         events on it (the faults: builtins.Inject), then let go."""
         init = self._new_namespace()
+        made = [init]
         try:
             task = self._copy_from(init)
+            made.append(task)
             self._own_state(task, _stdio(stdout, stderr))
             overrides = self._events(task, plugins)
             self._finish(task, overrides)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(init.tid, signal.SIGKILL)
-            init.reap_end()
+            # both are ptckpt's tracees: the namespace's end waits until each one's is taken
+            for traced in made:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(traced.tid, signal.SIGKILL)
+            for traced in reversed(made):
+                traced.reap_end()
             raise
         pid = task.tgid
         pidfd = os.pidfd_open(pid)
