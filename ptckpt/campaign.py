@@ -258,6 +258,13 @@ def check_image(image: str, inject: Sequence[str]) -> None:
                     raise UsageError(f"--inject {text}: {err} (process {pid} of {image})") from None
 
 
+def _clone_refusal(spec: CampaignSpec, netns: bool) -> str | None:
+    from . import clones
+    if netns:
+        return "its sockets need a network namespace per run"
+    return clones.campaign_refusal(spec.image, spec.inject, spec.restore_args)
+
+
 def _clone_backend(spec: CampaignSpec, netns: bool) -> Backend | None:
     """Runs as copies of one restored template (ptckpt.clones), when the campaign runs
     here and its image and options allow it; None (the reason logged): each run restores
@@ -265,8 +272,7 @@ def _clone_backend(spec: CampaignSpec, netns: bool) -> Backend | None:
     if not spec.clones or spec.backend not in ("", "local"):
         return None
     from . import clones
-    why = "its sockets need a network namespace per run" if netns else \
-        clones.campaign_refusal(spec.image, spec.inject, spec.restore_args)
+    why = _clone_refusal(spec, netns)
     if why is None:
         try:
             template = clones.template_for(spec.image, spec.restore_args)
@@ -302,13 +308,14 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
                        spec.timeout)
 
     first = 1 if spec.check else 0               # with a check no reference is needed
-    runs_as = "restores"
     if backend is None:
-        backend = _clone_backend(spec, netns)
-        if backend is not None:
-            runs_as = "copies of a template"
-        else:
-            backend = backend_for(spec.backend, spec.image, spec.jobs)
+        backend = _clone_backend(spec, netns) or backend_for(spec.backend, spec.image, spec.jobs)
+        if spec.clones and hasattr(backend, "use_clones"):
+            why = _clone_refusal(spec, netns)
+            if why is None:
+                backend.use_clones(spec.inject, spec.restore_args)
+            else:
+                log.info("each run restores the image (no template: %s)", why)
     specs = {i: make(i) for i in range(first, spec.runs + 1)}
     results: dict[int, RunResult] = {}
     ref = RunResult(0, 0, None, 0.0, outcome="none")
@@ -337,7 +344,8 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
                     progress(done, spec.runs, Counter(r.outcome for r in results.values()), eta)
     finally:
         backend.cancel()
-    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out, runs_as)
+    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out,
+                          getattr(backend, "runs_as", None) or "restores")
     write_results(done)
     from .report import write_report
     write_report(done)

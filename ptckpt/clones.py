@@ -313,6 +313,7 @@ class CloneBackend(Backend):
         self.running: dict[int, tuple[RunSpec, Copy, float]] = {}
         self.failed: list[tuple[int, int | None, float, bool, str]] = []
         self.host = socket.gethostname()
+        self.runs_as = "copies of a template"
 
     def submit(self, run: RunSpec) -> None:
         self.queue.append(run)
@@ -339,31 +340,45 @@ class CloneBackend(Backend):
 
     def wait(self) -> list[tuple[int, int | None, float, bool, str]]:
         while True:
-            done, self.failed = self.failed, []
-            now = time.monotonic()
-            for index, (run, copy, started) in list(self.running.items()):
-                status = copy.ended()
-                timed_out = status is None and now - started > run.timeout
-                if status is not None or timed_out:
-                    copy.end()
-                    del self.running[index]
-                    done.append((index, None if timed_out else _shell_status(status), now - started, timed_out,
-                                 self.host))
+            done = self.collect()
             if done:
-                self._start()
                 return done
             if not self.running and not self.queue:
                 return []
-            self._until_one_ends()
+            self.sleep()
 
-    def _until_one_ends(self) -> None:
-        """Sleep until a copy ends (its pidfd is readable) or the nearest timeout is due."""
-        poller = select.poll()
-        for _run, copy, _started in self.running.values():
-            poller.register(copy.pidfd, select.POLLIN)
+    def collect(self) -> list[tuple[int, int | None, float, bool, str]]:
+        """Without blocking: the runs that ended (or failed to start, or reached their
+        timeout: killed) since the last call, and the next ones started in their place."""
+        done, self.failed = self.failed, []
         now = time.monotonic()
-        due = min(started + run.timeout - now for run, _copy, started in self.running.values())
+        for index, (run, copy, started) in list(self.running.items()):
+            status = copy.ended()
+            timed_out = status is None and now - started > run.timeout
+            if status is not None or timed_out:
+                copy.end()
+                del self.running[index]
+                done.append((index, None if timed_out else _shell_status(status), now - started, timed_out,
+                             self.host))
+        if done:
+            self._start()
+        return done
+
+    def sleep(self, *fds: int) -> None:
+        """Until a copy ends (its pidfd is readable), one of `fds` is, or the nearest
+        timeout is due (a second at most)."""
+        poller = select.poll()
+        for fd in (*fds, *(copy.pidfd for _run, copy, _started in self.running.values())):
+            poller.register(fd, select.POLLIN)
+        now = time.monotonic()
+        due = min((started + run.timeout - now for run, _copy, started in self.running.values()), default=1.0)
         poller.poll(max(1, min(1000, int(due * 1000) + 1)))
+
+    def stop(self, index: int) -> None:
+        """Run `index` ended now (or never started), reported as nothing."""
+        self.queue = [r for r in self.queue if r.index != index]
+        if index in self.running:
+            self.running.pop(index)[1].end()
 
     def cancel(self) -> None:
         self.queue.clear()
