@@ -151,3 +151,27 @@ def test_images_a_copy_cannot_own_take_the_full_path(spawn, ptckpt, campaigner_i
     assert clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ()) is None
     assert "--plugin" in clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ("--plugin", "x"))
     assert "call" in clones.campaign_refusal(str(image), ["call:function=read,n=1,ret=0"], ())
+
+
+def test_a_copy_dumped_is_the_image_but_its_stdio(campaigner_image, ptckpt, tmp_path):
+    """A copy, checkpointed while it waits, against the image it was made from: every page
+    the same, every record the same but for the run's stdio (fds 0-2), the registers it
+    changed by running, and the depth of its pid namespace (the template's, then its own)."""
+    image, _pid = campaigner_image(wait_ms=60000)
+    template = clones.Template(str(image))
+    try:
+        (tmp_path / "stdout").touch()
+        (tmp_path / "stderr").touch()
+        copy = template.copy(str(tmp_path / "stdout"), str(tmp_path / "stderr"))
+        res = ptckpt("dump", copy.pid, "-D", tmp_path / "copy", "--leave-running")
+        assert res.returncode == 0, res.stderr
+        assert copy.ended() is None, "the copy runs on after its dump"
+    finally:
+        template.close()
+    res = ptckpt("diff", image, tmp_path / "copy", "--json")
+    found = json.loads(res.stdout)
+    assert found["pages_compared"] > 200 and found["memory"] == [], found["memory"]
+    unexpected = [(d["what"], d["field"]) for d in found["differences"] if not d.get("expected")]
+    for what, field in unexpected:
+        assert (what == "image" and field == "pid_level") or field.startswith("regs.") or \
+            what.endswith((" fd 0", " fd 1", " fd 2")), (what, field, unexpected)
