@@ -77,6 +77,7 @@ def refusal(image, procs: dict[int, ProcessImage]) -> str | None:
         (bool(proc.timers or proc.itimers), "it has timers (a fork does not copy them)"),
         (bool(proc.pending), "it has pending signals"),
         (bool(proc.aio_rings), "it has AIO rings"),
+        (bool(proc.owners), "it set owners of fds (F_SETOWN)"),
     )
     for failed, why in checks:
         if failed:
@@ -91,6 +92,19 @@ def refusal(image, procs: dict[int, ProcessImage]) -> str | None:
         if flags & {"dc", "wf", "lo"}:
             return f"mapping {v.start:#x}-{v.end:#x} is locked or not copied by fork (VmFlags {v.vmflags})"
     return None
+
+
+CAP_SYS_ADMIN = 21
+
+
+def _copies_take_creds(directory: str) -> bool:
+    """Whether the image's credentials would keep its template from making copies (a pid
+    namespace and clone3 with set_tid need CAP_SYS_ADMIN): then the template keeps
+    ptckpt's, and each copy takes the image's before it runs."""
+    from .formats.image import ImageReader
+    with ImageReader(directory, verify_pages=False) as reader:
+        creds = reader.process(reader.inventory.root_pid).creds
+    return not creds.cap_eff >> CAP_SYS_ADMIN & 1
 
 
 class NullStdio(Plugin):
@@ -159,8 +173,10 @@ class Template:
         self.copies: list[Copy] = []
         self._symbols = None
         self.null = NullStdio()
+        self.creds_later = _copies_take_creds(directory)
         try:
-            self.held = restore_held(directory, plugins=[*plugins, self.null], file_policy=file_policy or FilePolicy())
+            self.held = restore_held(directory, plugins=[*plugins, self.null], file_policy=file_policy or FilePolicy(),
+                                     creds_later=self.creds_later)
         finally:
             self.null.close()
         self.image_path = self.held.run.image.path
@@ -251,7 +267,7 @@ class Template:
 
     def _own_state(self, task, stdio: list[Fd]) -> None:
         """What the copy must own: session, fds, robust list, clear_child_tid, pdeath signal."""
-        from .resources import files, process
+        from .resources import creds, files, process
         thread = self.proc.threads[0]
         inherited = procfs.list_fds(task.tgid)
         with AddressSpace(task.tgid) as mem, remote_syscalls(task, mem, self.gadget, keep_regs=False) as remote:
@@ -264,6 +280,10 @@ class Template:
             if thread.robust_list:
                 remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
             remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
+            if self.creds_later:                      # the template could not make copies with them
+                creds.restore_seccomp_frozen(remote, self.proc.creds)
+                for warning in creds.restore_creds_frozen(remote, self.proc.creds):
+                    log.warning("copy %d: %s", task.tgid, warning)
             process.restore_pdeath_signal_frozen(remote, self.proc.task)
 
     def _events(self, task, plugins: Sequence[Plugin]) -> dict:

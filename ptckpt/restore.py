@@ -696,13 +696,15 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
             channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None,
-            pidfds_made: dict | None = None):
+            pidfds_made: dict | None = None, creds_later: bool = False):
     """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
     the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
     still stopped).  The order of the steps matters: the kinds of resources.registry
     install at its points (INSTALL_POINTS: the fd table, then, after the task's cwd and
     root, the locks last of the fd work; the fd owners after the creds), creds after the
-    signals, the plugins' `restored` event after all, the gadget last."""
+    signals, the plugins' `restored` event after all, the gadget last.  With `creds_later`
+    (a held template: ptckpt.clones) the credentials, seccomp filters and parent-death
+    signal are left as ptckpt's, for the caller to set."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
@@ -726,9 +728,11 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             log.info("fix up %d: threads", proc.task.pid)
             tasks = _create_threads_frozen(remote, mem, leader, proc)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)
-            warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
+            if not creds_later:
+                warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
             registry.install(installing, registry.AFTER_CREDS)
-            process.restore_pdeath_signal_frozen(remote, proc.task)
+            if not creds_later:
+                process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
             overrides = _run_restored_event(events, remote, leader, vpid, proc, tasks, channel, chan,
                                             breaks)

@@ -8,9 +8,11 @@ import contextlib
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,35 @@ def test_a_copy_dumped_is_the_image_but_its_stdio(campaigner_image, ptckpt, tmp_
     for what, field in unexpected:
         assert (what == "image" and field == "pid_level") or field.startswith("regs.") or \
             what.endswith((" fd 0", " fd 1", " fd 2")), (what, field, unexpected)
+
+
+def test_a_program_of_another_user_is_copied_with_its_credentials(spawn, ptckpt, fixture_bins, tmp_path):
+    """The template of a program without CAP_SYS_ADMIN keeps ptckpt's credentials (it must
+    make namespaces and choose pids); each copy takes the program's before it runs."""
+    shared = Path(tempfile.mkdtemp(prefix="ptckpt-clones-"))     # the program must reach its input
+    template = None
+    try:
+        shared.chmod(0o755)
+        source = shared / "input"
+        source.write_text("HEADHEAD" + REST)
+        source.chmod(0o644)
+        target = spawn("/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                       fixture_bins["campaigner"], source, 60000, out=False)
+        image = tmp_path / "img"
+        _dump_kill(ptckpt, target, image)
+        template = clones.Template(str(image))
+        assert template.creds_later
+        assert "Uid:\t0\t0" in Path(f"/proc/{template.task.tgid}/status").read_text()
+        for f in ("stdout", "stderr"):
+            (tmp_path / f).touch()
+        copy = template.copy(str(tmp_path / "stdout"), str(tmp_path / "stderr"),
+                             [Inject(["set:symbol=stop,value=1"], seed=1)])
+        wait_until(lambda: copy.ended() is not None, 20, message="the copy's end")
+        status = Path(f"/proc/{copy.pid}/status").read_text()
+        assert "Uid:\t65534\t65534\t65534\t65534" in status and "CapEff:\t0000000000000000" in status, status
+        assert copy.ended() == 0, (tmp_path / "stderr").read_text()
+        assert (tmp_path / "stdout").read_text().startswith("rest " + REST)
+    finally:
+        if template is not None:
+            template.close()
+        shutil.rmtree(shared, ignore_errors=True)

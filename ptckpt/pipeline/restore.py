@@ -64,6 +64,7 @@ class RestoreOptions:
     plugins: Sequence[Plugin] = ()
     hold_timeout: float = 30.0
     lazy: bool = False
+    creds_later: bool = False       # a held tree keeps ptckpt's credentials (its copies take theirs)
 
 
 class PageSource(NamedTuple):
@@ -195,12 +196,14 @@ class Held:
 
 
 def restore_held(directory: str, *, plugins: Sequence[Plugin] = (),
-                 file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy()) -> Held:
+                 file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(), creds_later: bool = False) -> Held:
     """Restore image `directory` in a new pid namespace up to the point where it would run,
     and keep it there (ptckpt.clones makes copies of it): the stages of :func:`restore`
     but the terminal, the stop signals and the resume.  Its fds 0-2 are what `plugins`
-    give it (else the image's)."""
-    opts = RestoreOptions(pidns=True, file_policy=file_policy, plugins=tuple(plugins), new_pty=False)
+    give it (else the image's).  With `creds_later` its processes keep ptckpt's
+    credentials, seccomp filters and parent-death signal (the caller sets them)."""
+    opts = RestoreOptions(pidns=True, file_policy=file_policy, plugins=tuple(plugins), new_pty=False,
+                          creds_later=creds_later)
     return Held(_staged(directory, opts, (("hold", hold),)))
 
 
@@ -371,7 +374,7 @@ def rebuild(run: RestoreRun) -> None:
         warnings, tasks = fix_up(run.created[p], p, procs[p], image.page_runs(p), run.pages[p],
                                     run.handoff.fds, epolls.get(p, []), run.events, run.handoff.channel,
                                     run.breaks[p], memory_done=p in run.rebuilt, lazy=run.server,
-                                    pidfds_made=run.pidfds_made)
+                                    pidfds_made=run.pidfds_made, creds_later=run.opts.creds_later)
         result.warnings += warnings
         run.to_detach += tasks
         testhooks.reached("restore-fixup")
