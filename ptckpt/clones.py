@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import select
@@ -51,7 +52,7 @@ from . import procfs
 from .campaign_types import Backend, RunSpec
 from .errors import PtckptError
 from .formats.model import GP_REG_NAMES, Fd, FdKind, ProcessImage, VmaKind
-from .plugins import Plugin, Plugins, ProcessHandle
+from .plugins import Plugin, Plugins, ProcessHandle, plugin_name
 from .tracee import AddressSpace, find_syscall_insn, remote_syscalls
 
 log = logging.getLogger("ptckpt.clones")
@@ -83,7 +84,8 @@ def refusal(image, procs: dict[int, ProcessImage]) -> str | None:
         if failed:
             return why
     for f in proc.fds:
-        if f.fd > 2 and not f.skipped and (f.kind not in COPYABLE_FDS or f.external or f.path.endswith(" (deleted)")):
+        if f.fd > 2 and not f.skipped and not f.external and (f.kind not in COPYABLE_FDS
+                                                               or f.path.endswith(" (deleted)")):
             return f"fd {f.fd} ({f.kind.name.lower()} {f.path}) is not a file to open again"
     for v in proc.vmas:
         flags = set(v.vmflags.split())
@@ -105,6 +107,21 @@ def _copies_take_creds(directory: str) -> bool:
     with ImageReader(directory, verify_pages=False) as reader:
         creds = reader.process(reader.inventory.root_pid).creds
     return not creds.cap_eff >> CAP_SYS_ADMIN & 1
+
+
+class TemplateSide(Plugin):
+    """A campaign's plugin as the template sees it: its pre_restore only (the fds it claims,
+    the changes it makes to the image); its restored and resumed events are each copy's,
+    on an instance of its own, as each restore of the image would have it."""
+
+    def __init__(self, plugin: Plugin):
+        self.plugin = plugin
+        self.name = plugin_name(plugin)
+        self.version = plugin.version
+        self.recorded = plugin.recorded
+
+    def pre_restore(self, proc, ctx) -> None:
+        self.plugin.pre_restore(proc, ctx)
 
 
 class NullStdio(Plugin):
@@ -172,6 +189,7 @@ class Template:
         from .resources.filepolicy import FilePolicy
         self.copies: list[Copy] = []
         self._symbols = None
+        self.plugin_specs: list[str] = []          # --plugin: loaded again for each copy
         self.null = NullStdio()
         self.creds_later = _copies_take_creds(directory)
         try:
@@ -217,8 +235,11 @@ class Template:
         try:
             task = self._copy_from(init)
             made.append(task)
-            self._own_state(task, _stdio(stdout, stderr))
-            overrides = self._events(task, plugins)
+            events = Plugins(plugins, self.image_path, restore=True, data=self.plugin_data) if plugins else None
+            with AddressSpace(task.tgid) as mem, \
+                    remote_syscalls(task, mem, self.gadget, keep_regs=False) as remote:
+                self._own_state(task, remote, _stdio(stdout, stderr))
+                overrides = self._events(task, remote, events)
             self._finish(task, overrides)
         except BaseException:
             # both are ptckpt's tracees: the namespace's end waits until each one's is taken
@@ -231,6 +252,8 @@ class Template:
         pid = task.tgid
         pidfd = os.pidfd_open(pid)
         task.detach()
+        if events:
+            events.run("resumed", [ProcessHandle(pid, self.proc.task.pid, self.proc)])
         self.copies = [c for c in self.copies if c.pidfd >= 0]
         self.copies.append(Copy(pid, init, pidfd))
         return self.copies[-1]
@@ -265,38 +288,48 @@ class Template:
                 remote.checked("rt_sigaction", signal.SIGCHLD, int(act), 0, 8, step="SIGCHLD of a copy's init")
         return task
 
-    def _own_state(self, task, stdio: list[Fd]) -> None:
-        """What the copy must own: session, fds, robust list, clear_child_tid, pdeath signal."""
+    def _own_state(self, task, remote, stdio: list[Fd]) -> None:
+        """What the copy must own: session, fds, robust list, clear_child_tid, credentials
+        (when the template kept ptckpt's), pdeath signal."""
         from .resources import creds, files, process
         thread = self.proc.threads[0]
-        inherited = procfs.list_fds(task.tgid)
-        with AddressSpace(task.tgid) as mem, remote_syscalls(task, mem, self.gadget, keep_regs=False) as remote:
-            if self.leads == "session":
-                remote.checked("setsid", step="a session for a copy")
-            elif self.leads == "group":
-                remote.checked("setpgid", 0, 0, step="a process group for a copy")
-            fds = stdio + [f for f in self.proc.fds if f.fd > 2]
-            files.restore_fds_frozen(remote, fds, inherited)
-            if thread.robust_list:
-                remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
-            remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
-            if self.creds_later:                      # the template could not make copies with them
-                creds.restore_seccomp_frozen(remote, self.proc.creds)
-                for warning in creds.restore_creds_frozen(remote, self.proc.creds):
-                    log.warning("copy %d: %s", task.tgid, warning)
-            process.restore_pdeath_signal_frozen(remote, self.proc.task)
+        if self.leads == "session":
+            remote.checked("setsid", step="a session for a copy")
+        elif self.leads == "group":
+            remote.checked("setpgid", 0, 0, step="a process group for a copy")
+        fds = stdio + [f for f in self.proc.fds if f.fd > 2]
+        files.restore_fds_frozen(remote, fds, procfs.list_fds(task.tgid), keep={self.held.channel[1]})
+        if thread.robust_list:
+            remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
+        remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
+        if self.creds_later:                      # the template could not make copies with them
+            creds.restore_seccomp_frozen(remote, self.proc.creds)
+            for warning in creds.restore_creds_frozen(remote, self.proc.creds):
+                log.warning("copy %d: %s", task.tgid, warning)
+        process.restore_pdeath_signal_frozen(remote, self.proc.task)
 
-    def _events(self, task, plugins: Sequence[Plugin]) -> dict:
-        """pre_restore and restored of `plugins` on the copy; {tid: registers} they set."""
+    def _events(self, task, remote, events: Plugins | None) -> dict:
+        """pre_restore and restored of the run's plugins on the copy (the fds they give it
+        sent over the plugin channel the template kept), then the channel closed in the
+        copy; {tid: registers} they set."""
+        from .restore import install_fd_frozen
         overrides: dict = {}
-        if not plugins:
-            return overrides
-        events = Plugins(plugins, self.image_path, restore=True, data=self.plugin_data)
-        vpid = self.proc.task.pid
-        events.run("pre_restore", [ProcessHandle(0, vpid, self.proc)])
-        handle = ProcessHandle(task.tgid, vpid, self.proc, tasks={vpid: task}, reg_overrides=overrides)
-        handle._symbols = self.symbols()             # the template's mappings are the copy's
-        events.run("restored", [handle])
+        ours, theirs = self.held.channel
+        if events:
+            vpid = self.proc.task.pid
+            install = functools.partial(install_fd_frozen, remote, ours, theirs, {f.fd: f.cloexec for f in self.proc.fds})
+            events.run("pre_restore", [ProcessHandle(0, vpid, self.proc)])
+            for pid, number, fd in events.installs():
+                try:
+                    install(pid, number, fd)
+                finally:
+                    os.close(fd)
+            handle = ProcessHandle(task.tgid, vpid, self.proc, tasks={vpid: task}, reg_overrides=overrides,
+                                   remote_scope=lambda: contextlib.nullcontext(remote), fd_installer=install)
+            handle._symbols = self.symbols()             # the template's mappings are the copy's
+            events.run("restored", [handle])
+        if theirs >= 0:
+            remote.checked("close", theirs, step="close the copy's plugin channel")
         return overrides
 
     def _finish(self, task, overrides: dict) -> None:
@@ -340,6 +373,7 @@ class CloneBackend(Backend):
         self._start()
 
     def _start(self) -> None:
+        from .api import load_plugins
         from .builtins import Inject
         while self.queue and len(self.running) < self.jobs:
             run = self.queue.pop(0)
@@ -347,9 +381,11 @@ class CloneBackend(Backend):
             out, err = (os.path.join(run.directory, n) for n in ("stdout", "stderr"))
             for path in (out, err):
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-            plugins = [Inject(self.inject, run.seed, os.path.join(run.directory, "faults.json"))] if run.index else []
             started = time.monotonic()
             try:
+                plugins = load_plugins(self.template.plugin_specs)    # each run's own, as each restore's
+                if run.index:
+                    plugins.append(Inject(self.inject, run.seed, os.path.join(run.directory, "faults.json")))
                 copy = self.template.copy(out, err, plugins)
             except PtckptError as error:
                 with open(err, "a") as f:
@@ -414,9 +450,9 @@ def campaign_refusal(image: str, inject: Sequence[str], restore_args: Sequence[s
     beside the run), or what :func:`refusal` finds in the image."""
     from .faults import parse_spec
     from .formats.image import ImageReader
-    options = set(restore_args[::2])
-    if options - {"--file-policy", "--set-env", "--remap-path"}:
-        return "the restore options " + " ".join(sorted(options - {"--file-policy", "--set-env", "--remap-path"}))
+    options = set(restore_args[::2]) - set(TEMPLATE_OPTIONS)
+    if options:
+        return "the restore options " + " ".join(sorted(options))
     if any(parse_spec(text).kind == "call" for text in inject):
         return "a call: fault (its breakpoint needs ptckpt beside the run)"
     try:
@@ -426,16 +462,22 @@ def campaign_refusal(image: str, inject: Sequence[str], restore_args: Sequence[s
         return str(err)
 
 
+TEMPLATE_OPTIONS = ("--plugin", "--file-policy", "--set-env", "--remap-path")
+
+
 def template_for(image: str, restore_args: Sequence[str]) -> Template:
-    """The template of a campaign whose runs restore with `restore_args` (--file-policy,
-    --set-env, --remap-path: made once, in the template, as a restore would)."""
-    from .api import parse_file_policy
+    """The template of a campaign whose runs restore with `restore_args`: --file-policy,
+    --set-env and --remap-path made once, in the template, as a restore would; each
+    --plugin's pre_restore there (TemplateSide), its other events in each copy."""
+    from .api import load_plugins, parse_file_policy
     from .builtins import RemapPath, SetEnv
     pairs = list(zip(restore_args[::2], restore_args[1::2]))
-    given = {o: [v for k, v in pairs if k == o] for o in ("--file-policy", "--set-env", "--remap-path")}
-    plugins: list[Plugin] = []
+    given = {o: [v for k, v in pairs if k == o] for o in TEMPLATE_OPTIONS}
+    plugins: list[Plugin] = [TemplateSide(p) for p in load_plugins(given["--plugin"])]
     if given["--remap-path"]:
-        plugins.append(RemapPath(given["--remap-path"]))
+        plugins.insert(0, RemapPath(given["--remap-path"]))
     if given["--set-env"]:
         plugins.append(SetEnv(given["--set-env"]))
-    return Template(image, plugins=plugins, file_policy=parse_file_policy(given["--file-policy"]))
+    template = Template(image, plugins=plugins, file_policy=parse_file_policy(given["--file-policy"]))
+    template.plugin_specs = given["--plugin"]
+    return template
