@@ -43,7 +43,7 @@ from ptckpt.formats.model import (FD_STATE_TYPES, GP_REG_NAMES, PAGE_SIZE, Epoll
 
 from .resources.memory import ZERO_DROPPABLE
 from .resources.tcp import CRAFTED_INTO
-from .resources.threads import resume_regs
+from .resources.threads import reexecuted_regs
 from .show import _printable, _table, record_to_json
 
 SCHEMA_VERSION = 1
@@ -402,10 +402,10 @@ class _Comparer:
 
     def thread_regs(self, what: str, name: str, ra: Thread, rb: Thread, ja: dict, jb: dict) -> None:
         """A thread frozen inside a syscall it must execute again resumes with rax = the
-        syscall and rip on the syscall instruction (threads.resume_regs), which is what a
-        dump of it before it ran shows: two threads are compared as they resume."""
-        na = dict(zip(GP_REG_NAMES, resume_regs(ra).values()))
-        nb = dict(zip(GP_REG_NAMES, resume_regs(rb).values()))
+        syscall and rip on the syscall instruction (threads.reexecuted_regs): two threads
+        are compared as they go on when no handler runs first."""
+        na = dict(zip(GP_REG_NAMES, reexecuted_regs(ra).values()))
+        nb = dict(zip(GP_REG_NAMES, reexecuted_regs(rb).values()))
         if name != "regs":
             self.add(what, name, ja[name], jb[name], _RESUMED if na == nb else "")
             return

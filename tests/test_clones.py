@@ -211,3 +211,18 @@ def test_a_program_of_another_user_is_copied_with_its_credentials(spawn, ptckpt,
         if template is not None:
             template.close()
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_bar_names_the_reference_run_then_the_runs(campaigner_image, ptckpt_cmd, tmp_path):
+    """On a terminal, a campaign without --check shows its reference phase (the reference
+    run alone, first), then the runs phase up to 100%."""
+    from test_campaign import _on_terminal, _runs_frames
+    image, _pid = campaigner_image()
+    shown = _on_terminal(ptckpt_cmd + ["campaign", "-D", str(image), "-o", str(tmp_path / "out"), "--runs", "4",
+                                       "--inject", "set:symbol=stop,value=1"],
+                         env=dict(os.environ, PTCKPT_PROGRESS_AFTER="0"))
+    frames = _runs_frames(shown)
+    phases = [f["phase"] for f in frames]
+    assert "reference" in phases and "runs" in phases, shown
+    assert phases.index("runs") > phases.index("reference") and "reference" not in phases[phases.index("runs"):]
+    assert any(f["phase"] == "runs" and f["pct"] == "100" and f["done"] == "4" for f in frames), shown

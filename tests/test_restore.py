@@ -742,3 +742,34 @@ def test_check_image_says_beforehand_whether_this_host_can_restore_it(counter_im
     assert not pid_alive(target.pid), "nothing was restored"
     res = ptckpt("check", "--image", tmp_path / "nothing-here")
     assert res.returncode == ExitCode.NOT_AN_IMAGE, res.stdout + res.stderr
+
+
+POKE = '''
+import os, signal
+from ptckpt.plugins import Plugin
+
+class Poke(Plugin):
+    name = "poke"
+    recorded = False
+
+    def restored(self, proc, ctx):
+        os.kill(proc.pid, signal.SIGUSR1)     # pending before the process runs again
+'''
+
+
+def test_a_signal_pending_when_a_restored_pause_resumes_makes_it_return(spawn, ptckpt, tmp_path):
+    """A thread frozen in pause() whose handler runs as soon as it resumes gets EINTR from
+    pause(), as the kernel gives it (-ERESTARTNOHAND after a handler), instead of waiting in
+    pause() again: the restored thread goes on through the kernel's own restart logic."""
+    target = spawn("pauser")
+    image = tmp_path / "img"
+    _dump_kill(ptckpt, target, image)
+    plugin = tmp_path / "poke.py"
+    plugin.write_text(POKE)
+    pid = _restore(ptckpt, image, "--plugin", f"{plugin}:Poke")
+    try:
+        wait_until(lambda: "WOKE 1" in target.out_text(), 10, message=lambda: f"a wake-up: {target.out_text()!r}")
+        os.kill(pid, signal.SIGUSR1)                          # and it goes on as before
+        wait_until(lambda: "WOKE 2" in target.out_text(), 10, message=lambda: f"a wake-up: {target.out_text()!r}")
+    finally:
+        kill_pids([pid])

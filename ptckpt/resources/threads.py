@@ -13,7 +13,7 @@ import struct
 from .. import procfs
 from ..formats.model import Restart, Thread
 from ..errors import PtckptError, UnsupportedResource
-from ..tracee import Regs, RemotePtr, RemoteSyscalls, Task, syscall_restart, xstate_header
+from ..tracee import ERESTARTNOHAND, Regs, RemotePtr, RemoteSyscalls, Task, syscall_restart, xstate_header
 from .pids import clone_args
 
 PR_GET_TID_ADDRESS = 40
@@ -108,15 +108,13 @@ CLONE_THREAD_FLAGS = (0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000)
 # CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM
 
 
-def resume_regs(thread: Thread):
-    """The registers a restored thread starts with: the dumped ones, restarted if it was in a syscall.
-
-    -ERESTART*: the syscall is executed again (rax = nr, rip back over the
-    syscall instruction).  -ERESTART_RESTARTBLOCK has no restart block in the
-    new process, so the syscall is executed again too; for nanosleep and
-    relative clock_nanosleep the kernel had already written the remaining
-    time to `rem` at the freeze, so that is what the thread sleeps.
-    """
+def reexecuted_regs(thread: Thread):
+    """The registers of a thread frozen inside a syscall as they are once the kernel decided
+    to execute it again (no handler ran): rax = the syscall, rip back on the syscall
+    instruction, orig_rax -1.  -ERESTART_RESTARTBLOCK has no restart block in a new process,
+    so the syscall itself runs again; for nanosleep and relative clock_nanosleep the kernel
+    had already written the remaining time to `rem` at the freeze, so that is what the
+    thread sleeps.  (ptckpt.diff compares two threads in this form.)"""
     regs = Regs.from_values(thread.regs)
     if thread.restart is Restart.NONE:
         regs.orig_rax = 2**64 - 1
@@ -124,11 +122,36 @@ def resume_regs(thread: Thread):
     regs.rax = thread.syscall_nr
     regs.rip = regs.rip - 2
     regs.orig_rax = 2**64 - 1
+    _sleep_what_is_left(thread, regs)
+    return regs
+
+
+def _sleep_what_is_left(thread: Thread, regs) -> None:
     if thread.restart is Restart.RESTART_BLOCK:
         if thread.syscall_nr == NR_NANOSLEEP and regs.rsi:
             regs.rdi = regs.rsi                      # nanosleep(rem, rem)
         elif thread.syscall_nr == NR_CLOCK_NANOSLEEP and not regs.rsi & TIMER_ABSTIME and regs.r10:
             regs.rdx = regs.r10                      # clock_nanosleep(clk, 0, rem, rem)
+
+
+def resume_regs(thread: Thread):
+    """The registers a restored thread starts with: the dumped ones; a thread frozen inside a
+    syscall gets them as the kernel leaves them in the middle of it (orig_rax the syscall,
+    rax its -ERESTART* code, rip after the syscall instruction), so that the kernel's own
+    restart logic decides when it goes on (set_final_state): a signal whose handler runs
+    first makes the syscall fail with EINTR where the kernel would (a pause(), or a read
+    without SA_RESTART), else it is executed again.  -ERESTART_RESTARTBLOCK needs the
+    kernel's restart block, which a new process has not: it is presented as
+    -ERESTARTNOHAND of the syscall itself (the same EINTR after a handler), sleeping what
+    was left (reexecuted_regs)."""
+    regs = Regs.from_values(thread.regs)
+    if thread.restart is Restart.NONE:
+        regs.orig_rax = 2**64 - 1
+        return regs
+    regs.orig_rax = thread.syscall_nr
+    if thread.restart is Restart.RESTART_BLOCK:
+        regs.rax = 2**64 - ERESTARTNOHAND
+        _sleep_what_is_left(thread, regs)
     return regs
 
 
@@ -249,7 +272,15 @@ def restore_affinity(task: Task, thread: Thread) -> list[str]:
 
 
 def set_final_state(task: Task, thread: Thread) -> None:
-    """Registers, extended state and signal mask: the last thing before the thread runs."""
+    """Registers, extended state and signal mask: the last thing before the thread runs.  A
+    thread frozen inside a syscall is then brought into an interrupt stop, inside the
+    kernel's get_signal(): when it goes on, a pending signal is delivered first and the
+    kernel's restart logic runs on its registers (resume_regs), as it would have for the
+    original thread."""
     task.set_xstate(thread.xstate)
     task.set_sigmask(thread.sigmask)
     task.set_regs(resume_regs(thread))
+    if thread.restart is not Restart.NONE:
+        task.interrupt()
+        task.resume(0)
+        task.wait_frozen()
