@@ -1,0 +1,173 @@
+"""Group dump and restore across hosts (ptckpt group dump|restore --backend dask://...).
+
+Two test hosts and a Dask cluster over them (tests/twohosts.py: network namespaces joined
+by a veth pair, a scheduler on host A, a worker named A and one named B, each in its
+namespace).  The programs are started in the namespaces with nsenter --net; the `ptckpt
+group` commands run on host A.  Everything started is killed at the end (the workers'
+process groups, the targets and what was restored from them, which are the workers'
+children), and the namespaces are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES_DIR, needs, needs_network_lock, read_counter, reap_orphans, wait_until
+from ptckpt.errors import ExitCode
+from twohosts import ADDR, dask_cluster, two_hosts
+
+pytestmark = [needs("ip", "nsenter", "nft"), pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with two_hosts() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("group-cluster")
+    try:
+        with dask_cluster(hosts, logs) as workers:
+            yield workers
+    finally:
+        reap_orphans()
+        for log in logs.glob("*.log"):
+            if b"Traceback" in log.read_bytes():
+                print(f"--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def _pingpong(spawn, hosts, tmp_path, port: int):
+    """A server on host B and its client on host A, talking: (client, server, their state files)."""
+    files = {role: tmp_path / f"{role}.{port}.state" for role in ("client", "server")}
+    script = str(FIXTURES_DIR / "pingpong.py")
+    server = spawn(hosts.inside("B")[0], hosts.inside("B")[1], sys.executable, script, files["server"], "server",
+                   ADDR["B"], port, "0.005", out=False, ready=False)
+    client = spawn(hosts.inside("A")[0], hosts.inside("A")[1], sys.executable, script, files["client"], "client",
+                   ADDR["B"], port, out=False)
+    wait_until(lambda: read_counter(files["server"]) >= 20, 20, message="the conversation to start")
+    return client, server, files
+
+
+def _locks(hosts, host: str) -> str:
+    return subprocess.run(hosts.inside(host) + ["nft", "list", "tables"], capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+@needs_network_lock()
+def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, spawn, ptckpt, tmp_path):
+    client, server, files = _pingpong(spawn, hosts, tmp_path, 7001)
+    image = tmp_path / "group"
+    res = ptckpt("group", "dump", "-D", image, "--backend", hosts.backend, "--tcp-established", "--kill", "--json",
+                 f"A:{client.pid}", f"B:{server.pid}", prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert client.wait_exit(10) == -9 and server.wait_exit(10) == -9
+    counts = {role: read_counter(path) for role, path in files.items()}
+    time.sleep(0.3)
+    assert {role: read_counter(path) for role, path in files.items()} == counts, "nothing runs after --kill"
+    assert 0 <= counts["client"] - counts["server"] <= 1
+    group = json.loads((image / "group.json").read_text())
+    assert [(m["member"], m["worker"], m["pid"], m["directory"]) for m in group["members"]] == [
+        (f"A:{client.pid}", "A", client.pid, f"A-{client.pid}"), (f"B:{server.pid}", "B", server.pid, f"B-{server.pid}")]
+    assert group["options"]["mode"] == "kill" and group["options"]["tcp_established"]
+    assert [m["member"] for m in out["members"]] == [m["member"] for m in group["members"]]
+    for m in group["members"]:
+        assert (image / m["directory"] / "inventory.img").exists()
+    assert "ptckpt" in _locks(hosts, "A") and "ptckpt" in _locks(hosts, "B"), "the locks wait for the restore"
+
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [f"A:{client.pid}", f"B:{server.pid}"]
+    client.adopt(client.pid)
+    server.adopt(server.pid)
+    # each side checks every line it gets: a byte lost or repeated either way ends it (exit 4)
+    wait_until(lambda: read_counter(files["server"]) >= counts["server"] + 100, 30,
+               message=lambda: f"the conversation to go on: {client.describe()}\n{server.describe()}")
+    assert read_counter(files["client"]) >= counts["client"] + 100
+    assert client.alive() and server.alive()
+    assert "ptckpt" not in _locks(hosts, "A") + _locks(hosts, "B"), "the restore lifted both locks"
+
+
+@needs_network_lock()
+def test_a_member_that_fails_leaves_the_others_running_as_they_were(cluster, hosts, spawn, ptckpt, tmp_path):
+    client, server, files = _pingpong(spawn, hosts, tmp_path, 7002)
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    bad = next(p for p in range(pid_max - 1, 1, -1) if not os.path.exists(f"/proc/{p}"))
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend, "--tcp-established",
+                 "--kill", f"A:{client.pid}", f"B:{bad}", prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert f"member B:{bad} failed at freeze: no such process: {bad}" in res.stderr, res.stderr
+    assert "every member runs on as it was" in res.stderr
+    assert not (tmp_path / "group").exists()
+    before = read_counter(files["client"])
+    wait_until(lambda: read_counter(files["client"]) >= before + 50, 20, message="the client to run on")
+    assert client.alive() and server.alive()
+    assert "ptckpt" not in _locks(hosts, "A"), "its network lock went with the failed group"
+    # a worker that is not in the cluster is refused before anything is touched
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend,
+                 f"A:{client.pid}", f"C:{server.pid}", prefix=hosts.inside("A"), timeout=60)
+    assert res.returncode == ExitCode.USAGE and "no Dask worker named 'C' (the scheduler has: A, B)" in res.stderr
+
+
+MEET = '''
+import os, time
+from ptckpt.plugins import Plugin
+
+LOG = {log!r}
+
+
+def note(text):
+    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, (text + "\\n").encode())
+    os.close(fd)
+
+
+class Meet(Plugin):
+    name = "meet"
+    recorded = False
+
+    def pre_dump(self, proc, ctx):
+        if ctx.member.startswith("A:"):
+            time.sleep(1.0)                   # A comes late: B must wait for it
+        note(f"ARRIVE {{ctx.member or '-'}} {{time.time()}}")
+        ctx.barrier("meet")
+        note(f"PASS {{ctx.member or '-'}} {{time.time()}} {{','.join(ctx.members) or '-'}}")
+'''
+
+
+def test_plugin_barrier_across_hosts(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
+    log = tmp_path / "meet.log"
+    plugin = tmp_path / "meet.py"
+    plugin.write_text(MEET.format(log=str(log)))
+    counters = {h: spawn(hosts.inside(h)[0], hosts.inside(h)[1], fixture_bins["counter"],
+                         tmp_path / f"counter-{h}", out=False) for h in ADDR}
+    names = [f"{h}:{counters[h].pid}" for h in ADDR]
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend, "--plugin",
+                 f"{plugin}:Meet", *names, prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    seen = [line.split() for line in log.read_text().splitlines()]
+    arrive = {w[1]: float(w[2]) for w in seen if w[0] == "ARRIVE"}
+    passed = {w[1]: (float(w[2]), w[3]) for w in seen if w[0] == "PASS"}
+    assert set(arrive) == set(passed) == set(names)
+    for member, (when, members) in passed.items():
+        assert when >= max(arrive.values()), f"{member} passed the barrier before every member reached it"
+        assert members == ",".join(names)
+    assert passed[names[1]][0] - arrive[names[1]] >= 0.9, "B waited for A"
+    assert all(c.alive() for c in counters.values())
+    # a dump of one tree: the barrier returns at once
+    log.unlink()
+    single = spawn("counter")
+    res = ptckpt("dump", single.pid, "-D", tmp_path / "single", "--plugin", f"{plugin}:Meet")
+    assert res.returncode == 0, res.stderr
+    (_, _, t_arrive), (_, _, t_pass, members) = [line.split() for line in log.read_text().splitlines()]
+    assert float(t_pass) - float(t_arrive) < 0.5 and members == "-"
