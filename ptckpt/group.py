@@ -11,6 +11,8 @@ then gives up.
 
 group dump -- each task runs the dump pipeline (ptckpt.pipeline.dump) on its member:
 
+  ready     (before_freeze) every member checked, none frozen yet: nobody waits frozen
+            for another's check;
   frozen    (after_freeze) every member is frozen before any captures a byte;
   captured  (before_release) every member's image is committed before any is resumed or
             killed (each member's connections are locked, then read in repair mode, in
@@ -27,10 +29,10 @@ group dump -- each task runs the dump pipeline (ptckpt.pipeline.dump) on its mem
   its copy of the image until a restore there: the network lock it left names it.
 
 group restore -- each member's image is scattered (its chunks) to the worker that is to
-  run it (its own, or another with --place OLD=NEW), which checks each chunk, keeps the
-  image in its cache and runs the restore pipeline (ptckpt.pipeline.restore) up to the
-  resume; there it waits (before_resume) until every member is rebuilt (barrier
-  "rebuilt"), then all resume.  A failure before that kills every member made; one after
+  run it (its own, or another with --place OLD=NEW), which checks each chunk and keeps
+  the image in its cache; once every image is in place (barrier "ready") each runs the
+  restore pipeline (ptckpt.pipeline.restore) up to the resume; there it waits
+  (before_resume) until every member is rebuilt (barrier "rebuilt"), then all resume.  A failure before that kills every member made; one after
   (rare: the resume itself failed) has the others killed by a task on their workers.
 
 Plugins meet the other members with ``ctx.barrier(name)`` (ptckpt.plugins), a barrier of
@@ -85,6 +87,8 @@ class Barrier:
         self._event(self._key(name, self.me), client=self.client).set()
         deadline = time.monotonic() + self.timeout
         for other in self.members:
+            if other == self.me:
+                continue
             arrived = self._event(self._key(name, other), client=self.client)
             while not arrived.wait(timeout=0.05):
                 if self.aborted():
@@ -167,25 +171,36 @@ def dump_member(job: dict) -> dict:
     from .plugins import load_plugin
     barrier = Barrier(job["token"], job["members"], job["me"], job["timeout"], get_client())
     out = {"member": job["me"], "worker": job["worker"], "pid": job["pid"], "host": socket.gethostname(),
-           "phase": "freeze", "ok": False}
+           "phase": "check", "ok": False, "times": {"start": time.time()}}
     directory = os.path.join(cache_dir(), "group-dumps", f"{job['token']}-{job['pid']}")
 
+    def ready(_result) -> None:
+        barrier.wait("ready")                   # nobody waits frozen for another's check
+        out["times"]["all ready"] = time.time()
+        out["phase"] = "freeze"
+
     def frozen(_result) -> None:
+        out["times"]["frozen"] = time.time()
         barrier.wait("frozen")
+        out["times"]["all frozen"] = time.time()
         out["phase"] = "capture"
 
     def captured(_result) -> None:
+        out["times"]["captured"] = time.time()
         barrier.wait("captured")
+        out["times"]["all captured"] = time.time()
         out["phase"] = "release"
     try:
         os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
         result = dump(job["pid"], directory, mode=DumpMode.KILL if job["kill"] else DumpMode.LEAVE_RUNNING,
                       plugins=[load_plugin(s) for s in job["plugins"]], tcp_established=job["tcp_established"],
-                      tcp_close=job["tcp_close"], after_freeze=frozen, before_release=captured, group=barrier)
+                      tcp_close=job["tcp_close"], before_freeze=ready, after_freeze=frozen,
+                      before_release=captured, group=barrier)
     except Exception as err:                      # noqa: BLE001 - the member's outcome, said by the caller
         if out["phase"] != "release":
             shutil.rmtree(directory, ignore_errors=True)
         return _failed(out, err, barrier)
+    out["times"]["released"] = time.time()
     man = manifest(directory)
     prefix = chunk_key("")
     out.update(ok=True, pids=result.pids, seconds=result.seconds, frozen_seconds=result.frozen_seconds,
@@ -215,6 +230,7 @@ def restore_member(job: dict, chunks: dict) -> dict:
         out["phase"] = "resume"
     try:
         image = ensure_image(job["manifest"], lambda keys: [chunks[k] for k in keys])
+        barrier.wait("ready")                     # every image in place: the rebuilds start together
         out["phase"] = "rebuild"
         result = restore(image, pidns=job["pidns"], file_policy=parse_policy(job["file_policy"]),
                          plugins=[load_plugin(s) for s in job["plugins"]], before_resume=rebuilt, group=barrier)
@@ -376,6 +392,7 @@ def _write_group(final: str, outs: list[dict], workers: dict, options: dict, res
                 "address": workers[out["worker"]].get("host", ""), "pid": out["pid"], "pids": out["pids"],
                 "directory": sub, "digest": out["manifest"]["digest"], "bytes": out["bytes"],
                 "frozen_seconds": round(out["frozen_seconds"], 6), "seconds": round(out["seconds"], 6),
+                "times": {k: round(t, 6) for k, t in out["times"].items()},
                 "worker_image": out.get("worker_image", "")})
         with open(os.path.join(tmp, GROUP_FILE), "w") as f:
             json.dump({"format": GROUP_FORMAT, "ptckpt_version": __version__, "created": time.time(),

@@ -106,7 +106,7 @@ def test_a_member_that_fails_leaves_the_others_running_as_they_were(cluster, hos
                  "--kill", f"A:{client.pid}", f"B:{bad}", prefix=hosts.inside("A"), timeout=180)
     assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
-    assert f"member B:{bad} failed at freeze: no such process: {bad}" in res.stderr, res.stderr
+    assert f"member B:{bad} failed at check: no such process: {bad}" in res.stderr, res.stderr
     assert "every member runs on as it was" in res.stderr
     assert not (tmp_path / "group").exists()
     before = read_counter(files["client"])
