@@ -171,3 +171,37 @@ def test_plugin_barrier_across_hosts(cluster, hosts, spawn, ptckpt, fixture_bins
     assert res.returncode == 0, res.stderr
     (_, _, t_arrive), (_, _, t_pass, members) = [line.split() for line in log.read_text().splitlines()]
     assert float(t_pass) - float(t_arrive) < 0.5 and members == "-"
+
+
+@needs_network_lock()
+def test_a_member_that_fails_mid_restore_leaves_nothing_and_a_retry_works(cluster, hosts, spawn, ptckpt, tmp_path):
+    client, server, files = _pingpong(spawn, hosts, tmp_path, 7003)
+    image = tmp_path / "group"
+    res = ptckpt("group", "dump", "-D", image, "--backend", hosts.backend, "--tcp-established", "--kill",
+                 f"A:{client.pid}", f"B:{server.pid}", prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert client.wait_exit(10) == -9 and server.wait_exit(10) == -9
+    counts = {role: read_counter(path) for role, path in files.items()}
+    with open(files["server"], "a") as f:       # a file the server holds changed: its restore is refused
+        f.write("changed\n")
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert f"group restore failed: member B:{server.pid} failed at rebuild: " in res.stderr, res.stderr
+    assert str(files["server"]) in res.stderr and "every member made was killed before it ran" in res.stderr
+    time.sleep(0.3)
+    assert not os.path.exists(f"/proc/{client.pid}") and not os.path.exists(f"/proc/{server.pid}"), \
+        "nothing is left of the group"
+    assert read_counter(files["client"]) == counts["client"], "the client never ran"
+    # its connection stayed in repair mode under the locks: the group can be restored again
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--file-policy", "warn", "--json",
+                 prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert [(m["member"], m["worker"], m["pid"]) for m in out["members"]] == [
+        (f"A:{client.pid}", "A", client.pid), (f"B:{server.pid}", "B", server.pid)]
+    client.adopt(client.pid)
+    server.adopt(server.pid)
+    wait_until(lambda: read_counter(files["server"]) >= counts["server"] + 100, 30,
+               message=lambda: f"the conversation to go on: {client.describe()}\n{server.describe()}")
+    assert client.alive() and server.alive()

@@ -15,9 +15,10 @@
 7. resume   -- every thread let go (the program that asked to hold first), then the
                plugins' resumed event and the breakpoints.
 
-Between 6 and 7 a caller's `before_resume(result)` runs, every process rebuilt and not one
-instruction of its own run yet (ptckpt.group holds each member there until all are); if it
-raises, the tree is killed as for any failure, and the error goes on.
+Between 5 and 6 a caller's `before_resume(result)` runs, every process rebuilt, not one
+instruction of its own run yet, the image's network lock still on (ptckpt.group holds each
+member there until all are); if it raises, the tree is killed as for any failure (its
+connections, still in repair mode, say nothing to their peers), and the error goes on.
 
 Stages 3 to 7 register what undoes them on the run's undo stack: a failure (or a signal)
 anywhere kills what was half-built, lifts what was locked and removes what was made, and
@@ -173,13 +174,13 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
     name it, its watchdog and their log.
 
-    `before_resume(result)` runs once every process is rebuilt, before any runs; if it
-    raises, they are killed and the error goes on.  `group` (ptckpt.group.Barrier): the
+    `before_resume(result)` runs once every process is rebuilt, before any runs and before
+    the network lock goes; if it raises, they are killed and the error goes on.  `group` (ptckpt.group.Barrier): the
     group this restore is a member of, where the plugins' ctx.barrier(name) meets the others.
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
                           before_resume, group)
-    run = _staged(directory, opts, (("hand off", hand_off), ("before resume", call_before_resume),
+    run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
                                     ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
     return run.result
@@ -412,6 +413,12 @@ def _create_tree(run: RestoreRun) -> None:
                    ptys=pty_ttys(image, procs, handed), memory_first=memory_first, all_made=make_pidfds)
 
 
+def call_before_resume(run: RestoreRun) -> None:
+    """The caller's before_resume hook, the tree rebuilt and held, the lock still on."""
+    if run.opts.before_resume is not None:
+        run.opts.before_resume(run.result)
+
+
 # --- 6. hand off -----------------------------------------------------------------------
 
 def hold(run: RestoreRun) -> None:
@@ -461,12 +468,6 @@ def hand_off(run: RestoreRun) -> None:
     run.undo.on_failure(restored.forget, result.pid)
     if unrecorded is not None:
         result.warnings.append(unrecorded)
-
-
-def call_before_resume(run: RestoreRun) -> None:
-    """The caller's before_resume hook, the tree rebuilt and still held."""
-    if run.opts.before_resume is not None:
-        run.opts.before_resume(run.result)
 
 
 # --- 7. resume -------------------------------------------------------------------------
