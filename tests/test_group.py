@@ -205,3 +205,37 @@ def test_a_member_that_fails_mid_restore_leaves_nothing_and_a_retry_works(cluste
     wait_until(lambda: read_counter(files["server"]) >= counts["server"] + 100, 30,
                message=lambda: f"the conversation to go on: {client.describe()}\n{server.describe()}")
     assert client.alive() and server.alive()
+
+
+KILLER = '''
+import os, signal
+from ptckpt.plugins import Plugin
+
+
+class Killer(Plugin):
+    name = "killer"
+    recorded = False
+
+    def busy(self, proc, ctx):                    # frozen, nothing captured yet
+        if ctx.member.startswith("B:"):
+            os.kill(proc.pid, signal.SIGKILL)     # member B dies before its capture
+        return None
+'''
+
+
+def test_a_member_killed_mid_dump_leaves_the_others_running(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
+    plugin = tmp_path / "killer.py"
+    plugin.write_text(KILLER)
+    counters = {h: spawn(hosts.inside(h)[0], hosts.inside(h)[1], fixture_bins["counter"],
+                         tmp_path / f"counter-{h}", out=False) for h in ADDR}
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend, "--kill", "--plugin",
+                 f"{plugin}:Killer", *(f"{h}:{c.pid}" for h, c in counters.items()), prefix=hosts.inside("A"),
+                 timeout=180)
+    assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert f"member B:{counters['B'].pid} failed at capture: " in res.stderr, res.stderr
+    assert "every member runs on as it was" in res.stderr
+    assert counters["B"].wait_exit(10) == -9
+    before = read_counter(tmp_path / "counter-A")
+    wait_until(lambda: read_counter(tmp_path / "counter-A") > before + 50, 10, message="member A to run on")
+    assert not (tmp_path / "group").exists()
