@@ -70,6 +70,12 @@ class Barrier:
         self._event, self.client = Event, client
         self.token, self.members, self.me, self.timeout = token, list(members), me, timeout
         self._abort = Event(f"ptckpt-group-{token}-abort", client=client)
+        self.made: list[str] = []           # the events this member set: cleared at the end
+
+    def forget(self, names) -> None:
+        """Clear events of this group (`names` and the abort event): the scheduler drops them."""
+        for name in {*names, self._abort.name}:
+            self._event(name, client=self.client).clear()
 
     def _key(self, name: str, member: str) -> str:
         return f"ptckpt-group-{self.token}-{name}-{member}"
@@ -85,6 +91,7 @@ class Barrier:
         """Return once every member has reached barrier `name`; GroupAborted if a member
         failed meanwhile or one did not come within the timeout."""
         self._event(self._key(name, self.me), client=self.client).set()
+        self.made.append(self._key(name, self.me))
         deadline = time.monotonic() + self.timeout
         for other in self.members:
             if other == self.me:
@@ -171,7 +178,7 @@ def dump_member(job: dict) -> dict:
     from .plugins import load_plugin
     barrier = Barrier(job["token"], job["members"], job["me"], job["timeout"], get_client())
     out = {"member": job["me"], "worker": job["worker"], "pid": job["pid"], "host": socket.gethostname(),
-           "phase": "check", "ok": False, "times": {"start": time.time()}}
+           "phase": "check", "ok": False, "times": {"start": time.time()}, "events": barrier.made}
     directory = os.path.join(cache_dir(), "group-dumps", f"{job['token']}-{job['pid']}")
 
     def ready(_result) -> None:
@@ -222,7 +229,7 @@ def restore_member(job: dict, chunks: dict) -> dict:
     from .resources.filepolicy import parse_policy
     barrier = Barrier(job["token"], job["members"], job["me"], job["timeout"], get_client())
     out = {"member": job["me"], "worker": job["worker"], "host": socket.gethostname(), "phase": "transfer",
-           "ok": False}
+           "ok": False, "events": barrier.made}
 
     def rebuilt(_result) -> None:
         out["phase"] = "held"
@@ -290,6 +297,7 @@ def _run(client, token: str, fn, jobs: list[dict], extra: Sequence = (), timeout
         barrier.abort()
         client.cancel(futures)
         raise
+    barrier.forget(n for o in outs for n in o.get("events", ()))
     return outs
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FIXTURES_DIR, needs, needs_network_lock, read_counter, reap_orphans, wait_until
 from ptckpt.errors import ExitCode
-from twohosts import ADDR, dask_cluster, two_hosts
+from twohosts import ADDR, PORT, dask_cluster, two_hosts
 
 pytestmark = [needs("ip", "nsenter", "nft"), pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -55,6 +55,17 @@ def _pingpong(spawn, hosts, tmp_path, port: int):
                    ADDR["B"], port, out=False)
     wait_until(lambda: read_counter(files["server"]) >= 20, 20, message="the conversation to start")
     return client, server, files
+
+
+def _events_left(hosts) -> list[str]:
+    """The ptckpt-group events the scheduler still holds (each group clears its own)."""
+    probe = ("from distributed import Client\n"
+             f"with Client('tcp://{ADDR['A']}:{PORT}', timeout=30) as c:\n"
+             "    print(c.run_on_scheduler(lambda dask_scheduler: [n for n in "
+             "dask_scheduler.extensions['events']._events if n.startswith('ptckpt-group')]))\n")
+    res = subprocess.run(hosts.inside("A") + [sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return eval(res.stdout.strip().splitlines()[-1])
 
 
 def _locks(hosts, host: str) -> str:
@@ -95,6 +106,7 @@ def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, sp
     assert read_counter(files["client"]) >= counts["client"] + 100
     assert client.alive() and server.alive()
     assert "ptckpt" not in _locks(hosts, "A") + _locks(hosts, "B"), "the restore lifted both locks"
+    assert _events_left(hosts) == [], "each group clears the Dask events it made"
 
 
 @needs_network_lock()
