@@ -25,8 +25,9 @@ group dump -- each task runs the dump pipeline (ptckpt.pipeline.dump) on its mem
   says which.  The images come back as the campaign's content-addressed chunks
   (ptckpt.cluster) in the tasks' results, and are written into DIR/WORKER-PID/, with
   DIR/group.json naming the members, workers, hosts, pids and options; the whole of DIR
-  is made beside it and renamed into place when complete.  A killed member's worker keeps
-  its copy of the image until a restore there: the network lock it left names it.
+  is made beside it and renamed into place when complete.  A killed member whose
+  connections stay locked keeps its worker's copy of the image until a restore there: the
+  network lock names it.
 
 group restore -- each member's image is scattered (its chunks) to the worker that is to
   run it (its own, or another with --place OLD=NEW), which checks each chunk and keeps
@@ -213,11 +214,17 @@ def dump_member(job: dict) -> dict:
     out.update(ok=True, pids=result.pids, seconds=result.seconds, frozen_seconds=result.frozen_seconds,
                bytes=result.bytes, manifest=man,
                chunks={key.removeprefix(prefix): data for key, data in read_chunks(directory, man)})
-    if job["kill"]:
-        out["worker_image"] = directory       # the network lock it left names it: kept for a restore
+    if _left_a_lock(directory):
+        out["worker_image"] = directory       # the network lock a kill left names it: kept for a restore
     else:
         shutil.rmtree(directory, ignore_errors=True)
     return out
+
+
+def _left_a_lock(directory: str) -> bool:
+    from .formats.image import ImageReader
+    with ImageReader(directory, verify_pages=False) as reader:
+        return bool(reader.inventory.netlock)
 
 
 def restore_member(job: dict, chunks: dict) -> dict:

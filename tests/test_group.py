@@ -94,6 +94,8 @@ def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, sp
     for m in group["members"]:
         assert (image / m["directory"] / "inventory.img").exists()
     assert "ptckpt" in _locks(hosts, "A") and "ptckpt" in _locks(hosts, "B"), "the locks wait for the restore"
+    kept = [m["worker_image"] for m in group["members"]]
+    assert all(os.path.isdir(k) for k in kept), "the workers keep the images their locks name"
 
     res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, prefix=hosts.inside("A"), timeout=180)
     assert res.returncode == 0, res.stderr
@@ -107,6 +109,7 @@ def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, sp
     assert client.alive() and server.alive()
     assert "ptckpt" not in _locks(hosts, "A") + _locks(hosts, "B"), "the restore lifted both locks"
     assert _events_left(hosts) == [], "each group clears the Dask events it made"
+    assert not any(os.path.exists(k) for k in kept), "the restores removed the workers' copies"
 
 
 @needs_network_lock()
@@ -251,3 +254,35 @@ def test_a_member_killed_mid_dump_leaves_the_others_running(cluster, hosts, spaw
     before = read_counter(tmp_path / "counter-A")
     wait_until(lambda: read_counter(tmp_path / "counter-A") > before + 50, 10, message="member A to run on")
     assert not (tmp_path / "group").exists()
+
+
+def test_place_restores_members_on_other_workers(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
+    counters = {h: spawn(hosts.inside(h)[0], hosts.inside(h)[1], fixture_bins["counter"],
+                         tmp_path / f"counter-{h}", out=False) for h in ADDR}
+    image = tmp_path / "group"
+    res = ptckpt("group", "dump", "-D", image, "--backend", hosts.backend, "--kill",
+                 *(f"{h}:{c.pid}" for h, c in counters.items()), prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    counts = {}
+    for h, c in counters.items():
+        assert c.wait_exit(10) == -9
+        counts[h] = read_counter(tmp_path / f"counter-{h}")
+    assert [m["worker_image"] for m in json.loads((image / "group.json").read_text())["members"]] == ["", ""], \
+        "no network lock: the workers keep no copy"
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--place", "A=B", "--place", "B=A",
+                 "--json", prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    pids = {h: c.pid for h, c in counters.items()}
+    assert [(m["member"], m["worker"], m["pid"]) for m in out["members"]] == [
+        (f"A:{pids['A']}", "B", pids["A"]), (f"B:{pids['B']}", "A", pids["B"])]
+    for h, c in counters.items():
+        c.adopt(c.pid)
+        other = "B" if h == "A" else "A"
+        assert os.readlink(f"/proc/{c.pid}/ns/net") == os.readlink(f"/proc/{cluster[other].pid}/ns/net"), \
+            f"member {h} now runs on host {other}"
+        wait_until(lambda: read_counter(tmp_path / f"counter-{h}") > counts[h] + 20, 10,
+                   message=f"member {h} to count on")
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--place", "C=A",
+                 prefix=hosts.inside("A"), timeout=60)
+    assert res.returncode == ExitCode.USAGE and "no member of the group ran on worker 'C'" in res.stderr
