@@ -37,7 +37,8 @@ group restore -- each member's image is scattered (its chunks) to the worker tha
   (rare: the resume itself failed) has the others killed by a task on their workers.
 
 Plugins meet the other members with ``ctx.barrier(name)`` (ptckpt.plugins), a barrier of
-the same kind.
+the same kind, and choose which member saves and restores a resource several of them
+share (an emulator connection) with ``ctx.elect(ident)``: the first to ask.
 """
 
 from __future__ import annotations
@@ -71,12 +72,32 @@ class Barrier:
         self._event, self.client = Event, client
         self.token, self.members, self.me, self.timeout = token, list(members), me, timeout
         self._abort = Event(f"ptckpt-group-{token}-abort", client=client)
-        self.made: list[str] = []           # the events this member set: cleared at the end
+        self.made: list[str] = []           # the events and variables this member set: gone at the end
 
     def forget(self, names) -> None:
-        """Clear events of this group (`names` and the abort event): the scheduler drops them."""
+        """Clear the events of this group (`names` and the abort event; the scheduler then
+        drops them) and delete its variables (names of elections)."""
+        from distributed import Variable
         for name in {*names, self._abort.name}:
-            self._event(name, client=self.client).clear()
+            if name.startswith(f"ptckpt-group-{self.token}-elect-"):
+                Variable(name, client=self.client).delete()
+            else:
+                self._event(name, client=self.client).clear()
+
+    def elect(self, ident: str) -> str:
+        """The member chosen to save and restore `ident`, a resource that members on several
+        hosts share: the first to ask; every member asking gets the same answer (a Dask
+        Variable, set under a Dask Lock)."""
+        from distributed import Lock, Variable
+        key = f"ptckpt-group-{self.token}-elect-{ident}"
+        chosen = Variable(key, client=self.client)
+        with Lock(f"{key}-lock"):
+            try:
+                return chosen.get(timeout=0)
+            except TimeoutError:
+                chosen.set(self.me)
+                self.made.append(key)
+                return self.me
 
     def _key(self, name: str, member: str) -> str:
         return f"ptckpt-group-{self.token}-{name}-{member}"

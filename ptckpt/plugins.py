@@ -27,7 +27,9 @@ memory by address or symbol, registers per thread, injected syscalls, fds);
 `ctx` the plugin's :class:`DumpContext` or :class:`RestoreContext`.  In a group dump or
 restore (ptckpt.group: members on several hosts), ``ctx.barrier("name")`` in any event
 returns once every member of the group has reached it (``ctx.member`` and ``ctx.members``
-name them, WORKER:PID); in a dump or restore of one tree it returns at once.  The image
+name them, WORKER:PID), and ``ctx.elect(ident)`` names the member that saves and restores
+a resource several members share (the first to ask); in a dump or restore of one tree
+the barrier returns at once and elect() gives "" (this member).  The image
 records each plugin used (name, version) with its data; a restore refuses an
 image whose plugin is not loaded.  A complete example is in README.md.
 """
@@ -308,6 +310,12 @@ class _Context:
         a group); raises if another member failed or one did not come in time."""
         if self.group is not None:
             self.group.wait(f"plugin-{self.name}-{name}")
+
+    def elect(self, ident: str) -> str:
+        """The member (WORKER:PID) that saves and restores `ident`, a resource members of
+        the group on several hosts share (an emulator's connection): the first to ask, the
+        same answer for every member; outside a group "" (ctx.member: this one)."""
+        return self.group.elect(f"{self.name}-{ident}") if self.group is not None else ""
 
     def leader(self, ident: object) -> int:
         """The pid chosen to save and restore the shared resource `ident` (0: not shared)."""

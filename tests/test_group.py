@@ -58,11 +58,13 @@ def _pingpong(spawn, hosts, tmp_path, port: int):
 
 
 def _events_left(hosts) -> list[str]:
-    """The ptckpt-group events the scheduler still holds (each group clears its own)."""
+    """The ptckpt-group events and variables the scheduler still holds (each group clears
+    its own)."""
     probe = ("from distributed import Client\n"
              f"with Client('tcp://{ADDR['A']}:{PORT}', timeout=30) as c:\n"
              "    print(c.run_on_scheduler(lambda dask_scheduler: [n for n in "
-             "dask_scheduler.extensions['events']._events if n.startswith('ptckpt-group')]))\n")
+             "[*dask_scheduler.extensions['events']._events, *dask_scheduler.extensions['variables'].variables] "
+             "if n.startswith('ptckpt-group')]))\n")
     res = subprocess.run(hosts.inside("A") + [sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60, check=True)
     return eval(res.stdout.strip().splitlines()[-1])
@@ -157,6 +159,7 @@ class Meet(Plugin):
         note(f"ARRIVE {{ctx.member or '-'}} {{time.time()}}")
         ctx.barrier("meet")
         note(f"PASS {{ctx.member or '-'}} {{time.time()}} {{','.join(ctx.members) or '-'}}")
+        note(f"ELECT {{ctx.member or '-'}} {{ctx.elect('emulator') or '-'}}")
 '''
 
 
@@ -178,14 +181,17 @@ def test_plugin_barrier_across_hosts(cluster, hosts, spawn, ptckpt, fixture_bins
         assert when >= max(arrive.values()), f"{member} passed the barrier before every member reached it"
         assert members == ",".join(names)
     assert passed[names[1]][0] - arrive[names[1]] >= 0.9, "B waited for A"
+    elected = {w[1]: w[2] for w in seen if w[0] == "ELECT"}
+    assert set(elected) == set(names) and len(set(elected.values())) == 1 and elected[names[0]] in names, elected
+    assert _events_left(hosts) == []
     assert all(c.alive() for c in counters.values())
     # a dump of one tree: the barrier returns at once
     log.unlink()
     single = spawn("counter")
     res = ptckpt("dump", single.pid, "-D", tmp_path / "single", "--plugin", f"{plugin}:Meet")
     assert res.returncode == 0, res.stderr
-    (_, _, t_arrive), (_, _, t_pass, members) = [line.split() for line in log.read_text().splitlines()]
-    assert float(t_pass) - float(t_arrive) < 0.5 and members == "-"
+    (_, _, t_arrive), (_, _, t_pass, members), elected = [line.split() for line in log.read_text().splitlines()]
+    assert float(t_pass) - float(t_arrive) < 0.5 and members == "-" and elected == ["ELECT", "-", "-"]
 
 
 @needs_network_lock()
