@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FIXTURES_DIR, needs, needs_network_lock, read_counter, reap_orphans, wait_until
 from ptckpt.errors import ExitCode
-from twohosts import ADDR, PORT, dask_cluster, two_hosts
+from twohosts import ADDR, PORT, dask_cluster, start_worker, stop, two_hosts, wait_for_workers
 
 pytestmark = [needs("ip", "nsenter", "nft"), pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -130,7 +130,11 @@ def test_a_member_that_fails_leaves_the_others_running_as_they_were(cluster, hos
     wait_until(lambda: read_counter(files["client"]) >= before + 50, 20, message="the client to run on")
     assert client.alive() and server.alive()
     assert "ptckpt" not in _locks(hosts, "A"), "its network lock went with the failed group"
-    # a worker that is not in the cluster is refused before anything is touched
+    # two members on a worker of one thread, or a worker that is not in the cluster: refused
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend,
+                 f"A:{client.pid}", f"A:{server.pid}", prefix=hosts.inside("A"), timeout=60)
+    assert res.returncode == ExitCode.USAGE and "worker A runs 1 thread(s) for 2 members: start it with " \
+        "--nthreads 2" in res.stderr, res.stderr
     res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend,
                  f"A:{client.pid}", f"C:{server.pid}", prefix=hosts.inside("A"), timeout=60)
     assert res.returncode == ExitCode.USAGE and "no Dask worker named 'C' (the scheduler has: A, B)" in res.stderr
@@ -292,3 +296,53 @@ def test_place_restores_members_on_other_workers(cluster, hosts, spawn, ptckpt, 
     res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--place", "C=A",
                  prefix=hosts.inside("A"), timeout=60)
     assert res.returncode == ExitCode.USAGE and "no member of the group ran on worker 'C'" in res.stderr
+
+
+SLOW = '''
+import time
+from ptckpt.plugins import Plugin
+
+
+class Slow(Plugin):
+    name = "slow"
+    recorded = False
+
+    def busy(self, proc, ctx):                    # frozen, nothing captured yet
+        if ctx.member.startswith("C:"):
+            time.sleep(30)                        # long enough for its worker to be killed meanwhile
+        return None
+'''
+
+
+def test_a_worker_lost_mid_dump_leaves_the_others_running(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
+    """Worker C (a third one, on host B) dies while its member is frozen: the group gives up,
+    member A resumes, and C's target, detached by the kernel with its tracer gone, runs on."""
+    extra = [start_worker(hosts, "C", "B", tmp_path)]
+    try:
+        wait_for_workers(hosts, 3)
+        plugin = tmp_path / "slow.py"
+        plugin.write_text(SLOW)
+        counters = {h: spawn(hosts.inside(host)[0], hosts.inside(host)[1], fixture_bins["counter"],
+                             tmp_path / f"counter-{h}", out=False) for h, host in (("A", "A"), ("C", "B"))}
+        with open(tmp_path / "group.stderr", "wb") as err:
+            dump = subprocess.Popen(hosts.inside("A") + [sys.executable, "-m", "ptckpt", "group", "dump", "-D",
+                                                         str(tmp_path / "group"), "--backend", hosts.backend, "--kill",
+                                                         "--plugin", f"{plugin}:Slow",
+                                                         *(f"{h}:{c.pid}" for h, c in counters.items())],
+                                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            wait_until(lambda: all(Path(f"/proc/{c.pid}/status").read_text().count("TracerPid:\t0") == 0
+                                   for c in counters.values()), 30, message="both members frozen")
+            stop(extra)
+            assert dump.wait(60) == ExitCode.GROUP_FAILED
+        finally:
+            stop([dump])
+        stderr = (tmp_path / "group.stderr").read_text()
+        assert "member C:" in stderr and "worker C left the cluster" in stderr and "Traceback" not in stderr, stderr
+        for h, c in counters.items():
+            before = read_counter(tmp_path / f"counter-{h}")
+            wait_until(lambda: read_counter(tmp_path / f"counter-{h}") > before + 20, 10,
+                       message=f"member {h} to run on")
+            assert "TracerPid:\t0" in Path(f"/proc/{c.pid}/status").read_text()
+    finally:
+        stop(extra)

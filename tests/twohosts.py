@@ -63,32 +63,48 @@ def two_hosts():
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
 
 
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
+def start(hosts: Hosts, name: str, host: str, argv: list[str], logs: Path) -> subprocess.Popen:
+    """`argv` (a dask command) on `host`, in a session of its own, its output in logs/NAME.log."""
+    with open(logs / f"{name}.log", "wb") as log:
+        return subprocess.Popen(hosts.inside(host) + argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=dict(_env(), PTCKPT_IMAGE_CACHE=str(logs / f"cache-{name}")),
+                                start_new_session=True)
+
+
+def start_worker(hosts: Hosts, name: str, host: str, logs: Path) -> subprocess.Popen:
+    """A one-thread `dask worker --name NAME` on `host` (A or B)."""
+    return start(hosts, f"worker-{name}", host, [DASK, "worker", f"tcp://{ADDR['A']}:{PORT}", "--name", name,
+                                                 "--nthreads", "1", "--no-nanny", "--host", ADDR[host],
+                                                 "--no-dashboard"], logs)
+
+
+def wait_for_workers(hosts: Hosts, n: int) -> None:
+    probe = ("from distributed import Client\n"
+             f"with Client('tcp://{ADDR['A']}:{PORT}', timeout=60) as c: c.wait_for_workers({n}, timeout=60)\n")
+    subprocess.run(hosts.inside("A") + [sys.executable, "-c", probe], check=True, timeout=120, env=_env())
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 @contextlib.contextmanager
 def dask_cluster(hosts: Hosts, logs: Path):
     """Yields {worker name: its Popen}; the workers import this tree's ptckpt."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     procs: list[subprocess.Popen] = []
-
-    def start(name: str, host: str, argv: list[str]) -> subprocess.Popen:
-        with open(logs / f"{name}.log", "wb") as log:
-            p = subprocess.Popen(hosts.inside(host) + argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 env=dict(env, PTCKPT_IMAGE_CACHE=str(logs / f"cache-{name}")),
-                                 start_new_session=True)
-        procs.append(p)
-        return p
-
     try:
-        start("scheduler", "A", [DASK, "scheduler", "--host", ADDR["A"], "--port", str(PORT), "--no-dashboard"])
-        workers = {h: start(f"worker-{h}", h, [DASK, "worker", f"tcp://{ADDR['A']}:{PORT}", "--name", h,
-                                               "--nthreads", "1", "--no-nanny", "--host", ADDR[h],
-                                               "--no-dashboard"])
-                   for h in ADDR}
-        probe = ("from distributed import Client\n"
-                 f"with Client('tcp://{ADDR['A']}:{PORT}', timeout=60) as c: c.wait_for_workers(2, timeout=60)\n")
-        subprocess.run(hosts.inside("A") + [sys.executable, "-c", probe], check=True, timeout=120, env=env)
+        procs.append(start(hosts, "scheduler", "A", [DASK, "scheduler", "--host", ADDR["A"], "--port", str(PORT),
+                                                      "--no-dashboard"], logs))
+        workers = {h: start_worker(hosts, h, h, logs) for h in ADDR}
+        procs += workers.values()
+        wait_for_workers(hosts, 2)
         yield workers
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop(procs)

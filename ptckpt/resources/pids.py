@@ -322,7 +322,10 @@ def _exec_stub_stopped(stub_fd: int, parent: int = 0) -> None:
     sets the image's own parent-death signal in the end."""
     try:
         if parent:
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # with the GIL held (_libc_gil): releasing it here, in a child whose other threads
+            # are gone, would wait for a lock another thread of ptckpt held at the clone (a
+            # restore run by a Dask worker, busy threads and all, was seen to hang there)
+            _libc_gil.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(127)
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -367,6 +370,7 @@ class Stub:
 def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
     """Until the process shows its group stop (it need not be our child, so no waitpid)."""
     deadline = time.monotonic() + timeout
+    state = "?"
     while time.monotonic() < deadline:
         try:
             state = procfs.read_stat(pid).state
@@ -374,8 +378,10 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
             raise TraceeError(pid, "the new process exited before it reached the restorer stub") from None
         if state == "T":
             return
+        if state in ("Z", "X"):
+            raise TraceeError(pid, "the new process exited before it reached the restorer stub")
         time.sleep(0.0005)
-    raise TraceeError(pid, "the new process did not stop before exec")
+    raise TraceeError(pid, f"the new process did not stop before exec (state {state})")
 
 
 def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
