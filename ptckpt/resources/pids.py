@@ -323,8 +323,9 @@ def _exec_stub_stopped(stub_fd: int, parent: int = 0) -> None:
     try:
         if parent:
             # with the GIL held (_libc_gil): releasing it here, in a child whose other threads
-            # are gone, would wait for a lock another thread of ptckpt held at the clone (a
-            # restore run by a Dask worker, busy threads and all, was seen to hang there)
+            # are gone, may wait for a lock another thread of ptckpt held at the clone.  (A
+            # restore in a Dask worker, busy threads and all, was seen not to reach its stop
+            # in 3 of ~40 tries; this was the one call on the way that released the GIL.)
             _libc_gil.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(127)
