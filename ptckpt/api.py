@@ -486,12 +486,14 @@ def group_dump(members: Sequence[str], directory: str | os.PathLike, *, backend:
 
 def group_restore(directory: str | os.PathLike, *, backend: str, place: Sequence[str] | Mapping[str, str] = (),
                   plugins: Sequence[str] = (), file_policy: Sequence[str] = (), pidns: bool = False,
-                  timeout: float | str = 60.0) -> GroupRestoreResult:
+                  remap_path: Sequence[str] | Mapping[str, str] = (), set_env: Sequence[str] | Mapping[str, str] = (),
+                  unset_env: Sequence[str] = (), timeout: float | str = 60.0) -> GroupRestoreResult:
     """``ptckpt group restore -D DIRECTORY --backend dask://HOST:PORT``: each member of a
     group image restored on its worker (or the one ``place`` names, "OLD=NEW" worker
     names), held until all are rebuilt, then resumed together.
 
-    file_policy, pidns  as for :func:`restore` (``--file-policy`` items only)
+    file_policy, pidns, remap_path, set_env, unset_env
+                        as for :func:`restore` (``--file-policy`` items only), on every member
     plugins             ``--plugin`` specs, loaded on each worker
     timeout             seconds (or "60s") a member waits at a barrier for the others
 
@@ -500,5 +502,9 @@ def group_restore(directory: str | os.PathLike, *, backend: str, place: Sequence
     from .group import group_restore as _group_restore
     if isinstance(file_policy, str):
         raise UsageError(f"a list of --file-policy items is expected, not the string {file_policy!r}")
+    from .builtins import RemapPath, SetEnv
+    RemapPath(_pairs(remap_path))                 # their errors here, before any worker is asked
+    SetEnv(_pairs(set_env), _items(unset_env))
     return _group_restore(os.fspath(directory), backend, place=_pairs(place), plugins=_specs(plugins),
-                          file_policy=list(file_policy), pidns=pidns, timeout=parse_duration(timeout))
+                          file_policy=list(file_policy), pidns=pidns, remap_path=_pairs(remap_path),
+                          set_env=_pairs(set_env), unset_env=_items(unset_env), timeout=parse_duration(timeout))

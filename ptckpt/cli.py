@@ -749,6 +749,9 @@ def group_restore(
     plugins: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC", help="A plugin, loaded on each worker; every plugin the images were made with. Repeatable.")] = None,
     file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY", help="As for restore. Repeatable.")] = None,
     pidns: Annotated[bool, typer.Option("--pidns", help="Each member in a fresh pid namespace of its own (as for restore).")] = False,
+    remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore, on every member. Repeatable.")] = None,
+    set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore, on every member. Repeatable.")] = None,
+    unset_env: Annotated[Optional[list[str]], typer.Option("--unset-env", metavar="NAME", help="As for restore, on every member. Repeatable.")] = None,
     timeout: Annotated[str, typer.Option("--timeout", help="How long a member waits at a barrier for the others before the group gives up.")] = "60s",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
 ) -> None:
@@ -761,7 +764,8 @@ def group_restore(
     from . import api
     try:
         result = api.group_restore(directory, backend=backend, place=place or (), plugins=plugins or (),
-                                   file_policy=file_policy or (), pidns=pidns, timeout=timeout)
+                                   file_policy=file_policy or (), pidns=pidns, remap_path=remap_path or (),
+                                   set_env=set_env or (), unset_env=unset_env or (), timeout=timeout)
     except PtckptError as err:
         raise _fail(err) from None
     if as_json:

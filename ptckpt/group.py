@@ -268,7 +268,8 @@ def restore_member(job: dict, chunks: dict) -> dict:
         barrier.wait("ready")                     # every image in place: the rebuilds start together
         out["phase"] = "rebuild"
         result = restore(image, pidns=job["pidns"], file_policy=parse_policy(job["file_policy"]),
-                         plugins=[load_plugin(s) for s in job["plugins"]], before_resume=rebuilt, group=barrier)
+                         plugins=_restore_plugins(job, [load_plugin(s) for s in job["plugins"]]),
+                         before_resume=rebuilt, group=barrier)
     except Exception as err:                      # noqa: BLE001 - the member's outcome, said by the caller
         return _failed(out, err, barrier)
     out.update(ok=True, pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, seconds=result.seconds,
@@ -277,6 +278,17 @@ def restore_member(job: dict, chunks: dict) -> dict:
     if left and os.path.isdir(left) and left.startswith(os.path.join(cache_dir(), "group-dumps") + os.sep):
         shutil.rmtree(left, ignore_errors=True)   # its dump's lock is lifted: no longer needed
     return out
+
+
+def _restore_plugins(job: dict, loaded: list) -> list:
+    """The plugins given, and the built-in ones the options ask for (remap-path first, so
+    that every other plugin sees the new paths), as a single restore has them."""
+    from .builtins import RemapPath, SetEnv
+    if job["remap_path"]:
+        loaded.insert(0, RemapPath(job["remap_path"]))
+    if job["set_env"] or job["unset_env"]:
+        loaded.append(SetEnv(job["set_env"], job["unset_env"]))
+    return loaded
 
 
 def kill_member(pids: Sequence[int]) -> None:
@@ -486,7 +498,9 @@ def parse_place(items: Sequence[str], group: dict) -> dict[str, str]:
 
 
 def group_restore(directory: str, backend: str, *, place: Sequence[str] = (), plugins: Sequence[str] = (),
-                  file_policy: Sequence[str] = (), pidns: bool = False, timeout: float = 60.0) -> GroupRestoreResult:
+                  file_policy: Sequence[str] = (), pidns: bool = False, remap_path: Sequence[str] = (),
+                  set_env: Sequence[str] = (), unset_env: Sequence[str] = (),
+                  timeout: float = 60.0) -> GroupRestoreResult:
     """Restore every member of group image `directory` on its worker (or the one --place
     gives), all held until every one is rebuilt, then resumed together; GroupFailed
     naming the member that failed (every member made is killed)."""
@@ -505,7 +519,9 @@ def group_restore(directory: str, backend: str, *, place: Sequence[str] = (), pl
         _workers(client, targets)
         token = uuid.uuid4().hex[:12]
         jobs, extra = _restore_jobs(client, directory, group, targets, token, timeout,
-                                    {"plugins": list(plugins), "file_policy": list(file_policy), "pidns": pidns})
+                                    {"plugins": list(plugins), "file_policy": list(file_policy), "pidns": pidns,
+                                     "remap_path": list(remap_path), "set_env": list(set_env),
+                                     "unset_env": list(unset_env)})
         outs = _run(client, token, restore_member, jobs, extra, timeout=timeout)
         failure = _first_failure(outs)
         if failure is not None:

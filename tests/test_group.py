@@ -21,6 +21,8 @@ import pytest
 
 from conftest import FIXTURES_DIR, needs, needs_network_lock, read_counter, reap_orphans, wait_until
 from ptckpt.errors import ExitCode
+from ptckpt.symbols import SymbolTable, read_environ
+from ptckpt.tracee import AddressSpace
 from twohosts import ADDR, PORT, dask_cluster, start_worker, stop, two_hosts, wait_for_workers
 
 pytestmark = [needs("ip", "nsenter", "nft"), pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
@@ -280,7 +282,7 @@ def test_place_restores_members_on_other_workers(cluster, hosts, spawn, ptckpt, 
     assert [m["worker_image"] for m in json.loads((image / "group.json").read_text())["members"]] == ["", ""], \
         "no network lock: the workers keep no copy"
     res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--place", "A=B", "--place", "B=A",
-                 "--json", prefix=hosts.inside("A"), timeout=180)
+                 "--set-env", "PTCKPT_GROUP=moved", "--json", prefix=hosts.inside("A"), timeout=180)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     pids = {h: c.pid for h, c in counters.items()}
@@ -291,6 +293,8 @@ def test_place_restores_members_on_other_workers(cluster, hosts, spawn, ptckpt, 
         other = "B" if h == "A" else "A"
         assert os.readlink(f"/proc/{c.pid}/ns/net") == os.readlink(f"/proc/{cluster[other].pid}/ns/net"), \
             f"member {h} now runs on host {other}"
+        with AddressSpace(c.pid) as mem:                 # getenv()'s view (--set-env)
+            assert b"PTCKPT_GROUP=moved" in read_environ(mem, SymbolTable.for_process(c.pid))
         wait_until(lambda: read_counter(tmp_path / f"counter-{h}") > counts[h] + 20, 10,
                    message=f"member {h} to count on")
     res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--place", "C=A",

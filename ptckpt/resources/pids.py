@@ -39,6 +39,7 @@ from ..restorer.stub import stub_memfd
 from ..tracee import StopKind, Task, TraceEvent, TraceOptions
 
 NR_CLONE3 = 435
+CLONE_PARENT = 0x00008000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CAP_SYS_ADMIN = 21
@@ -268,13 +269,16 @@ def become_subreaper() -> None:
                 ctypes.c_ulong(0))
 
 
-def clone3_with_pid(pid: int) -> int:
+def clone3_with_pid(pid: int, flags: int = 0) -> int:
     """clone3(set_tid=[pid]) of ptckpt itself: the child's pid in the parent, 0 in the child.
 
-    Like fork() but without Python's fork hooks, so the child must only exec or _exit.
+    Like fork() but without Python's fork hooks, so the child must only exec or _exit,
+    and its caller must be a process of one thread (see _clone_stub).  With CLONE_PARENT
+    in `flags` the child is the caller's sibling (its exit signal is then the caller's).
     """
     tid = ctypes.c_int32(pid)
-    args = clone_args(ctypes.addressof(tid))
+    args = clone_args(ctypes.addressof(tid), flags=flags,
+                      exit_signal=0 if flags & CLONE_PARENT else signal.SIGCHLD)
     buf = ctypes.create_string_buffer(args, len(args))
     res = _libc_gil.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
                         ctypes.c_size_t(len(args)))
@@ -418,7 +422,7 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
             deadline = time.monotonic() + ZOMBIE_WAIT
             while True:
                 try:
-                    child = clone3_with_pid(pid)
+                    child = _clone_stub(pid, stub_fd, parent)
                     break
                 except OSError as err:
                     if err.errno == errno.EPERM:
@@ -433,8 +437,6 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
                     holder = _holder_after_zombies(pid, deadline)
                     if holder is not None or time.monotonic() >= deadline:
                         raise PidBusy(pid, holder or "a process that just exited") from None
-            if child == 0:
-                _exec_stub_stopped(stub_fd, parent)
             try:
                 return _seize_until_exec(child, pid, 0)
             except BaseException:
@@ -443,6 +445,43 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
         return _start_in_new_pidns(pid, stub_fd)
     finally:
         os.close(stub_fd)
+
+
+def _clone_stub(pid: int, stub_fd: int, parent: int) -> int:
+    """The stub, ptckpt's child with pid `pid`, stopped before its exec; its pid, or OSError
+    as from clone3_with_pid.
+
+    A helper forked for it (os.fork: one thread, and Python's after-fork care of the GIL
+    and its locks) makes it with clone3(CLONE_PARENT): a child cloned straight from ptckpt
+    would be a copy of every thread's state but one, and the Python it runs before its exec
+    could wait forever for a GIL hand-off or a lock another thread had asked for or held
+    (a restore run in a Dask worker's thread was seen to stop short so)."""
+    r, w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        try:
+            os.close(r)
+            try:
+                child = clone3_with_pid(pid, CLONE_PARENT)
+            except OSError as err:
+                os.write(w, b"E %d" % err.errno)
+                os._exit(0)
+            if child == 0:
+                os.close(w)
+                _exec_stub_stopped(stub_fd, parent)
+            os.write(w, b"C %d" % child)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as pipe:
+            kind, _, value = pipe.read().partition(b" ")
+    finally:
+        os.waitpid(helper, 0)
+    if kind == b"C":
+        return int(value)
+    err = int(value) if kind == b"E" else errno.EIO
+    raise OSError(err, os.strerror(err))
 
 
 def privileged() -> bool:
