@@ -326,10 +326,7 @@ def _exec_stub_stopped(stub_fd: int, parent: int = 0) -> None:
     sets the image's own parent-death signal in the end."""
     try:
         if parent:
-            # with the GIL held (_libc_gil): releasing it here, in a child whose other threads
-            # are gone, may wait for a lock another thread of ptckpt held at the clone.  (A
-            # restore in a Dask worker, busy threads and all, was seen not to reach its stop
-            # in 3 of ~40 tries; this was the one call on the way that released the GIL.)
+            # the GIL kept (_libc_gil): nothing here waits for another thread (see _clone_stub)
             _libc_gil.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(127)
