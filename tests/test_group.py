@@ -234,29 +234,35 @@ def test_a_member_that_fails_mid_restore_leaves_nothing_and_a_retry_works(cluste
     assert client.alive() and server.alive()
 
 
-KILLER = '''
-import os, signal
+BUSY = '''
+import os, signal, time
 from ptckpt.plugins import Plugin
 
 
-class Killer(Plugin):
-    name = "killer"
+class Busy(Plugin):
+    name = "busy"
     recorded = False
 
     def busy(self, proc, ctx):                    # frozen, nothing captured yet
-        if ctx.member.startswith("B:"):
-            os.kill(proc.pid, signal.SIGKILL)     # member B dies before its capture
+        if ctx.member.startswith("{member}:"):
+            {action}
         return None
 '''
 
 
+def _busy_plugin(tmp_path: Path, member: str, action: str) -> str:
+    """A plugin whose member `member` does `action` once frozen, before its capture."""
+    path = tmp_path / "busy.py"
+    path.write_text(BUSY.format(member=member, action=action))
+    return f"{path}:Busy"
+
+
 def test_a_member_killed_mid_dump_leaves_the_others_running(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
-    plugin = tmp_path / "killer.py"
-    plugin.write_text(KILLER)
+    plugin = _busy_plugin(tmp_path, "B", "os.kill(proc.pid, signal.SIGKILL)")     # B dies before its capture
     counters = {h: spawn(hosts.inside(h)[0], hosts.inside(h)[1], fixture_bins["counter"],
                          tmp_path / f"counter-{h}", out=False) for h in ADDR}
     res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend, "--kill", "--plugin",
-                 f"{plugin}:Killer", *(f"{h}:{c.pid}" for h, c in counters.items()), prefix=hosts.inside("A"),
+                 plugin, *(f"{h}:{c.pid}" for h, c in counters.items()), prefix=hosts.inside("A"),
                  timeout=180)
     assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
@@ -302,20 +308,6 @@ def test_place_restores_members_on_other_workers(cluster, hosts, spawn, ptckpt, 
     assert res.returncode == ExitCode.USAGE and "no member of the group ran on worker 'C'" in res.stderr
 
 
-SLOW = '''
-import time
-from ptckpt.plugins import Plugin
-
-
-class Slow(Plugin):
-    name = "slow"
-    recorded = False
-
-    def busy(self, proc, ctx):                    # frozen, nothing captured yet
-        if ctx.member.startswith("C:"):
-            time.sleep(30)                        # long enough for its worker to be killed meanwhile
-        return None
-'''
 
 
 def test_a_worker_lost_mid_dump_leaves_the_others_running(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
@@ -324,14 +316,13 @@ def test_a_worker_lost_mid_dump_leaves_the_others_running(cluster, hosts, spawn,
     extra = [start_worker(hosts, "C", "B", tmp_path)]
     try:
         wait_for_workers(hosts, 3)
-        plugin = tmp_path / "slow.py"
-        plugin.write_text(SLOW)
+        plugin = _busy_plugin(tmp_path, "C", "time.sleep(30)")     # its worker is killed meanwhile
         counters = {h: spawn(hosts.inside(host)[0], hosts.inside(host)[1], fixture_bins["counter"],
                              tmp_path / f"counter-{h}", out=False) for h, host in (("A", "A"), ("C", "B"))}
         with open(tmp_path / "group.stderr", "wb") as err:
             dump = subprocess.Popen(hosts.inside("A") + [sys.executable, "-m", "ptckpt", "group", "dump", "-D",
                                                          str(tmp_path / "group"), "--backend", hosts.backend, "--kill",
-                                                         "--plugin", f"{plugin}:Slow",
+                                                         "--plugin", plugin,
                                                          *(f"{h}:{c.pid}" for h, c in counters.items())],
                                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
