@@ -404,7 +404,8 @@ class GroupFailed(PtckptError):
     exit_code = ExitCode.GROUP_FAILED
 
     def __init__(self, operation: str, member: str, phase: str, why: str, others: str):
-        super().__init__(f"group {operation} failed: member {member} failed at {phase}: {why}; {others}")
+        at = f" at {phase}" if phase else ""
+        super().__init__(f"group {operation} failed: member {member} failed{at}: {why}; {others}")
         self.operation, self.member, self.phase, self.why, self.others = operation, member, phase, why, others
 
 

@@ -342,7 +342,7 @@ def _run(client, token: str, fn, jobs: list[dict], extra: Sequence = (), timeout
 
 
 def _base(job: dict) -> dict:
-    return {"member": job["me"], "worker": job["worker"], "host": "", "phase": "?", "ok": False}
+    return {"member": job["me"], "worker": job["worker"], "host": "", "phase": "", "ok": False}
 
 
 def _outcome(future, job: dict) -> dict:
