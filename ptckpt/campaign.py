@@ -27,6 +27,7 @@ scheduler.  Results name the host each run ran on.
 from __future__ import annotations
 
 import csv
+import datetime
 import hashlib
 import json
 import logging
@@ -39,7 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .campaign_types import (OUTCOMES, Backend, CampaignResult, CampaignSpec, RunResult, RunSpec, fault_text,
-                             kill_run)
+                             kill_run, run_directory)
 from .errors import PtckptError, ReferenceFailed, UsageError
 
 __all__ = ["OUTCOMES", "Backend", "CampaignResult", "CampaignSpec", "LocalBackend", "RunResult", "RunSpec",
@@ -107,15 +108,43 @@ def backend_for(spec: str, image: str, jobs: int) -> Backend:
     raise UsageError(f"--backend {spec!r}: local or dask://HOST:PORT")
 
 
-def _restore_argv(spec: CampaignSpec, seed: int, directory: str, faults: bool,
-                  netns: bool = False) -> tuple[str, ...]:
+def _restore_argv(spec: CampaignSpec, seed: int, faults: bool, netns: bool = False) -> tuple[str, ...]:
+    """The restore of one run (the reference: no faults), as results.json's "reproduce"
+    gives it; the campaign adds --faults-log to it."""
     argv = [sys.executable, "-m", "ptckpt", "restore", "-D", os.path.abspath(spec.image), "--pidns",
             *(("--netns",) if netns else ()), "--inherit-stdio", *spec.restore_args]
     if faults:
         for text in spec.inject:
             argv += ["--inject", text]
-        argv += ["--seed", str(seed), "--faults-log", os.path.join(directory, "faults.json")]
+        argv += ["--seed", str(seed)]
     return tuple(argv)
+
+
+def _run_spec(spec: CampaignSpec, index: int, netns: bool) -> RunSpec:
+    """Run `index` (0: the reference, no faults) with seed --seed + index - 1, its output
+    in OUT/runs/NNNN (campaign_types.run_directory)."""
+    directory = os.path.join(spec.out, run_directory(index))
+    seed = spec.seed + index - 1 if index else 0
+    reproduce = _restore_argv(spec, seed, index > 0, netns)
+    argv = reproduce + (("--faults-log", os.path.join(directory, "faults.json")) if index else ())
+    return RunSpec(index, seed, argv, directory, spec.timeout, reproduce)
+
+
+def _parameters(spec: CampaignSpec, netns: bool, started: str, ref: RunResult) -> dict:
+    """results.json's "campaign": what was asked, with what, when, and the reference run's
+    output (None under --check: no reference run)."""
+    from . import __version__
+    reference = None
+    if ref.outcome == "reference":
+        reference = {"signature": ref.signature, "stdout": os.path.join(run_directory(0), "stdout"),
+                     "stderr": os.path.join(run_directory(0), "stderr")}
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    return {"image": os.path.abspath(spec.image), "inject": list(spec.inject),
+            "seeds": {"first": spec.seed, "last": spec.seed + spec.runs - 1}, "runs": spec.runs, "jobs": spec.jobs,
+            "timeout": spec.timeout, "check": spec.check, "restore_args": list(spec.restore_args),
+            "backend": spec.backend or "local", "clones": spec.clones, "netns": netns,
+            "ptckpt_version": __version__, "python": sys.executable, "date": started,
+            "cwd": os.getcwd(), "env": env, "reference": reference}
 
 
 def _holds_loopback_sockets(image: str) -> bool:
@@ -179,7 +208,8 @@ def classify(result: RunResult, reference_signature: str, error: str) -> None:
 
 
 def _result(spec: CampaignSpec, run: RunSpec, status, seconds, timed_out, host) -> tuple[RunResult, str]:
-    result = RunResult(run.index, run.seed, status, round(seconds, 3), timed_out, host=host)
+    result = RunResult(run.index, run.seed, status, round(seconds, 3), timed_out, host=host,
+                       reproduce=run.reproduce)
     path = os.path.join(run.directory, "faults.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -258,6 +288,13 @@ def check_image(image: str, inject: Sequence[str]) -> None:
                     raise UsageError(f"--inject {text}: {err} (process {pid} of {image})") from None
 
 
+def _clone_refusal(spec: CampaignSpec, netns: bool) -> str | None:
+    from . import clones
+    if netns:
+        return "its sockets need a network namespace per run"
+    return clones.campaign_refusal(spec.image, spec.inject, spec.restore_args)
+
+
 def _clone_backend(spec: CampaignSpec, netns: bool) -> Backend | None:
     """Runs as copies of one restored template (ptckpt.clones), when the campaign runs
     here and its image and options allow it; None (the reason logged): each run restores
@@ -265,8 +302,7 @@ def _clone_backend(spec: CampaignSpec, netns: bool) -> Backend | None:
     if not spec.clones or spec.backend not in ("", "local"):
         return None
     from . import clones
-    why = "its sockets need a network namespace per run" if netns else \
-        clones.campaign_refusal(spec.image, spec.inject, spec.restore_args)
+    why = _clone_refusal(spec, netns)
     if why is None:
         try:
             template = clones.template_for(spec.image, spec.restore_args)
@@ -292,24 +328,19 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
     if os.path.isdir(spec.out) and _only_failed_reference(spec.out):
         _clear_failed_reference(spec.out)              # a retry after a failed reference takes -o again
     os.makedirs(spec.out, mode=0o700, exist_ok=True)
-    runs_dir = os.path.join(spec.out, "runs")
+    started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     netns = "--netns" not in spec.restore_args and _holds_loopback_sockets(spec.image)
 
-    def make(index: int) -> RunSpec:
-        directory = os.path.join(runs_dir, "reference" if index == 0 else f"{index:04d}")
-        seed = spec.seed + index - 1 if index else 0
-        return RunSpec(index, seed, _restore_argv(spec, seed, directory, index > 0, netns), directory,
-                       spec.timeout)
-
     first = 1 if spec.check else 0               # with a check no reference is needed
-    runs_as = "restores"
     if backend is None:
-        backend = _clone_backend(spec, netns)
-        if backend is not None:
-            runs_as = "copies of a template"
-        else:
-            backend = backend_for(spec.backend, spec.image, spec.jobs)
-    specs = {i: make(i) for i in range(first, spec.runs + 1)}
+        backend = _clone_backend(spec, netns) or backend_for(spec.backend, spec.image, spec.jobs)
+        if spec.clones and hasattr(backend, "use_clones"):
+            why = _clone_refusal(spec, netns)
+            if why is None:
+                backend.use_clones(spec.inject, spec.restore_args)
+            else:
+                log.info("each run restores the image (no template: %s)", why)
+    specs = {i: _run_spec(spec, i, netns) for i in range(first, spec.runs + 1)}
     results: dict[int, RunResult] = {}
     ref = RunResult(0, 0, None, 0.0, outcome="none")
     try:
@@ -337,7 +368,8 @@ def run_campaign(spec: CampaignSpec, backend: Backend | None = None, progress=No
                     progress(done, spec.runs, Counter(r.outcome for r in results.values()), eta)
     finally:
         backend.cancel()
-    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out, runs_as)
+    done = CampaignResult([results[i] for i in range(1, spec.runs + 1)], ref, spec.out,
+                          getattr(backend, "runs_as", None) or "restores", _parameters(spec, netns, started_at, ref))
     write_results(done)
     from .report import write_report
     write_report(done)

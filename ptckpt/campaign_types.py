@@ -10,6 +10,7 @@ another's types, so that campaign -> cluster and campaign -> report stay one-way
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 from collections import Counter
@@ -30,6 +31,8 @@ class RunSpec:
     argv: tuple[str, ...]       # the command (ptckpt restore ...)
     directory: str              # its own directory: stdout, stderr, faults.json
     timeout: float
+    reproduce: tuple[str, ...] = ()     # the restore that makes this run again by hand (argv
+                                        # without --faults-log: it would overwrite the run's)
 
 
 @dataclass
@@ -45,6 +48,7 @@ class RunResult:
     outcome: str = ""
     reason: str = ""
     host: str = ""              # where it ran
+    reproduce: tuple[str, ...] = ()     # RunSpec.reproduce
 
 
 class Backend:
@@ -92,20 +96,58 @@ class CampaignSpec:
                                             # (ptckpt.clones); False: each restores the image
 
 
+def run_directory(index: int) -> str:
+    """A run's directory relative to the campaign's OUT: runs/reference for the reference
+    run (index 0), runs/0001, runs/0002 ... for the others."""
+    return os.path.join("runs", "reference" if index == 0 else f"{index:04d}")
+
+
+def shell_command(argv: Sequence[str], cwd: str = "", env: dict[str, str] | None = None) -> str:
+    """argv as one line for a POSIX shell, run as a campaign ran it: from `cwd` (the
+    restore options may hold relative paths), with `env` (PYTHONPATH when the campaign's
+    ptckpt came from there), stdin from /dev/null."""
+    assignments = "".join(f"{name}={shlex.quote(value)} " for name, value in sorted((env or {}).items()))
+    where = f"cd {shlex.quote(cwd)} && " if cwd else ""
+    return f"{where}{assignments}{shlex.join(argv)} </dev/null"
+
+
 @dataclass
 class CampaignResult:
     runs: list[RunResult]
     reference: RunResult
     out: str
     runs_as: str = "restores"               # or "copies of a template" (ptckpt.clones)
+    campaign: dict = field(default_factory=dict)    # its parameters: results.json's "campaign"
+                                                    # (written by ptckpt.campaign._parameters)
 
     def counts(self) -> Counter:
         return Counter(r.outcome for r in self.runs)
 
+    def outputs(self, run: RunResult) -> dict[str, str | None]:
+        """A run's files, relative to OUT: stdout, stderr and faults (faults.json), each None
+        when the run has none (no faults.json for the reference run or a restore that failed
+        before its faults; nothing for a reference that was never run, under --check)."""
+        directory = run_directory(run.index)
+        paths = {"stdout": "stdout", "stderr": "stderr", "faults": "faults.json"}
+        return {key: os.path.join(directory, name) if os.path.exists(os.path.join(self.out, directory, name))
+                else None for key, name in paths.items()}
+
+    def reproduce(self, run: RunResult) -> dict:
+        """How to make `run` again by hand: its restore's argv, the directory and environment
+        it ran in, and the same as one shell line."""
+        cwd, env = self.campaign.get("cwd", ""), self.campaign.get("env", {})
+        return {"argv": list(run.reproduce), "cwd": cwd, "env": env, "stdin": "/dev/null",
+                "shell": shell_command(run.reproduce, cwd, env) if run.reproduce else ""}
+
+    def _run_json(self, run: RunResult) -> dict:
+        return {**asdict(run), "reproduce": self.reproduce(run), "output": self.outputs(run)}
+
     def as_json(self) -> dict:
-        """results.json's object: {"summary": {outcome: n}, "reference": run, "runs": [run]}."""
-        return {"summary": dict(self.counts()), "runs_as": self.runs_as, "reference": asdict(self.reference),
-                "runs": [asdict(r) for r in self.runs]}
+        """results.json's object: {"summary": {outcome: n}, "runs_as": how, "campaign": its
+        parameters, "reference": run, "runs": [run]}, each run with its "reproduce" command
+        and its "output" files."""
+        return {"summary": dict(self.counts()), "runs_as": self.runs_as, "campaign": self.campaign,
+                "reference": self._run_json(self.reference), "runs": [self._run_json(r) for r in self.runs]}
 
     def summary(self) -> str:
         counts = self.counts()

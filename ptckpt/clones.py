@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import select
@@ -51,7 +52,7 @@ from . import procfs
 from .campaign_types import Backend, RunSpec
 from .errors import PtckptError
 from .formats.model import GP_REG_NAMES, Fd, FdKind, ProcessImage, VmaKind
-from .plugins import Plugin, Plugins, ProcessHandle
+from .plugins import Plugin, Plugins, ProcessHandle, plugin_name
 from .tracee import AddressSpace, find_syscall_insn, remote_syscalls
 
 log = logging.getLogger("ptckpt.clones")
@@ -77,12 +78,14 @@ def refusal(image, procs: dict[int, ProcessImage]) -> str | None:
         (bool(proc.timers or proc.itimers), "it has timers (a fork does not copy them)"),
         (bool(proc.pending), "it has pending signals"),
         (bool(proc.aio_rings), "it has AIO rings"),
+        (bool(proc.owners), "it set owners of fds (F_SETOWN)"),
     )
     for failed, why in checks:
         if failed:
             return why
     for f in proc.fds:
-        if f.fd > 2 and not f.skipped and (f.kind not in COPYABLE_FDS or f.external or f.path.endswith(" (deleted)")):
+        if f.fd > 2 and not f.skipped and not f.external and (f.kind not in COPYABLE_FDS
+                                                               or f.path.endswith(" (deleted)")):
             return f"fd {f.fd} ({f.kind.name.lower()} {f.path}) is not a file to open again"
     for v in proc.vmas:
         flags = set(v.vmflags.split())
@@ -91,6 +94,34 @@ def refusal(image, procs: dict[int, ProcessImage]) -> str | None:
         if flags & {"dc", "wf", "lo"}:
             return f"mapping {v.start:#x}-{v.end:#x} is locked or not copied by fork (VmFlags {v.vmflags})"
     return None
+
+
+CAP_SYS_ADMIN = 21
+
+
+def _copies_take_creds(directory: str) -> bool:
+    """Whether the image's credentials would keep its template from making copies (a pid
+    namespace and clone3 with set_tid need CAP_SYS_ADMIN): then the template keeps
+    ptckpt's, and each copy takes the image's before it runs."""
+    from .formats.image import ImageReader
+    with ImageReader(directory, verify_pages=False) as reader:
+        creds = reader.process(reader.inventory.root_pid).creds
+    return not creds.cap_eff >> CAP_SYS_ADMIN & 1
+
+
+class TemplateSide(Plugin):
+    """A campaign's plugin as the template sees it: its pre_restore only (the fds it claims,
+    the changes it makes to the image); its restored and resumed events are each copy's,
+    on an instance of its own, as each restore of the image would have it."""
+
+    def __init__(self, plugin: Plugin):
+        self.plugin = plugin
+        self.name = plugin_name(plugin)
+        self.version = plugin.version
+        self.recorded = plugin.recorded
+
+    def pre_restore(self, proc, ctx) -> None:
+        self.plugin.pre_restore(proc, ctx)
 
 
 class NullStdio(Plugin):
@@ -158,9 +189,12 @@ class Template:
         from .resources.filepolicy import FilePolicy
         self.copies: list[Copy] = []
         self._symbols = None
+        self.plugin_specs: list[str] = []          # --plugin: loaded again for each copy
         self.null = NullStdio()
+        self.creds_later = _copies_take_creds(directory)
         try:
-            self.held = restore_held(directory, plugins=[*plugins, self.null], file_policy=file_policy or FilePolicy())
+            self.held = restore_held(directory, plugins=[*plugins, self.null], file_policy=file_policy or FilePolicy(),
+                                     creds_later=self.creds_later)
         finally:
             self.null.close()
         self.image_path = self.held.run.image.path
@@ -197,19 +231,29 @@ class Template:
         """A new copy with the run's stdio, `plugins` given the pre_restore and restored
         events on it (the faults: builtins.Inject), then let go."""
         init = self._new_namespace()
+        made = [init]
         try:
             task = self._copy_from(init)
-            self._own_state(task, _stdio(stdout, stderr))
-            overrides = self._events(task, plugins)
+            made.append(task)
+            events = Plugins(plugins, self.image_path, restore=True, data=self.plugin_data) if plugins else None
+            with AddressSpace(task.tgid) as mem, \
+                    remote_syscalls(task, mem, self.gadget, keep_regs=False) as remote:
+                self._own_state(task, remote, _stdio(stdout, stderr))
+                overrides = self._events(task, remote, events)
             self._finish(task, overrides)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(init.tid, signal.SIGKILL)
-            init.reap_end()
+            # both are ptckpt's tracees: the namespace's end waits until each one's is taken
+            for traced in made:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(traced.tid, signal.SIGKILL)
+            for traced in reversed(made):
+                traced.reap_end()
             raise
         pid = task.tgid
         pidfd = os.pidfd_open(pid)
         task.detach()
+        if events:
+            events.run("resumed", [ProcessHandle(pid, self.proc.task.pid, self.proc)])
         self.copies = [c for c in self.copies if c.pidfd >= 0]
         self.copies.append(Copy(pid, init, pidfd))
         return self.copies[-1]
@@ -244,34 +288,48 @@ class Template:
                 remote.checked("rt_sigaction", signal.SIGCHLD, int(act), 0, 8, step="SIGCHLD of a copy's init")
         return task
 
-    def _own_state(self, task, stdio: list[Fd]) -> None:
-        """What the copy must own: session, fds, robust list, clear_child_tid, pdeath signal."""
-        from .resources import files, process
+    def _own_state(self, task, remote, stdio: list[Fd]) -> None:
+        """What the copy must own: session, fds, robust list, clear_child_tid, credentials
+        (when the template kept ptckpt's), pdeath signal."""
+        from .resources import creds, files, process
         thread = self.proc.threads[0]
-        inherited = procfs.list_fds(task.tgid)
-        with AddressSpace(task.tgid) as mem, remote_syscalls(task, mem, self.gadget, keep_regs=False) as remote:
-            if self.leads == "session":
-                remote.checked("setsid", step="a session for a copy")
-            elif self.leads == "group":
-                remote.checked("setpgid", 0, 0, step="a process group for a copy")
-            fds = stdio + [f for f in self.proc.fds if f.fd > 2]
-            files.restore_fds_frozen(remote, fds, inherited)
-            if thread.robust_list:
-                remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
-            remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
-            process.restore_pdeath_signal_frozen(remote, self.proc.task)
+        if self.leads == "session":
+            remote.checked("setsid", step="a session for a copy")
+        elif self.leads == "group":
+            remote.checked("setpgid", 0, 0, step="a process group for a copy")
+        fds = stdio + [f for f in self.proc.fds if f.fd > 2]
+        files.restore_fds_frozen(remote, fds, procfs.list_fds(task.tgid), keep={self.held.channel[1]})
+        if thread.robust_list:
+            remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
+        remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
+        if self.creds_later:                      # the template could not make copies with them
+            creds.restore_seccomp_frozen(remote, self.proc.creds)
+            for warning in creds.restore_creds_frozen(remote, self.proc.creds):
+                log.warning("copy %d: %s", task.tgid, warning)
+        process.restore_pdeath_signal_frozen(remote, self.proc.task)
 
-    def _events(self, task, plugins: Sequence[Plugin]) -> dict:
-        """pre_restore and restored of `plugins` on the copy; {tid: registers} they set."""
+    def _events(self, task, remote, events: Plugins | None) -> dict:
+        """pre_restore and restored of the run's plugins on the copy (the fds they give it
+        sent over the plugin channel the template kept), then the channel closed in the
+        copy; {tid: registers} they set."""
+        from .restore import install_fd_frozen
         overrides: dict = {}
-        if not plugins:
-            return overrides
-        events = Plugins(plugins, self.image_path, restore=True, data=self.plugin_data)
-        vpid = self.proc.task.pid
-        events.run("pre_restore", [ProcessHandle(0, vpid, self.proc)])
-        handle = ProcessHandle(task.tgid, vpid, self.proc, tasks={vpid: task}, reg_overrides=overrides)
-        handle._symbols = self.symbols()             # the template's mappings are the copy's
-        events.run("restored", [handle])
+        ours, theirs = self.held.channel
+        if events:
+            vpid = self.proc.task.pid
+            install = functools.partial(install_fd_frozen, remote, ours, theirs, {f.fd: f.cloexec for f in self.proc.fds})
+            events.run("pre_restore", [ProcessHandle(0, vpid, self.proc)])
+            for pid, number, fd in events.installs():
+                try:
+                    install(pid, number, fd)
+                finally:
+                    os.close(fd)
+            handle = ProcessHandle(task.tgid, vpid, self.proc, tasks={vpid: task}, reg_overrides=overrides,
+                                   remote_scope=lambda: contextlib.nullcontext(remote), fd_installer=install)
+            handle._symbols = self.symbols()             # the template's mappings are the copy's
+            events.run("restored", [handle])
+        if theirs >= 0:
+            remote.checked("close", theirs, step="close the copy's plugin channel")
         return overrides
 
     def _finish(self, task, overrides: dict) -> None:
@@ -308,12 +366,14 @@ class CloneBackend(Backend):
         self.running: dict[int, tuple[RunSpec, Copy, float]] = {}
         self.failed: list[tuple[int, int | None, float, bool, str]] = []
         self.host = socket.gethostname()
+        self.runs_as = "copies of a template"
 
     def submit(self, run: RunSpec) -> None:
         self.queue.append(run)
         self._start()
 
     def _start(self) -> None:
+        from .api import load_plugins
         from .builtins import Inject
         while self.queue and len(self.running) < self.jobs:
             run = self.queue.pop(0)
@@ -321,9 +381,11 @@ class CloneBackend(Backend):
             out, err = (os.path.join(run.directory, n) for n in ("stdout", "stderr"))
             for path in (out, err):
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-            plugins = [Inject(self.inject, run.seed, os.path.join(run.directory, "faults.json"))] if run.index else []
             started = time.monotonic()
             try:
+                plugins = load_plugins(self.template.plugin_specs)    # each run's own, as each restore's
+                if run.index:
+                    plugins.append(Inject(self.inject, run.seed, os.path.join(run.directory, "faults.json")))
                 copy = self.template.copy(out, err, plugins)
             except PtckptError as error:
                 with open(err, "a") as f:
@@ -334,31 +396,45 @@ class CloneBackend(Backend):
 
     def wait(self) -> list[tuple[int, int | None, float, bool, str]]:
         while True:
-            done, self.failed = self.failed, []
-            now = time.monotonic()
-            for index, (run, copy, started) in list(self.running.items()):
-                status = copy.ended()
-                timed_out = status is None and now - started > run.timeout
-                if status is not None or timed_out:
-                    copy.end()
-                    del self.running[index]
-                    done.append((index, None if timed_out else _shell_status(status), now - started, timed_out,
-                                 self.host))
+            done = self.collect()
             if done:
-                self._start()
                 return done
             if not self.running and not self.queue:
                 return []
-            self._until_one_ends()
+            self.sleep()
 
-    def _until_one_ends(self) -> None:
-        """Sleep until a copy ends (its pidfd is readable) or the nearest timeout is due."""
-        poller = select.poll()
-        for _run, copy, _started in self.running.values():
-            poller.register(copy.pidfd, select.POLLIN)
+    def collect(self) -> list[tuple[int, int | None, float, bool, str]]:
+        """Without blocking: the runs that ended (or failed to start, or reached their
+        timeout: killed) since the last call, and the next ones started in their place."""
+        done, self.failed = self.failed, []
         now = time.monotonic()
-        due = min(started + run.timeout - now for run, _copy, started in self.running.values())
+        for index, (run, copy, started) in list(self.running.items()):
+            status = copy.ended()
+            timed_out = status is None and now - started > run.timeout
+            if status is not None or timed_out:
+                copy.end()
+                del self.running[index]
+                done.append((index, None if timed_out else _shell_status(status), now - started, timed_out,
+                             self.host))
+        if done:
+            self._start()
+        return done
+
+    def sleep(self, *fds: int) -> None:
+        """Until a copy ends (its pidfd is readable), one of `fds` is, or the nearest
+        timeout is due (a second at most)."""
+        poller = select.poll()
+        for fd in (*fds, *(copy.pidfd for _run, copy, _started in self.running.values())):
+            poller.register(fd, select.POLLIN)
+        now = time.monotonic()
+        due = min((started + run.timeout - now for run, _copy, started in self.running.values()), default=1.0)
         poller.poll(max(1, min(1000, int(due * 1000) + 1)))
+
+    def stop(self, index: int) -> None:
+        """Run `index` ended now (or never started), reported as nothing."""
+        self.queue = [r for r in self.queue if r.index != index]
+        if index in self.running:
+            self.running.pop(index)[1].end()
 
     def cancel(self) -> None:
         self.queue.clear()
@@ -374,9 +450,9 @@ def campaign_refusal(image: str, inject: Sequence[str], restore_args: Sequence[s
     beside the run), or what :func:`refusal` finds in the image."""
     from .faults import parse_spec
     from .formats.image import ImageReader
-    options = set(restore_args[::2])
-    if options - {"--file-policy", "--set-env", "--remap-path"}:
-        return "the restore options " + " ".join(sorted(options - {"--file-policy", "--set-env", "--remap-path"}))
+    options = set(restore_args[::2]) - set(TEMPLATE_OPTIONS)
+    if options:
+        return "the restore options " + " ".join(sorted(options))
     if any(parse_spec(text).kind == "call" for text in inject):
         return "a call: fault (its breakpoint needs ptckpt beside the run)"
     try:
@@ -386,16 +462,22 @@ def campaign_refusal(image: str, inject: Sequence[str], restore_args: Sequence[s
         return str(err)
 
 
+TEMPLATE_OPTIONS = ("--plugin", "--file-policy", "--set-env", "--remap-path")
+
+
 def template_for(image: str, restore_args: Sequence[str]) -> Template:
-    """The template of a campaign whose runs restore with `restore_args` (--file-policy,
-    --set-env, --remap-path: made once, in the template, as a restore would)."""
-    from .api import parse_file_policy
+    """The template of a campaign whose runs restore with `restore_args`: --file-policy,
+    --set-env and --remap-path made once, in the template, as a restore would; each
+    --plugin's pre_restore there (TemplateSide), its other events in each copy."""
+    from .api import load_plugins, parse_file_policy
     from .builtins import RemapPath, SetEnv
     pairs = list(zip(restore_args[::2], restore_args[1::2]))
-    given = {o: [v for k, v in pairs if k == o] for o in ("--file-policy", "--set-env", "--remap-path")}
-    plugins: list[Plugin] = []
+    given = {o: [v for k, v in pairs if k == o] for o in TEMPLATE_OPTIONS}
+    plugins: list[Plugin] = [TemplateSide(p) for p in load_plugins(given["--plugin"])]
     if given["--remap-path"]:
-        plugins.append(RemapPath(given["--remap-path"]))
+        plugins.insert(0, RemapPath(given["--remap-path"]))
     if given["--set-env"]:
         plugins.append(SetEnv(given["--set-env"]))
-    return Template(image, plugins=plugins, file_policy=parse_file_policy(given["--file-policy"]))
+    template = Template(image, plugins=plugins, file_policy=parse_file_policy(given["--file-policy"]))
+    template.plugin_specs = given["--plugin"]
+    return template

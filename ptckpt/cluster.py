@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -168,26 +169,11 @@ def run_on_worker(job: dict) -> dict:
     rundir = tempfile.mkdtemp(prefix=f"ptckpt-run-{job['index']}-")
     cancel = Event(job["cancel"], client=client)
     try:
-        argv = [sys.executable if a == PYTHON else a.replace(IMAGE, image).replace(RUN, rundir) for a in job["argv"]]
-        started = time.monotonic()
-        with open(os.path.join(rundir, "stdout"), "wb") as out, open(os.path.join(rundir, "stderr"), "wb") as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                    close_fds=True, preexec_fn=_die_with_parent)
-        timed_out = cancelled = False
-        checked = started
-        while proc.poll() is None:
-            now = time.monotonic()
-            if now - started > job["timeout"]:
-                timed_out = True
-            elif now - checked > 0.5:
-                checked = now
-                cancelled = cancel.is_set()
-            if timed_out or cancelled:
-                kill_run(proc)
-                break
-            time.sleep(0.02)
-        seconds = time.monotonic() - started
-        status = proc.returncode
+        server = _clone_server(job, image) if job.get("clones") else None
+        if server is not None:
+            status, seconds, timed_out, cancelled = server.run(job, rundir, cancel.is_set)
+        else:
+            status, seconds, timed_out, cancelled = _restore_run(job, image, rundir, cancel.is_set)
 
         def read(name: str) -> bytes | None:
             try:
@@ -195,11 +181,118 @@ def run_on_worker(job: dict) -> dict:
                     return f.read()
             except FileNotFoundError:
                 return None
-        return {"index": job["index"], "status": None if timed_out else (128 - status if status < 0 else status),
-                "seconds": seconds, "timed_out": timed_out, "cancelled": cancelled, "stdout": read("stdout"),
-                "stderr": read("stderr"), "faults": read("faults.json"), "host": socket.gethostname()}
+        return {"index": job["index"], "status": status, "seconds": seconds, "timed_out": timed_out,
+                "cancelled": cancelled, "stdout": read("stdout"), "stderr": read("stderr"),
+                "faults": read("faults.json"), "host": socket.gethostname(), "copy": server is not None}
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _restore_run(job: dict, image: str, rundir: str, cancelled) -> tuple[int | None, float, bool, bool]:
+    """The run as a `ptckpt restore` command: (status, seconds, timed out, cancelled)."""
+    argv = [sys.executable if a == PYTHON else a.replace(IMAGE, image).replace(RUN, rundir) for a in job["argv"]]
+    started = time.monotonic()
+    with open(os.path.join(rundir, "stdout"), "wb") as out, open(os.path.join(rundir, "stderr"), "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                close_fds=True, preexec_fn=_die_with_parent)
+    timed_out = was_cancelled = False
+    checked = started
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now - started > job["timeout"]:
+            timed_out = True
+        elif now - checked > 0.5:
+            checked = now
+            was_cancelled = cancelled()
+        if timed_out or was_cancelled:
+            kill_run(proc)
+            break
+        time.sleep(0.02)
+    status = proc.returncode
+    return (None if timed_out else (128 - status if status < 0 else status), time.monotonic() - started,
+            timed_out, was_cancelled)
+
+
+# --- a template per worker ----------------------------------------------------------------
+
+_SERVERS: dict[str, _CloneServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+class _CloneServer:
+    """This worker's template of one campaign (python -m ptckpt.cloneserver), shared by
+    its task threads: each asks for its run and waits for the answer."""
+
+    def __init__(self, job: dict, image: str):
+        argv = [sys.executable, "-m", "ptckpt.cloneserver", image, *(f"--inject={t}" for t in job["inject"]),
+                *(f"--restore-arg={a}" for a in job["restore_args"])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, close_fds=True, preexec_fn=_die_with_parent)
+        first = json.loads(self.proc.stdout.readline() or b'{"error": "the template server ended"}')
+        self.error = first.get("error")
+        self.answers: dict[int, dict] = {}
+        self.changed = threading.Condition()
+        self.writing = threading.Lock()
+        if self.error is None:
+            threading.Thread(target=self._read, daemon=True, name="ptckpt-clone-answers").start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.changed:
+                self.answers[msg["index"]] = msg
+                self.changed.notify_all()
+        with self.changed:
+            self.error = "the template server ended"
+            self.changed.notify_all()
+
+    def _send(self, msg: dict) -> None:
+        with self.writing:
+            self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+            self.proc.stdin.flush()
+
+    def run(self, job: dict, rundir: str, cancelled) -> tuple[int | None, float, bool, bool]:
+        index = job["index"]
+        self._send({"run": index, "seed": job["seed"], "dir": rundir, "timeout": job["timeout"]})
+        started = time.monotonic()
+        with self.changed:
+            while index not in self.answers:
+                if self.error is not None:
+                    raise RuntimeError(f"run {index}: {self.error}")
+                self.changed.wait(0.5)
+                if index not in self.answers and cancelled():
+                    self._send({"stop": index})
+                    return None, time.monotonic() - started, False, True
+            got = self.answers.pop(index)
+        return got["status"], got["seconds"], got["timed_out"], False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _clone_server(job: dict, image: str) -> _CloneServer | None:
+    """The campaign's template server on this worker, started by its first run; None when
+    the template could not be made here (the runs restore the image, as without)."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(job["token"])
+        if server is None:
+            server = _SERVERS[job["token"]] = _CloneServer(job, image)
+    return None if server.error is not None else server
+
+
+def stop_clone_servers(token: str) -> int:
+    """On every worker, at the campaign's end (Client.run): its template server goes."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.pop(token, None)
+    if server is not None:
+        server.close()
+    return 0 if server is None else 1
 
 
 # --- the backend --------------------------------------------------------------------------
@@ -236,6 +329,18 @@ class DaskBackend(Backend):
         self.client.publish_dataset(self.chunks, name=self.dataset)
         self.cancel_event = distributed.Event(f"ptckpt-cancel-{self.token}", client=self.client)
         self.running: dict = {}                       # future -> RunSpec
+        self.clones: tuple | None = None              # (inject, restore args): a template per worker
+        self.copies: set[bool] = set()                # how the runs went: copies, restores
+
+    def use_clones(self, inject, restore_args) -> None:
+        """Runs as copies of a template each worker holds (ptckpt.cloneserver); a worker
+        that cannot make it restores the image for each run instead."""
+        self.clones = (list(inject), list(restore_args))
+
+    @property
+    def runs_as(self) -> str:
+        return {frozenset({True}): "copies of a template", frozenset({True, False}): "copies of a template and restores"
+                }.get(frozenset(self.copies), "restores")
 
     def submit(self, run: RunSpec) -> None:
         argv = []
@@ -244,7 +349,10 @@ class DaskBackend(Backend):
                 a = PYTHON
             argv.append(a.replace(self.image, IMAGE).replace(run.directory, RUN))
         job = {"index": run.index, "argv": argv, "timeout": run.timeout, "manifest": self.manifest,
-               "cancel": f"ptckpt-cancel-{self.token}", "dataset": self.dataset}
+               "cancel": f"ptckpt-cancel-{self.token}", "dataset": self.dataset, "token": self.token,
+               "seed": run.seed}
+        if self.clones is not None:
+            job.update(clones=True, inject=self.clones[0], restore_args=self.clones[1])
         future = self.client.submit(run_on_worker, job, key=f"ptckpt-run-{self.token}-{run.index}", pure=False)
         self.running[future] = run
 
@@ -267,6 +375,7 @@ class DaskBackend(Backend):
                     fd = os.open(os.path.join(run.directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
+            self.copies.add(bool(res.get("copy")))
             out.append((run.index, res["status"], res["seconds"], res["timed_out"], res["host"]))
         return out
 
@@ -279,5 +388,8 @@ class DaskBackend(Backend):
             self.client.cancel(list(self.chunks.values()), force=True)
             time.sleep(0.6)                           # the tasks look at the event twice a second
             self.cancel_event.clear()
+        if self.clones is not None:
+            with contextlib.suppress(Exception):
+                self.client.run(stop_clone_servers, self.token)
         with contextlib.suppress(Exception):
             self.client.close()

@@ -310,7 +310,7 @@ def check_external(procs: dict[int, ProcessImage], events: Plugins) -> None:
                                   f"plugin claimed it")
 
 
-def _install_fd(remote, channel: int, theirs: int, cloexec: dict[int, bool], vpid: int, number: int,
+def install_fd_frozen(remote, channel: int, theirs: int, cloexec: dict[int, bool], vpid: int, number: int,
                 local_fd: int) -> None:
     """A plugin's `restored`: send ptckpt's fd over the channel, the process receives it (with
     the close-on-exec flag the image's fd of that number had)."""
@@ -696,13 +696,16 @@ def epoll_registrars(procs: dict[int, ProcessImage], states) -> dict[int, list[t
 def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             handed: dict, epolls: list[tuple[int, EpollState]], events: Plugins | None = None,
             channel: int = -1, breaks: list | None = None, memory_done: bool = False, lazy=None,
-            pidfds_made: dict | None = None):
+            pidfds_made: dict | None = None, creds_later: bool = False, keep_channel: bool = False):
     """Rebuild one process from its stub (its memory first, unless `memory_done`; `lazy`:
     the lazypages.Server its anonymous memory is left to); returns (warnings, its tasks,
     still stopped).  The order of the steps matters: the kinds of resources.registry
     install at its points (INSTALL_POINTS: the fd table, then, after the task's cwd and
     root, the locks last of the fd work; the fd owners after the creds), creds after the
-    signals, the plugins' `restored` event after all, the gadget last."""
+    signals, the plugins' `restored` event after all, the gadget last.  With `creds_later`
+    (a held template: ptckpt.clones) the credentials, seccomp filters and parent-death
+    signal are left as ptckpt's, for the caller to set; with `keep_channel` the plugin
+    channel stays open in it."""
     warnings: list[str] = []
     inherited = procfs.list_fds(leader.tgid)
     with AddressSpace(leader.tgid) as mem:
@@ -726,13 +729,15 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             log.info("fix up %d: threads", proc.task.pid)
             tasks = _create_threads_frozen(remote, mem, leader, proc)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)
-            warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
+            if not creds_later:
+                warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)
             registry.install(installing, registry.AFTER_CREDS)
-            process.restore_pdeath_signal_frozen(remote, proc.task)
+            if not creds_later:
+                process.restore_pdeath_signal_frozen(remote, proc.task)
             process.restore_mdwe_frozen(remote, proc.task)
             overrides = _run_restored_event(events, remote, leader, vpid, proc, tasks, channel, chan,
                                             breaks)
-            if chan >= 0 and installing.own_table:
+            if chan >= 0 and installing.own_table and not keep_channel:
                 remote.checked("close", chan, step="close ptckpt's plugin channel")
             log.info("resume %d", proc.task.pid)
             _remove_gadget_frozen(remote)
@@ -809,7 +814,7 @@ def _run_restored_event(events: Plugins | None, remote, leader, vpid: int, proc:
         log.info("plugins: restored %d", vpid)
         events.run("restored", [ProcessHandle(
             leader.tgid, vpid, proc, tasks=tasks, remote_scope=lambda: contextlib.nullcontext(remote),
-            fd_installer=functools.partial(_install_fd, remote, channel, chan,
+            fd_installer=functools.partial(install_fd_frozen, remote, channel, chan,
                                            {f.fd: f.cloexec for f in proc.fds}),
             reg_overrides=overrides, breakpoints=breaks)])
     return overrides

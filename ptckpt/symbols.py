@@ -394,27 +394,30 @@ class SymbolTable:
                     out.append((obj, got.bias))
         return out
 
+    def _definitions(self, name: str, object: str | None):
+        """Each object's definition of `name`, in search order, each object parsed when reached."""
+        base = name.partition("@")[0]
+        for i, obj in enumerate(self.objects):
+            got = self._load(i) if object is None or obj.matches(object) else None
+            raw = got.elf.symbols.get(base) if got is not None else None
+            if raw is not None:
+                yield _symbol(base, raw, got)
+
     def lookup_all(self, name: str, *, object: str | None = None) -> list[Symbol]:
         """Every object's definition of `name`, in search order.
 
         A version in `name` is ignored ("environ@@GLIBC_2.2.5" is "environ");
         .symtab's local symbols count too, after the global ones of the same object.
         """
-        base = name.partition("@")[0]
-        found = []
-        for i, obj in enumerate(self.objects):
-            got = self._load(i) if object is None or obj.matches(object) else None
-            raw = got.elf.symbols.get(base) if got is not None else None
-            if raw is not None:
-                found.append(_symbol(base, raw, got))
-        return found
+        return list(self._definitions(name, object))
 
     def lookup(self, name: str, *, object: str | None = None) -> Symbol:
         """The definition of `name` that the global scope sees (or the first in objects
-        whose path ends with `object`); SymbolNotFound naming what was searched."""
-        found = self.lookup_all(name, object=object)
-        if found:
-            return found[0]
+        whose path ends with `object`); SymbolNotFound naming what was searched.  Objects
+        after the one defining it are not parsed."""
+        found = next(self._definitions(name, object), None)
+        if found is not None:
+            return found
         searched = [obj.path for obj, _ in self.loaded(object)]
         raise SymbolNotFound(name.partition("@")[0], searched, object)
 

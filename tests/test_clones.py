@@ -8,9 +8,11 @@ import contextlib
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -141,13 +143,71 @@ def test_a_killed_campaign_leaves_no_template_or_copy(campaigner_image, fixture_
 
 
 def test_images_a_copy_cannot_own_take_the_full_path(spawn, ptckpt, campaigner_image, tmp_path):
-    """A threaded process, a per-run plugin and a call: fault are named as the reason and the
-    runs restore the image instead."""
+    """A threaded process, a restore option a template cannot take and a call: fault are
+    named as the reason and the runs restore the image instead."""
     target = spawn("threads")
     threaded = tmp_path / "threaded"
     _dump_kill(ptckpt, target, threaded)
     assert "threads" in clones.campaign_refusal(str(threaded), ["flip:symbol=counters,bits=1"], ())
     image, _pid = campaigner_image()
     assert clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ()) is None
-    assert "--plugin" in clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ("--plugin", "x"))
+    assert "--unset-env" in clones.campaign_refusal(str(image), ["flip:symbol=table,bits=1"], ("--unset-env", "X"))
     assert "call" in clones.campaign_refusal(str(image), ["call:function=read,n=1,ret=0"], ())
+
+
+def test_a_copy_dumped_is_the_image_but_its_stdio(campaigner_image, ptckpt, tmp_path):
+    """A copy, checkpointed while it waits, against the image it was made from: every page
+    the same, every record the same but for the run's stdio (fds 0-2), its thread's
+    registers and syscall state (it ran), and the depth of its pid namespace (the
+    template's, then its own)."""
+    image, _pid = campaigner_image(wait_ms=60000)
+    template = clones.Template(str(image))
+    try:
+        (tmp_path / "stdout").touch()
+        (tmp_path / "stderr").touch()
+        copy = template.copy(str(tmp_path / "stdout"), str(tmp_path / "stderr"))
+        res = ptckpt("dump", copy.pid, "-D", tmp_path / "copy", "--leave-running")
+        assert res.returncode == 0, res.stderr
+        assert copy.ended() is None, "the copy runs on after its dump"
+    finally:
+        template.close()
+    res = ptckpt("diff", image, tmp_path / "copy", "--json")
+    found = json.loads(res.stdout)
+    assert found["pages_compared"] > 200 and found["memory"] == [], found["memory"]
+    unexpected = [(d["what"], d["field"]) for d in found["differences"] if not d.get("expected")]
+    running = ("restart", "syscall_nr", "xstate", "xfeatures")    # where it was when frozen: it ran
+    for what, field in unexpected:
+        assert (what == "image" and field == "pid_level") or what.endswith((" fd 0", " fd 1", " fd 2")) or \
+            (" thread " in what and (field.startswith("regs.") or field in running)), (what, field, unexpected)
+
+
+def test_a_program_of_another_user_is_copied_with_its_credentials(spawn, ptckpt, fixture_bins, tmp_path):
+    """The template of a program without CAP_SYS_ADMIN keeps ptckpt's credentials (it must
+    make namespaces and choose pids); each copy takes the program's before it runs."""
+    shared = Path(tempfile.mkdtemp(prefix="ptckpt-clones-"))     # the program must reach its input
+    template = None
+    try:
+        shared.chmod(0o755)
+        source = shared / "input"
+        source.write_text("HEADHEAD" + REST)
+        source.chmod(0o644)
+        target = spawn("/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                       fixture_bins["campaigner"], source, 60000, out=False)
+        image = tmp_path / "img"
+        _dump_kill(ptckpt, target, image)
+        template = clones.Template(str(image))
+        assert template.creds_later
+        assert "Uid:\t0\t0" in Path(f"/proc/{template.task.tgid}/status").read_text()
+        for f in ("stdout", "stderr"):
+            (tmp_path / f).touch()
+        copy = template.copy(str(tmp_path / "stdout"), str(tmp_path / "stderr"),
+                             [Inject(["set:symbol=stop,value=1"], seed=1)])
+        wait_until(lambda: copy.ended() is not None, 20, message="the copy's end")
+        status = Path(f"/proc/{copy.pid}/status").read_text()
+        assert "Uid:\t65534\t65534\t65534\t65534" in status and "CapEff:\t0000000000000000" in status, status
+        assert copy.ended() == 0, (tmp_path / "stderr").read_text()
+        assert (tmp_path / "stdout").read_text().startswith("rest " + REST)
+    finally:
+        if template is not None:
+            template.close()
+        shutil.rmtree(shared, ignore_errors=True)

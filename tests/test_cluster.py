@@ -19,6 +19,7 @@ import pytest
 
 from conftest import kill_pids, kill_process_groups, reap_orphans, wait_until
 from test_campaign import VENDOR, _leftovers, checkpoint_testbench
+from test_clones import _running, campaigner_image  # noqa: F401
 from test_emulator import start_emulator, testbench_bin  # noqa: F401
 
 # 2000 vectors of 1.5 ms after the region of interest, checkpointed at vector 1300: each run
@@ -53,6 +54,10 @@ def short_testbench(spawn, ptckpt, testbench_bin, tmp_path):
 def dask_cluster(short_testbench, tmp_path):
     """(address, [worker Popen], [cache dir]): a scheduler and two single-thread workers."""
     _image, env = short_testbench
+    yield from _cluster(tmp_path, env)
+
+
+def _cluster(tmp_path: Path, env: dict):
     port = _free_port()
     procs: list[subprocess.Popen] = []
     logs = tmp_path / "dask-logs"
@@ -160,3 +165,25 @@ def test_dask_backend_refusals(ptckpt, tmp_path, killed_counter):
     res = ptckpt("campaign", "-D", image, "-o", tmp_path / "out", "--inject", "flip:symbol=counter,bits=1",
                  "--runs", "1", "--backend", "carrier-pigeon")
     assert res.returncode != 0 and "local or dask://HOST:PORT" in res.stderr, res.stderr
+
+
+def test_dask_campaign_runs_copies_of_a_template_on_each_worker(ptckpt, campaigner_image, fixture_bins, tmp_path):
+    """With the Dask backend each worker holds one template of the campaign's image (started
+    by its first run, ended with the campaign) and its runs are copies of it: the same table
+    as the local copies, nothing left running afterwards."""
+    image, _pid = campaigner_image()
+    cluster = _cluster(tmp_path, dict(os.environ))
+    address, _workers, _caches = next(cluster)
+    try:
+        args = ["campaign", "-D", image, "--runs", "10", "--jobs", "2", "--seed", "70", "--timeout", "30s", "--json",
+                "--inject", "set:symbol=stop,value=1", "--inject", "flip:symbol=table,bits=1"]
+        dask = ptckpt(*args, "-o", tmp_path / "dask", "--backend", f"dask://{address}")
+        assert dask.returncode == 0, dask.stderr
+        local = ptckpt(*args, "-o", tmp_path / "local")
+        assert local.returncode == 0, local.stderr
+        assert json.loads(dask.stdout)["runs_as"] == "copies of a template"
+        assert _table(tmp_path / "dask") == _table(tmp_path / "local")
+        exe = str(fixture_bins["campaigner"])
+        wait_until(lambda: not _running(exe), 10, message=lambda: f"left on the workers: {_running(exe)}")
+    finally:
+        cluster.close()

@@ -69,6 +69,8 @@ class RestoreOptions:
     plugins: Sequence[Plugin] = ()
     hold_timeout: float = 30.0
     lazy: bool = False
+    held: bool = False              # restore_held: the plugin channel stays open in the tree
+    creds_later: bool = False       # a held tree keeps ptckpt's credentials (its copies take theirs)
     before_resume: object = None
     group: object = None
 
@@ -179,7 +181,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     group this restore is a member of, where the plugins' ctx.barrier(name) meets the others.
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
-                          before_resume, group)
+                          before_resume=before_resume, group=group)
     run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
                                     ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
@@ -203,18 +205,29 @@ class Held:
         """The root's (only, for a copy) thread, stopped."""
         return self.run.created[self.run.root]
 
+    @property
+    def channel(self) -> tuple[int, int]:
+        """(ptckpt's end, the fd number of the tree's end) of the plugin channel, which a
+        held tree keeps open: ptckpt sends fds over it (-1, -1: none)."""
+        return self.run.handoff.channel, self.run.handoff.fds.get("plugin-channel", -1)
+
     def close(self) -> None:
         """Kill the held tree and its pid namespace."""
         _kill_tree(self.run)
+        if self.run.handoff.channel >= 0:
+            os.close(self.run.handoff.channel)
+            self.run.handoff.channel = -1
 
 
 def restore_held(directory: str, *, plugins: Sequence[Plugin] = (),
-                 file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy()) -> Held:
+                 file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(), creds_later: bool = False) -> Held:
     """Restore image `directory` in a new pid namespace up to the point where it would run,
     and keep it there (ptckpt.clones makes copies of it): the stages of :func:`restore`
     but the terminal, the stop signals and the resume.  Its fds 0-2 are what `plugins`
-    give it (else the image's)."""
-    opts = RestoreOptions(pidns=True, file_policy=file_policy, plugins=tuple(plugins), new_pty=False)
+    give it (else the image's).  With `creds_later` its processes keep ptckpt's
+    credentials, seccomp filters and parent-death signal (the caller sets them)."""
+    opts = RestoreOptions(pidns=True, file_policy=file_policy, plugins=tuple(plugins), new_pty=False,
+                          held=True, creds_later=creds_later)
     return Held(_staged(directory, opts, (("hold", hold),)))
 
 
@@ -342,7 +355,7 @@ def create(run: RestoreRun) -> None:
                                bool(events) or bool(pidfd_states), run.net, run.credentials)
         run.handoff = Handoff(fds, fds.pop("pty-master", -1), fds.pop("plugin-channel-ours", -1))
         run.cleanup.callback(_close_all, fds)
-        if run.handoff.channel >= 0:
+        if run.handoff.channel >= 0 and not opts.held:      # a held tree's is the Held's
             run.cleanup.callback(os.close, run.handoff.channel)
         if run.handoff.pty_master >= 0:
             run.undo.on_failure(os.close, run.handoff.pty_master)
@@ -385,7 +398,8 @@ def rebuild(run: RestoreRun) -> None:
         warnings, tasks = fix_up(run.created[p], p, procs[p], image.page_runs(p), run.pages[p],
                                     run.handoff.fds, epolls.get(p, []), run.events, run.handoff.channel,
                                     run.breaks[p], memory_done=p in run.rebuilt, lazy=run.server,
-                                    pidfds_made=run.pidfds_made)
+                                    pidfds_made=run.pidfds_made, creds_later=run.opts.creds_later,
+                                    keep_channel=run.opts.held)
         result.warnings += warnings
         run.to_detach += tasks
         testhooks.reached("restore-fixup")
