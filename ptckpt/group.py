@@ -54,14 +54,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cluster import cache_dir, chunk_key, connect, ensure_image, manifest, read_chunks, write_image
-from .errors import DestinationExists, GroupFailed, UsageError
+from .errors import DestinationExists, ExitCode, GroupFailed, PtckptError, UsageError
 
 GROUP_FILE = "group.json"
 GROUP_FORMAT = 1
 
 
 class GroupAborted(Exception):
-    """Another member of the group failed, or one did not come to a barrier in time."""
+    """Another member of the group failed: this one gives up."""
+
+
+class BarrierTimeout(PtckptError):
+    """A member did not come to a barrier in time: the failure of the member that waited
+    (the one said), which the group then gives up for."""
+
+    exit_code = ExitCode.GROUP_FAILED
 
 
 class Barrier:
@@ -123,8 +130,7 @@ class Barrier:
                 if self.aborted():
                     raise GroupAborted(f"another member failed while {self.me} waited at barrier {name}")
                 if time.monotonic() > deadline:
-                    self.abort()
-                    raise GroupAborted(f"member {other} did not reach barrier {name} within {self.timeout:g} s")
+                    raise BarrierTimeout(f"member {other} did not reach barrier {name} within {self.timeout:g} s")
         if self.aborted():
             raise GroupAborted(f"another member failed before {self.me} passed barrier {name}")
 

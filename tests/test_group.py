@@ -342,3 +342,20 @@ def test_a_worker_lost_mid_dump_leaves_the_others_running(cluster, hosts, spawn,
             assert "TracerPid:\t0" in Path(f"/proc/{c.pid}/status").read_text()
     finally:
         stop(extra)
+
+
+def test_a_member_late_at_a_barrier_makes_the_group_give_up(cluster, hosts, spawn, ptckpt, fixture_bins, tmp_path):
+    """B stays in its busy event (frozen) past --timeout: A, waiting frozen at the barrier,
+    gives up and says so, and both run on."""
+    plugin = _busy_plugin(tmp_path, "B", "time.sleep(4)")
+    counters = {h: spawn(hosts.inside(h)[0], hosts.inside(h)[1], fixture_bins["counter"],
+                         tmp_path / f"counter-{h}", out=False) for h in ADDR}
+    names = [f"{h}:{c.pid}" for h, c in counters.items()]
+    res = ptckpt("group", "dump", "-D", tmp_path / "group", "--backend", hosts.backend, "--kill", "--timeout", "1s",
+                 "--plugin", plugin, *names, prefix=hosts.inside("A"), timeout=120)
+    assert res.returncode == ExitCode.GROUP_FAILED, res.stderr
+    assert (f"member {names[0]} failed at freeze: member {names[1]} did not reach barrier frozen within 1 s; "
+            "every member runs on as it was") in res.stderr, res.stderr
+    for h in ADDR:
+        before = read_counter(tmp_path / f"counter-{h}")
+        wait_until(lambda: read_counter(tmp_path / f"counter-{h}") > before + 20, 10, message=f"member {h} to run on")
