@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 # package attributes that are the API's functions, though submodules of the same names exist
 _API_FUNCTIONS = frozenset({"dump", "pre_dump", "restore", "stop"})
-_API_NAMES = frozenset({"Restored", "DumpResult"})
+_API_NAMES = frozenset({"Restored", "DumpResult", "group_dump", "group_restore"})
 
 
 class _Package(types.ModuleType):

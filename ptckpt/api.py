@@ -44,12 +44,13 @@ from .errors import UsageError
 
 if TYPE_CHECKING:
     from .dump import DumpResult
+    from .group import GroupDumpResult, GroupRestoreResult
     from .plugins import Plugin
     from .resources.filepolicy import FilePolicy
     from .restore import Finding, RestoreResult
     from .stop import Stopped
 
-__all__ = ["dump", "pre_dump", "restore", "stop", "check_image", "Restored", "DumpResult",
+__all__ = ["dump", "pre_dump", "restore", "stop", "check_image", "group_dump", "group_restore", "Restored", "DumpResult",
            "parse_compress", "parse_duration", "parse_file_policy", "load_plugins"]
 
 
@@ -446,3 +447,64 @@ def stop(target: int | str | os.PathLike, *, timeout: float | str = 5.0, force: 
     from .stop import stop as _stop, target_pid
     pid = target if isinstance(target, int) else target_pid(os.fspath(target))
     return _stop(pid, parse_duration(timeout), force=force)
+
+
+# --- groups across hosts ------------------------------------------------------------------
+
+def _specs(plugins: Sequence[str]) -> list[str]:
+    """A group's plugins: ``--plugin`` specs (each worker loads them), not objects."""
+    specs = _items(plugins)
+    for p in specs:
+        if not isinstance(p, str):
+            raise UsageError(f"a group's plugins are --plugin specs (each worker loads its own), not {p!r}")
+    return specs
+
+
+def group_dump(members: Sequence[str], directory: str | os.PathLike, *, backend: str,
+               leave_running: bool = True, tcp_established: bool = False, tcp_close: bool = False,
+               plugins: Sequence[str] = (), timeout: float | str = 60.0) -> GroupDumpResult:
+    """``ptckpt group dump -D DIRECTORY --backend dask://HOST:PORT WORKER:PID ...``: one
+    checkpoint of processes on several hosts (ptckpt.group): every member frozen before any
+    is captured, every image taken before any member is resumed (or killed:
+    ``leave_running=False``); the images in DIRECTORY/WORKER-PID/, with group.json.
+
+    members           WORKER:PID items: WORKER the name of the Dask worker (``dask worker
+                      --name``) on the host of PID
+    backend           dask://HOST:PORT, the Dask scheduler
+    tcp_established   dump established TCP connections (repair mode, network lock), on
+    tcp_close         ... or they come back closed
+    plugins           ``--plugin`` specs, loaded on each worker (ctx.barrier meets the others)
+    timeout           seconds (or "60s") a member waits at a barrier for the others
+
+    A member that fails: every member resumes as it was, and GroupFailed (exit 28) names
+    it and why.  Returns the directory, the members (as in group.json) and times."""
+    from .group import group_dump as _group_dump
+    return _group_dump(_items(members), os.fspath(directory), backend, kill=not leave_running,
+                       tcp_established=tcp_established, tcp_close=tcp_close, plugins=_specs(plugins),
+                       timeout=parse_duration(timeout))
+
+
+def group_restore(directory: str | os.PathLike, *, backend: str, place: Sequence[str] | Mapping[str, str] = (),
+                  plugins: Sequence[str] = (), file_policy: Sequence[str] = (), pidns: bool = False,
+                  remap_path: Sequence[str] | Mapping[str, str] = (), set_env: Sequence[str] | Mapping[str, str] = (),
+                  unset_env: Sequence[str] = (), timeout: float | str = 60.0) -> GroupRestoreResult:
+    """``ptckpt group restore -D DIRECTORY --backend dask://HOST:PORT``: each member of a
+    group image restored on its worker (or the one ``place`` names, "OLD=NEW" worker
+    names), held until all are rebuilt, then resumed together.
+
+    file_policy, pidns, remap_path, set_env, unset_env
+                        as for :func:`restore` (``--file-policy`` items only), on every member
+    plugins             ``--plugin`` specs, loaded on each worker
+    timeout             seconds (or "60s") a member waits at a barrier for the others
+
+    A failure anywhere kills every member made, and GroupFailed (exit 28) names the member
+    and why.  Returns the members (member, worker, host, pid, vpid, init_pid, seconds)."""
+    from .group import group_restore as _group_restore
+    if isinstance(file_policy, str):
+        raise UsageError(f"a list of --file-policy items is expected, not the string {file_policy!r}")
+    from .builtins import RemapPath, SetEnv
+    RemapPath(_pairs(remap_path))                 # their errors here, before any worker is asked
+    SetEnv(_pairs(set_env), _items(unset_env))
+    return _group_restore(os.fspath(directory), backend, place=_pairs(place), plugins=_specs(plugins),
+                          file_policy=list(file_policy), pidns=pidns, remap_path=_pairs(remap_path),
+                          set_env=_pairs(set_env), unset_env=_items(unset_env), timeout=parse_duration(timeout))

@@ -703,6 +703,80 @@ def check(
         raise typer.Exit(code=ExitCode.MISSING_FEATURE)
 
 
+group_app = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+                        help="One checkpoint of processes on several hosts (a Dask worker on each), and its restore.")
+app.add_typer(group_app, name="group")
+
+
+@group_app.command("dump")
+def group_dump(
+    members: Annotated[list[str], typer.Argument(metavar="WORKER:PID...", help="The members: each a process PID on the host of the Dask worker started with --name WORKER.")],
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Group image directory (must not exist or be empty): WORKER-PID/ per member and group.json.")],
+    backend: Annotated[str, typer.Option("--backend", metavar="dask://HOST:PORT", help="The Dask scheduler whose named workers hold the members (pip install 'ptckpt\\[cluster]').")],
+    leave_running: Annotated[bool, typer.Option("--leave-running/--kill", help="Resume every member after the dump (default), or kill them all once every image is taken.")] = True,
+    tcp_established: Annotated[bool, typer.Option("--tcp-established", help="Dump established TCP connections (as for dump), the members' connections to each other too.")] = False,
+    tcp_close: Annotated[bool, typer.Option("--tcp-close", help="Established TCP connections come back closed (as for dump).")] = False,
+    plugins: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC", help="A plugin, loaded on each worker (the same path there); its ctx.barrier(name) meets the other members. Repeatable.")] = None,
+    timeout: Annotated[str, typer.Option("--timeout", help="How long a member waits at a barrier for the others before the group gives up.")] = "60s",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Checkpoint processes on several hosts at one moment: every member frozen before any
+    is captured, every image taken before any is resumed or killed. A member that fails:
+    every member resumes as it was, one line names it (exit 28).
+
+    Example: ptckpt group dump -D /tmp/grp --backend dask://10.0.0.1:8786 --tcp-established --kill A:4242 B:777
+    """
+    from . import api
+    try:
+        result = api.group_dump(members, directory, backend=backend, leave_running=leave_running,
+                                tcp_established=tcp_established, tcp_close=tcp_close, plugins=plugins or (),
+                                timeout=timeout)
+    except PtckptError as err:
+        raise _fail(err) from None
+    if as_json:
+        typer.echo(json.dumps({"directory": result.directory, "members": result.members,
+                               "seconds": round(result.seconds, 6), "frozen_seconds": result.frozen_seconds}))
+        return
+    typer.echo(result.directory)
+    _summary(result.summary())
+
+
+@group_app.command("restore")
+def group_restore(
+    directory: Annotated[str, typer.Option("-D", "--directory", help="Group image directory written by `ptckpt group dump`.")],
+    backend: Annotated[str, typer.Option("--backend", metavar="dask://HOST:PORT", help="The Dask scheduler whose named workers restore the members.")],
+    place: Annotated[Optional[list[str]], typer.Option("--place", metavar="OLD=NEW", help="Restore the members dumped on worker OLD on worker NEW instead. Repeatable.")] = None,
+    plugins: Annotated[Optional[list[str]], typer.Option("--plugin", metavar="SPEC", help="A plugin, loaded on each worker; every plugin the images were made with. Repeatable.")] = None,
+    file_policy: Annotated[Optional[list[str]], typer.Option("--file-policy", metavar="POLICY", help="As for restore. Repeatable.")] = None,
+    pidns: Annotated[bool, typer.Option("--pidns", help="Each member in a fresh pid namespace of its own (as for restore).")] = False,
+    remap_path: Annotated[Optional[list[str]], typer.Option("--remap-path", metavar="OLD=NEW", help="As for restore, on every member. Repeatable.")] = None,
+    set_env: Annotated[Optional[list[str]], typer.Option("--set-env", metavar="NAME=VALUE", help="As for restore, on every member. Repeatable.")] = None,
+    unset_env: Annotated[Optional[list[str]], typer.Option("--unset-env", metavar="NAME", help="As for restore, on every member. Repeatable.")] = None,
+    timeout: Annotated[str, typer.Option("--timeout", help="How long a member waits at a barrier for the others before the group gives up.")] = "60s",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Restore a group image: each member rebuilt on its worker and held until all are,
+    then all resumed together; prints WORKER:PID per member. A failure anywhere kills
+    every member made, one line names it (exit 28).
+
+    Example: ptckpt group restore -D /tmp/grp --backend dask://10.0.0.1:8786 --place B=C
+    """
+    from . import api
+    try:
+        result = api.group_restore(directory, backend=backend, place=place or (), plugins=plugins or (),
+                                   file_policy=file_policy or (), pidns=pidns, remap_path=remap_path or (),
+                                   set_env=set_env or (), unset_env=unset_env or (), timeout=timeout)
+    except PtckptError as err:
+        raise _fail(err) from None
+    if as_json:
+        typer.echo(json.dumps({"directory": result.directory, "members": result.members,
+                               "seconds": round(result.seconds, 6)}))
+        return
+    for m in result.members:
+        typer.echo(f"{m['worker']}:{m['pid']}")
+    _summary(result.summary())
+
+
 def _unwrap(doc: str) -> str:
     """A docstring with each paragraph on one line: typer's rich help keeps the source's line
     breaks, so a paragraph wrapped at 100 columns in the source broke oddly at 80."""
@@ -710,7 +784,7 @@ def _unwrap(doc: str) -> str:
     return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
-for _command in app.registered_commands:
+for _command in (*app.registered_commands, *group_app.registered_commands):
     if _command.callback.__doc__:
         _command.callback.__doc__ = _unwrap(_command.callback.__doc__)
 if app.registered_callback is not None and app.registered_callback.callback.__doc__:

@@ -104,10 +104,27 @@ def read_chunks(directory: str, man: dict):
                     yield chunk_key(digest), comp.compress(chunk)
 
 
+def write_image(man: dict, blobs: dict, directory: str) -> None:
+    """The files of image `man` written into `directory` (it exists) from `blobs` ({chunk
+    sha256: compressed bytes}), each chunk checked against its name."""
+    import zstandard
+    dec = zstandard.ZstdDecompressor()
+    for name, size, mode, sums in man["files"]:
+        fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            for digest in sums:
+                raw = dec.decompress(blobs[digest], max_output_size=CHUNK)
+                if hashlib.sha256(raw).hexdigest() != digest:
+                    raise RuntimeError(f"chunk {digest} of {name} arrived corrupt")
+                f.write(raw)
+            if f.tell() != size:
+                raise RuntimeError(f"{name}: {f.tell()} bytes arrived, {size} expected")
+        os.chmod(os.path.join(directory, name), mode)
+
+
 def ensure_image(man: dict, fetch) -> str:
     """The image's directory in this host's cache, fetched (`fetch(keys) -> [bytes]`) and
     checked chunk by chunk when it is not there yet; one fetch per host at a time."""
-    import zstandard
     root = cache_dir()
     os.makedirs(root, mode=0o700, exist_ok=True)
     final = os.path.join(root, man["digest"])
@@ -120,19 +137,7 @@ def ensure_image(man: dict, fetch) -> str:
         tmp = tempfile.mkdtemp(prefix=f"{man['digest']}.", dir=root)
         try:
             wanted = sorted({d for _n, _s, _m, sums in man["files"] for d in sums})
-            blobs = dict(zip(wanted, fetch([chunk_key(d) for d in wanted])))
-            dec = zstandard.ZstdDecompressor()
-            for name, size, mode, sums in man["files"]:
-                fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    for digest in sums:
-                        raw = dec.decompress(blobs[digest], max_output_size=CHUNK)
-                        if hashlib.sha256(raw).hexdigest() != digest:
-                            raise RuntimeError(f"chunk {digest} of {name} arrived corrupt")
-                        f.write(raw)
-                    if f.tell() != size:
-                        raise RuntimeError(f"{name}: {f.tell()} bytes arrived, {size} expected")
-                os.chmod(os.path.join(tmp, name), mode)
+            write_image(man, dict(zip(wanted, fetch([chunk_key(d) for d in wanted]))), tmp)
             open(os.path.join(tmp, ".complete"), "w").close()
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
@@ -292,6 +297,21 @@ def stop_clone_servers(token: str) -> int:
 
 # --- the backend --------------------------------------------------------------------------
 
+def connect(address: str, timeout: float = 30.0):
+    """A distributed.Client of the scheduler at `address` (tcp://HOST:PORT or HOST:PORT);
+    UsageError, one line, when nothing answers there."""
+    distributed = _need_distributed()
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:                                          # a refused port fails now, not at the timeout
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise UsageError(f"no Dask scheduler at {address}: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        return distributed.Client(address, timeout=timeout)
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"no Dask scheduler at {address}: {err}") from None
+
+
 class DaskBackend(Backend):
     """Runs as tasks of a Dask scheduler at `address` (tcp://HOST:PORT)."""
 
@@ -300,15 +320,7 @@ class DaskBackend(Backend):
         self._distributed = distributed
         self.image = os.path.abspath(image)
         man = manifest(self.image)
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        try:                                          # a refused port fails now, not at the timeout
-            socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout).close()
-        except (OSError, ValueError) as err:
-            raise UsageError(f"no Dask scheduler at {address}: {getattr(err, 'strerror', None) or err}") from None
-        try:
-            self.client = distributed.Client(address, timeout=connect_timeout)
-        except (OSError, TimeoutError) as err:
-            raise UsageError(f"no Dask scheduler at {address}: {err}") from None
+        self.client = connect(address, connect_timeout)
         self.token = uuid.uuid4().hex[:12]
         self.manifest = man
         # the chunks live in the cluster (held by these futures) until the campaign ends

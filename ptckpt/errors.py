@@ -43,6 +43,7 @@ class ExitCode:
     RUNS_FAILED = 25      # campaign: some runs could not be restored (outcome "error")
     NOT_RESTORED = 26     # `ptckpt stop`: the process is not a tree ptckpt restored
     REFERENCE_FAILED = 27  # campaign: the reference run's program failed, crashed or hung
+    GROUP_FAILED = 28     # group dump/restore: a member failed (the others resumed, or killed)
 
 
 class PtckptError(Exception):
@@ -394,6 +395,18 @@ class ReferenceFailed(PtckptError):
         self.why, self.directory = why, directory
         if restore_code is not None:
             self.exit_code = restore_code
+
+
+class GroupFailed(PtckptError):
+    """A member of a group dump or restore failed: which (WORKER:PID), at what phase, why,
+    and what became of the others (resumed as they were, or killed)."""
+
+    exit_code = ExitCode.GROUP_FAILED
+
+    def __init__(self, operation: str, member: str, phase: str, why: str, others: str):
+        at = f" at {phase}" if phase else ""
+        super().__init__(f"group {operation} failed: member {member} failed{at}: {why}; {others}")
+        self.operation, self.member, self.phase, self.why, self.others = operation, member, phase, why, others
 
 
 class ControlError(PtckptError):

@@ -24,7 +24,12 @@ restore  ``pre_restore`` no process exists yet: read data (ctx.load), check or a
 
 `proc` is a :class:`ProcessHandle` (its pid as ptckpt sees it, the image's pid,
 memory by address or symbol, registers per thread, injected syscalls, fds);
-`ctx` the plugin's :class:`DumpContext` or :class:`RestoreContext`.  The image
+`ctx` the plugin's :class:`DumpContext` or :class:`RestoreContext`.  In a group dump or
+restore (ptckpt.group: members on several hosts), ``ctx.barrier("name")`` in any event
+returns once every member of the group has reached it (``ctx.member`` and ``ctx.members``
+name them, WORKER:PID), and ``ctx.elect(ident)`` names the member that saves and restores
+a resource several members share (the first to ask); in a dump or restore of one tree
+the barrier returns at once and elect() gives "" (this member).  The image
 records each plugin used (name, version) with its data; a restore refuses an
 image whose plugin is not loaded.  A complete example is in README.md.
 """
@@ -284,10 +289,33 @@ class _Context:
     plugin: Plugin
     directory: str
     resources: list[SharedResource] = field(default_factory=list)
+    group: object = None          # ptckpt.group.Barrier of a group dump or restore, else None
 
     @property
     def name(self) -> str:
         return plugin_name(self.plugin)
+
+    @property
+    def member(self) -> str:
+        """This member of the group (WORKER:PID), "" outside a group."""
+        return self.group.me if self.group is not None else ""
+
+    @property
+    def members(self) -> list[str]:
+        """Every member of the group (WORKER:PID, in the group's order), [] outside a group."""
+        return list(self.group.members) if self.group is not None else []
+
+    def barrier(self, name: str) -> None:
+        """Return once every member of the group has reached barrier `name` (at once outside
+        a group); raises if another member failed or one did not come in time."""
+        if self.group is not None:
+            self.group.wait(f"plugin-{self.name}-{name}")
+
+    def elect(self, ident: str) -> str:
+        """The member (WORKER:PID) that saves and restores `ident`, a resource members of
+        the group on several hosts share (an emulator's connection): the first to ask, the
+        same answer for every member; outside a group "" (ctx.member: this one)."""
+        return self.group.elect(f"{self.name}-{ident}") if self.group is not None else ""
 
     def leader(self, ident: object) -> int:
         """The pid chosen to save and restore the shared resource `ident` (0: not shared)."""
@@ -349,10 +377,10 @@ class Plugins:
     """The loaded plugins and their contexts for one dump or restore."""
 
     def __init__(self, plugins: Sequence[Plugin], directory: str, *, restore: bool = False,
-                 data: Sequence[PluginData] = ()):
+                 data: Sequence[PluginData] = (), group=None):
         self.plugins = list(plugins)
         cls = RestoreContext if restore else DumpContext
-        self.contexts = [cls(plugin=p, directory=directory) for p in self.plugins]
+        self.contexts = [cls(plugin=p, directory=directory, group=group) for p in self.plugins]
         if restore:
             for ctx in self.contexts:
                 ctx.data = [d for d in data if d.name == ctx.name]

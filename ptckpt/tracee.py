@@ -454,9 +454,30 @@ class Task:
         try:
             _ptrace(_pt.PTRACE_DETACH, self.tid, 0, sig, what="PTRACE_DETACH")
         except TargetVanished:
-            pass
+            self._release_if_dead()
         self.seized = False
         self.stop = None
+
+    def _release_if_dead(self) -> None:
+        """A tracee killed while seized stays a zombie held by its tracer, which its parent
+        cannot reap, until the tracer waits for it (or exits: a tracer that lives on, a Dask
+        worker, must): its end is collected here, unless it is ptckpt's own child, whose
+        status is the caller's to collect."""
+        if _parent_of(self.tgid) == os.getpid():
+            return
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                got, status = os.waitpid(self.tid, os.WNOHANG | WALL)
+            except ChildProcessError:
+                return                              # no longer ours to wait for
+            if got and WaitStatus.decode(status).kind is StopKind.EXITED:
+                return
+            if got:                                 # a stop on its way out: let go on
+                with contextlib.suppress(Exception):
+                    self.resume(0)
+            else:
+                time.sleep(0.01)
 
     # -- registers ---------------------------------------------------------
     def get_regs(self) -> Regs:

@@ -15,6 +15,13 @@
 6. release  -- the caller's before_release, then the tree resumed (or killed), the
                network lock lifted, the plugins' post_dump.
 
+Three hooks let a caller act between the stages (ptckpt.group meets the other members of
+a group there): `before_freeze(result)` just before the tree is frozen (a memory copy
+while it runs is done), `after_freeze(result)` once every thread is frozen, nothing
+captured yet, and `before_release(result)` once the image is committed, the tree still
+frozen.  Each may raise: the dump fails, the tree running on (or resumed where it was,
+whatever the mode), and the error goes on.
+
 What the stages make is undone on two stacks: the image's (the temporary directory, the
 memory tracking) until the commit, the tree's (the network lock, the freeze) until the
 release, so that a dump that fails leaves the target running as it was.
@@ -67,6 +74,9 @@ class DumpOptions:
     compress: tuple[str, int] | None = None
     background: bool | None = False
     before_release: object = None
+    after_freeze: object = None
+    before_freeze: object = None
+    group: object = None
 
 
 @dataclass
@@ -104,7 +114,7 @@ def dump(pid: int, directory: str | None = None, *,
          tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
          compress: tuple[str, int] | None = None, background: bool | None = False,
-         before_release=None) -> DumpResult:
+         before_release=None, after_freeze=None, before_freeze=None, group=None) -> DumpResult:
     """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
 
     Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
@@ -136,10 +146,16 @@ def dump(pid: int, directory: str | None = None, *,
     `before_release(result)` runs once the image is committed, the tree still frozen
     (ptckpt.migrate sends the image and has it restored elsewhere then); if it raises,
     the tree resumes where it was, whatever `mode`, and the error goes on.
+    `after_freeze(result)` runs once the tree is frozen, before anything is captured
+    (result.pids: its processes); if it raises, the tree resumes and the error goes on.
+    `before_freeze(result)` runs just before the freeze; if it raises, nothing was frozen.
+
+    `group` (ptckpt.group.Barrier) is the group this dump is a member of: the plugins'
+    ctx.barrier(name) waits there for every member; without one it returns at once.
     """
     opts = DumpOptions(mode, tuple(save_files), tuple(skip_files), tuple(plugins), critical_timeout,
                        tcp_established, tcp_close, ext_unix_sk, prev, track_mem, pre_dump, compress,
-                       background, before_release)
+                       background, before_release, after_freeze, before_freeze, group)
     _check_options(opts)
     BUILD_IDS.clear()
     for line in inet.stale_lock_cleanup():
@@ -186,7 +202,7 @@ def check(run: DumpRun) -> None:
     run.net = inet.InetDump(inet.Policy(established=opts.tcp_established, close=opts.tcp_close,
                                         leave_running=opts.mode is DumpMode.LEAVE_RUNNING),
                             run.result.directory)
-    run.events = Plugins(opts.plugins, run.result.directory)
+    run.events = Plugins(opts.plugins, run.result.directory, group=opts.group)
     if run.events:
         log.info("plugins: pre_dump")
         running = running_tree(pid)
@@ -205,6 +221,8 @@ def freeze(run: DumpRun) -> None:
         log.info("copy the memory of %s while it runs", " ".join(map(str, running)))
         progress.phase("copy")
         run.plan.precopy(running, pidns.pid_view(pid, running).of, run.writer)
+    if run.opts.before_freeze is not None:
+        run.opts.before_freeze(run.result)
     log.info("freeze the tree of %d", pid)
     progress.phase("freeze")
     members, run.zombies, run.blocks = freeze_outside_critical(run.session, pid, run.opts.critical_timeout,
@@ -215,6 +233,8 @@ def freeze(run: DumpRun) -> None:
     run.view = pidns.pid_view(pid, members, run.zombies)
     if run.view.level:
         log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
+    if run.opts.after_freeze is not None:
+        run.opts.after_freeze(run.result)        # if it fails the tree resumes (tree_undo)
 
 
 # --- 3. capture ------------------------------------------------------------------------

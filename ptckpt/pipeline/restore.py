@@ -15,6 +15,11 @@
 7. resume   -- every thread let go (the program that asked to hold first), then the
                plugins' resumed event and the breakpoints.
 
+Between 5 and 6 a caller's `before_resume(result)` runs, every process rebuilt, not one
+instruction of its own run yet, the image's network lock still on (ptckpt.group holds each
+member there until all are); if it raises, the tree is killed as for any failure (its
+connections, still in repair mode, say nothing to their peers), and the error goes on.
+
 Stages 3 to 7 register what undoes them on the run's undo stack: a failure (or a signal)
 anywhere kills what was half-built, lifts what was locked and removes what was made, and
 says why.  The rebuilding itself is ptckpt.restore's.
@@ -66,6 +71,8 @@ class RestoreOptions:
     lazy: bool = False
     held: bool = False              # restore_held: the plugin channel stays open in the tree
     creds_later: bool = False       # a held tree keeps ptckpt's credentials (its copies take theirs)
+    before_resume: object = None
+    group: object = None
 
 
 class PageSource(NamedTuple):
@@ -133,7 +140,8 @@ class RestoreRun:
 def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
-            hold_timeout: float = 30.0, lazy: bool = False) -> RestoreResult:
+            hold_timeout: float = 30.0, lazy: bool = False, before_resume=None,
+            group=None) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -167,9 +175,15 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     With `lazy` the processes run before their private anonymous memory is in: a page
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
     name it, its watchdog and their log.
+
+    `before_resume(result)` runs once every process is rebuilt, before any runs and before
+    the network lock goes; if it raises, they are killed and the error goes on.  `group` (ptckpt.group.Barrier): the
+    group this restore is a member of, where the plugins' ctx.barrier(name) meets the others.
     """
-    opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy)
-    run = _staged(directory, opts, (("hand off", hand_off), ("resume", resume)))
+    opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
+                          before_resume=before_resume, group=group)
+    run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
+                                    ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
     return run.result
 
@@ -260,7 +274,7 @@ def collect(run: RestoreRun) -> None:
         raise init_root_refused(root)
     run.procs = {p: image.process(p) for p in run.members}
     plugin_mod.check_present(image.plugin_data, opts.plugins)
-    run.events = Plugins(opts.plugins, image.path, restore=True, data=image.plugin_data)
+    run.events = Plugins(opts.plugins, image.path, restore=True, data=image.plugin_data, group=opts.group)
     if run.events:
         # first of all: a plugin may change what is restored (proc.image), e.g. remap paths
         log.info("plugins: pre_restore")
@@ -411,6 +425,12 @@ def _create_tree(run: RestoreRun) -> None:
                    new_tty(image, procs, handed) if run.opts.new_pty else None,
                    run.events.bind_mounts() if run.events else [], own_session=not run.joins, lead=run.leads,
                    ptys=pty_ttys(image, procs, handed), memory_first=memory_first, all_made=make_pidfds)
+
+
+def call_before_resume(run: RestoreRun) -> None:
+    """The caller's before_resume hook, the tree rebuilt and held, the lock still on."""
+    if run.opts.before_resume is not None:
+        run.opts.before_resume(run.result)
 
 
 # --- 6. hand off -----------------------------------------------------------------------

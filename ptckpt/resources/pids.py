@@ -39,6 +39,7 @@ from ..restorer.stub import stub_memfd
 from ..tracee import StopKind, Task, TraceEvent, TraceOptions
 
 NR_CLONE3 = 435
+CLONE_PARENT = 0x00008000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CAP_SYS_ADMIN = 21
@@ -268,13 +269,16 @@ def become_subreaper() -> None:
                 ctypes.c_ulong(0))
 
 
-def clone3_with_pid(pid: int) -> int:
+def clone3_with_pid(pid: int, flags: int = 0) -> int:
     """clone3(set_tid=[pid]) of ptckpt itself: the child's pid in the parent, 0 in the child.
 
-    Like fork() but without Python's fork hooks, so the child must only exec or _exit.
+    Like fork() but without Python's fork hooks, so the child must only exec or _exit,
+    and its caller must be a process of one thread (see _clone_stub).  With CLONE_PARENT
+    in `flags` the child is the caller's sibling (its exit signal is then the caller's).
     """
     tid = ctypes.c_int32(pid)
-    args = clone_args(ctypes.addressof(tid))
+    args = clone_args(ctypes.addressof(tid), flags=flags,
+                      exit_signal=0 if flags & CLONE_PARENT else signal.SIGCHLD)
     buf = ctypes.create_string_buffer(args, len(args))
     res = _libc_gil.syscall(ctypes.c_long(NR_CLONE3), ctypes.c_void_p(ctypes.addressof(buf)),
                         ctypes.c_size_t(len(args)))
@@ -322,7 +326,8 @@ def _exec_stub_stopped(stub_fd: int, parent: int = 0) -> None:
     sets the image's own parent-death signal in the end."""
     try:
         if parent:
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # the GIL kept (_libc_gil): nothing here waits for another thread (see _clone_stub)
+            _libc_gil.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(127)
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -367,6 +372,7 @@ class Stub:
 def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
     """Until the process shows its group stop (it need not be our child, so no waitpid)."""
     deadline = time.monotonic() + timeout
+    state = "?"
     while time.monotonic() < deadline:
         try:
             state = procfs.read_stat(pid).state
@@ -374,8 +380,10 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
             raise TraceeError(pid, "the new process exited before it reached the restorer stub") from None
         if state == "T":
             return
+        if state in ("Z", "X"):
+            raise TraceeError(pid, "the new process exited before it reached the restorer stub")
         time.sleep(0.0005)
-    raise TraceeError(pid, "the new process did not stop before exec")
+    raise TraceeError(pid, f"the new process did not stop before exec (state {state})")
 
 
 def _seize_until_exec(pid: int, vpid: int, init_pid: int) -> Stub:
@@ -411,7 +419,7 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
             deadline = time.monotonic() + ZOMBIE_WAIT
             while True:
                 try:
-                    child = clone3_with_pid(pid)
+                    child = _clone_stub(pid, stub_fd, parent)
                     break
                 except OSError as err:
                     if err.errno == errno.EPERM:
@@ -426,8 +434,6 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
                     holder = _holder_after_zombies(pid, deadline)
                     if holder is not None or time.monotonic() >= deadline:
                         raise PidBusy(pid, holder or "a process that just exited") from None
-            if child == 0:
-                _exec_stub_stopped(stub_fd, parent)
             try:
                 return _seize_until_exec(child, pid, 0)
             except BaseException:
@@ -436,6 +442,43 @@ def start_stub(pid: int, *, pidns: bool = False) -> Stub:
         return _start_in_new_pidns(pid, stub_fd)
     finally:
         os.close(stub_fd)
+
+
+def _clone_stub(pid: int, stub_fd: int, parent: int) -> int:
+    """The stub, ptckpt's child with pid `pid`, stopped before its exec; its pid, or OSError
+    as from clone3_with_pid.
+
+    A helper forked for it (os.fork: one thread, and Python's after-fork care of the GIL
+    and its locks) makes it with clone3(CLONE_PARENT): a child cloned straight from ptckpt
+    would be a copy of every thread's state but one, and the Python it runs before its exec
+    could wait forever for a GIL hand-off or a lock another thread had asked for or held
+    (a restore run in a Dask worker's thread was seen to stop short so)."""
+    r, w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        try:
+            os.close(r)
+            try:
+                child = clone3_with_pid(pid, CLONE_PARENT)
+            except OSError as err:
+                os.write(w, b"E %d" % err.errno)
+                os._exit(0)
+            if child == 0:
+                os.close(w)
+                _exec_stub_stopped(stub_fd, parent)
+            os.write(w, b"C %d" % child)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as pipe:
+            kind, _, value = pipe.read().partition(b" ")
+    finally:
+        os.waitpid(helper, 0)
+    if kind == b"C":
+        return int(value)
+    err = int(value) if kind == b"E" else errno.EIO
+    raise OSError(err, os.strerror(err))
 
 
 def privileged() -> bool:
