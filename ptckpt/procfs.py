@@ -1277,6 +1277,13 @@ def read_auxv(pid: int, *, procfs: str = "/proc") -> list[AuxEntry]:
     return out
 
 
+@_wrap_exceptions
+def read_auxv_bytes(pid: int, *, procfs: str = "/proc") -> bytes:
+    """/proc/PID/auxv as the kernel gives it, the AT_NULL pair included: what
+    prctl(PR_SET_MM_MAP) takes back as the auxv of a process."""
+    return _read(f"{procfs}/{pid}/auxv")
+
+
 # fs/proc/base.c, lnames[]: the text of each line, indexed by RLIMIT_*.
 RLIMIT_NAMES = (
     "Max cpu time",           # RLIMIT_CPU 0
@@ -1529,3 +1536,171 @@ def fd_holders(links: set[str], exclude: set[int], *, procfs: str = "/proc") -> 
             if link in links:
                 out.setdefault(link, []).append((pid, int(fd)))
     return out
+
+
+# --- fds, namespaces, mounts, timers of one process -----------------------------
+
+@_wrap_exceptions
+def stat_fd(pid: int, fd: int, *, procfs: str = "/proc") -> os.stat_result:
+    """stat(2) of the open file /proc/PID/fd/FD leads to (the link followed): the file's
+    dev, ino, mode, size ..., whatever its name now.  Raises FdGone if the fd was closed
+    meanwhile."""
+    try:
+        return os.stat(f"{procfs}/{pid}/fd/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
+
+
+@_wrap_exceptions
+def list_namespaces(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The entries of /proc/PID/ns, sorted: one per kind of namespace the kernel has
+    ("cgroup", "ipc", "mnt", "net", "pid", "pid_for_children", "time" ...)."""
+    return sorted(os.listdir(f"{procfs}/{pid}/ns"))
+
+
+@_wrap_exceptions
+def stat_namespace(pid: int | str, name: str, *, procfs: str = "/proc") -> os.stat_result:
+    """stat(2) of /proc/PID/ns/NAME: the nsfs inode of that namespace (st_dev, st_ino
+    identify it; two processes share it when both are equal).  `pid` may be "self"."""
+    return os.stat(f"{procfs}/{pid}/ns/{name}")
+
+
+@_wrap_exceptions
+def read_mountinfo(pid: int | str, *, procfs: str = "/proc") -> list[bytes]:
+    """The lines of /proc/PID/mountinfo (man 5 proc: mount id, parent id, major:minor,
+    root, mount point, options, optional fields, "-", fstype, source, super options),
+    undecoded: paths are escaped (space, tab, newline, backslash as \\ooo) and need not be
+    UTF-8.  `pid` may be "self"."""
+    return _read(f"{procfs}/{pid}/mountinfo").splitlines()
+
+
+def mount_fstypes(pid: int, *, procfs: str = "/proc") -> dict[int, str]:
+    """mnt_id -> filesystem type of the mounts pid sees (mountinfo field 1 and the first
+    after " - "); {} when mountinfo cannot be read."""
+    out: dict[int, str] = {}
+    try:
+        lines = read_mountinfo(pid, procfs=procfs)
+    except (PtckptError, OSError):
+        return out
+    for line in lines:
+        left, _, right = line.partition(b" - ")
+        out[int(left.split(b" ", 1)[0])] = os.fsdecode(right.split(b" ", 1)[0])
+    return out
+
+
+@_wrap_exceptions
+def read_numa_maps(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/numa_maps (fs/proc/task_mmu.c, show_numa_map): per VMA its
+    start address, the memory policy ("default", "bind:0-1", "interleave:0-1" ...), then
+    counters.  Only on kernels built with CONFIG_NUMA (else ProcEntryMissing)."""
+    return _read_text(f"{procfs}/{pid}/numa_maps").splitlines()
+
+
+@_wrap_exceptions
+def read_attr_current(pid: int, *, procfs: str = "/proc") -> str:
+    """The LSM label of the process, /proc/PID/attr/current (an AppArmor profile with its
+    mode, a SELinux context ...), without the trailing NUL or newline some LSMs add."""
+    return _read_text(f"{procfs}/{pid}/attr/current").strip("\0\n ")
+
+
+@_wrap_exceptions
+def read_net_table(pid: int | str, name: str, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/net/NAME ("icmp", "igmp", "udp" ...) of the network namespace
+    of pid, the header line included (the tables print one; igmp's is a header too)."""
+    return _read_text(f"{procfs}/{pid}/net/{name}").splitlines()
+
+
+@_wrap_exceptions
+def read_cgroup(pid: int | str, *, procfs: str = "/proc") -> str:
+    """/proc/PID/cgroup as printed: "hierarchy-id:controllers:path" per line (man 7
+    cgroups), "0::/path" for the v2 hierarchy."""
+    return _read_text(f"{procfs}/{pid}/cgroup")
+
+
+@_wrap_exceptions
+def read_text_file(pid: int, name: str, *, procfs: str = "/proc") -> str:
+    """/proc/PID/NAME for a one-value file ("coredump_filter": hex; "loginuid", "sessionid",
+    "oom_score_adj": decimal ...), without surrounding whitespace."""
+    return _read_text(f"{procfs}/{pid}/{name}").strip()
+
+
+@_wrap_exceptions
+def read_timers(pid: int, *, procfs: str = "/proc") -> str:
+    """/proc/PID/timers (fs/proc/base.c show_timer, CONFIG_CHECKPOINT_RESTORE), a block of
+    four lines per POSIX timer::
+
+        ID: 1
+        signal: 14/0000000000000007
+        notify: signal/tid.946
+        ClockID: 0
+    """
+    return _read_text(f"{procfs}/{pid}/timers")
+
+
+@_wrap_exceptions
+def read_thread_children(pid: int, tid: int, *, procfs: str = "/proc") -> list[int]:
+    """The children one thread forked, from /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN),
+    in the order the kernel lists them (read_children unites those of every thread)."""
+    return [int(x) for x in _read(f"{procfs}/{pid}/task/{tid}/children").split()]
+
+
+# --- system-wide files ----------------------------------------------------------
+# No process to name in an error: an OSError of these passes to the caller as it is.
+
+def pid_exists(pid: int | str, *, procfs: str = "/proc") -> bool:
+    """Whether /proc/PID exists: a process (or a thread, by its tid) of this pid namespace,
+    a zombie included."""
+    return os.path.exists(f"{procfs}/{pid}")
+
+
+def list_pids(*, procfs: str = "/proc") -> list[int]:
+    """Every pid /proc lists (the processes of procfs's pid namespace), in directory order."""
+    return [int(name) for name in os.listdir(procfs) if name.isdigit()]
+
+
+def read_sysctl(name: str, *, procfs: str = "/proc") -> str:
+    """/proc/sys/NAME ("kernel/pid_max", "net/ipv4/ip_forward" ...) without surrounding
+    whitespace.  Those of a namespace (net/, kernel/msg* ...) are the calling thread's."""
+    with open(f"{procfs}/sys/{name}") as f:
+        return f.read().strip()
+
+
+def read_cpu_flags(*, procfs: str = "/proc") -> set[str]:
+    """The "flags" line of /proc/cpuinfo (that of the first CPU) as a set, empty if none."""
+    with open(f"{procfs}/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def read_vmstat(*, procfs: str = "/proc") -> dict[str, int]:
+    """/proc/vmstat: counter name -> value ("oom_kill" since 4.13, "pgfault" ...)."""
+    out = {}
+    with open(f"{procfs}/vmstat") as f:
+        for line in f:
+            key, _, value = line.partition(" ")
+            out[key] = int(value)
+    return out
+
+
+def read_locks(*, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/locks (fs/locks.c, lock_get_status): "N: POSIX  ADVISORY  WRITE
+    PID MAJ:MIN:INODE START END", "->" lines for the waiters, of every lock the kernel
+    holds in this pid namespace's view."""
+    with open(f"{procfs}/locks") as f:
+        return f.read().splitlines()
+
+
+def read_kernel_cmdline(*, procfs: str = "/proc") -> list[str]:
+    """The words of /proc/cmdline, the kernel's boot parameters."""
+    with open(f"{procfs}/cmdline") as f:
+        return f.read().split()
+
+
+def read_sysvipc(kind: str, *, procfs: str = "/proc") -> str:
+    """/proc/sysvipc/KIND ("shm", "sem", "msg": ipc/util.c sysvipc_proc_show): a header
+    line naming the columns, then one line of numbers per object of the caller's IPC
+    namespace (perms in octal, the rest decimal)."""
+    with open(f"{procfs}/sysvipc/{kind}") as f:
+        return f.read()
