@@ -99,6 +99,11 @@ class ZombieProcess(NoSuchProcess):
         ProcessError.__init__(self, pid, f"process {pid} is a zombie (exited, not yet reaped)")
 
 
+# What the choke point makes of a FileNotFoundError: the process is gone (or a zombie),
+# a kernel thread, or alive without that entry.  Callers that skip a missing file catch it.
+GONE_OR_MISSING = (NoSuchProcess, KernelThread, ProcEntryMissing)
+
+
 # --- records ----------------------------------------------------------------
 
 class MapEntry(NamedTuple):
@@ -1597,7 +1602,7 @@ def read_numa_maps(pid: int, *, procfs: str = "/proc") -> list[str]:
 
 
 @_wrap_exceptions
-def read_attr_current(pid: int, *, procfs: str = "/proc") -> str:
+def read_attr_current(pid: int | str, *, procfs: str = "/proc") -> str:
     """The LSM label of the process, /proc/PID/attr/current (an AppArmor profile with its
     mode, a SELinux context ...), without the trailing NUL or newline some LSMs add."""
     return _read_text(f"{procfs}/{pid}/attr/current").strip("\0\n ")
