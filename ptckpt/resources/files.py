@@ -118,13 +118,7 @@ def _socket_details(pid: int, fd: int) -> list[tuple[str, str]]:
 
 def _mount_fstypes(pid: int) -> dict[int, str]:
     """mnt_id -> filesystem type from /proc/PID/mountinfo (man 5 proc: field 1 and after ' - ')."""
-    out: dict[int, str] = {}
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/mountinfo", "rb") as f:
-            for line in f:
-                left, _, right = line.partition(b" - ")
-                out[int(left.split(b" ", 1)[0])] = os.fsdecode(right.split(b" ", 1)[0])
-    return out
+    return procfs.mount_fstypes(pid)
 
 
 def dump_fds(pid: int) -> list[Fd]:
@@ -147,8 +141,8 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
     except procfs.FdGone:
         return None
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
+        st = procfs.stat_fd(pid, fd)
+    except (OSError, PtckptError):
         st = None
     kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
     if kind is FdKind.REGULAR and info.mnt_id not in fstypes and is_mqueue(pid, fd):
@@ -261,7 +255,7 @@ def ended_process_file(path: str) -> int:
     parts = path.removesuffix(DELETED).split("/")
     if len(parts) < 3 or parts[1] != "proc" or not parts[2].isdigit():
         return 0
-    return 0 if os.path.exists(f"/proc/{parts[2]}") else int(parts[2])
+    return 0 if procfs.pid_exists(parts[2]) else int(parts[2])
 
 
 def ghost_dir_key(path: str) -> tuple[str, str] | None:
