@@ -1594,6 +1594,25 @@ def mount_fstypes(pid: int, *, procfs: str = "/proc") -> dict[int, str]:
 
 
 @_wrap_exceptions
+def read_mounts(pid: int | str, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/mounts, in fstab(5) format (device, mount point, fstype,
+    options, 0, 0; spaces in names as \\040), of the mounts pid sees.  `pid` may be "self"."""
+    return _read_text(f"{procfs}/{pid}/mounts").splitlines()
+
+
+@_wrap_exceptions
+def read_id_map(pid: int | str, name: str, *, procfs: str = "/proc") -> list[tuple[int, int, int]]:
+    """/proc/PID/uid_map or gid_map (NAME): (first id inside, first id outside, count) per
+    line of the user namespace of pid (man 7 user_namespaces); the initial namespace shows
+    (0, 0, 4294967295).  `pid` may be "self"."""
+    out = []
+    for line in _read_text(f"{procfs}/{pid}/{name}").splitlines():
+        inside, outside, count = (int(x) for x in line.split())
+        out.append((inside, outside, count))
+    return out
+
+
+@_wrap_exceptions
 def read_numa_maps(pid: int, *, procfs: str = "/proc") -> list[str]:
     """The lines of /proc/PID/numa_maps (fs/proc/task_mmu.c, show_numa_map): per VMA its
     start address, the memory policy ("default", "bind:0-1", "interleave:0-1" ...), then
