@@ -1728,3 +1728,63 @@ def read_sysvipc(kind: str, *, procfs: str = "/proc") -> str:
     namespace (perms in octal, the rest decimal)."""
     with open(f"{procfs}/sysvipc/{kind}") as f:
         return f.read()
+
+
+# --- who else touches /proc, and why --------------------------------------------
+# This module is the one that knows /proc's formats: every other module reads /proc
+# through the functions above.  What others still name a /proc path for is not a read of
+# a /proc file's format: they write a tunable, reopen a file through its link, hand a
+# path to a tracee, or read a file's own contents through /proc.  Each such place, by
+# (module, function), with its reason; tests/test_layout.py fails on any other.
+
+ELSEWHERE: dict[tuple[str, str], str] = {
+    # writes: /proc files that are knobs, not reports
+    ("ptckpt.netns", "_write_sysctls"): "writes the net sysctls a new network namespace inherits",
+    ("ptckpt.resources.pids", "_enter_own_user_namespace"): "writes setgroups, uid_map, gid_map of ptckpt's "
+                                                            "new user namespace",
+    ("ptckpt.resources.process", "restore_task_frozen"): "writes a restored process's oom_score_adj, "
+                                                         "timerslack_ns ..., coredump_filter",
+    ("ptckpt.resources.process", "expendable"): "writes oom_score_adj of a process being made",
+    ("ptckpt.resources.sysvipc", "IpcKind.next_id_path"): "the *_next_id sysctl written to choose an id, "
+                                                          "named in messages",
+    ("ptckpt.core", "_write_vdso"): "reads ptckpt's own vdso through /proc/self/mem (memory, not a report)",
+    ("ptckpt.tracee", "AddressSpace.__init__"): "/proc/PID/mem: the tracee's memory, read and written",
+    # a file opened again through its /proc link (the file's data, not /proc's)
+    ("ptckpt.appblock", "locate"): "opens the program through /proc/PID/exe to look for a symbol",
+    ("ptckpt.dump", "refuse_other_abi"): "reads the ELF header of the program through /proc/PID/exe",
+    ("ptckpt.resources.files", "dump_fd"): "hashes the head of an O_APPEND file through its fd link",
+    ("ptckpt.resources.files", "dump_ghost_files"): "copies a deleted file through its fd, cwd or root link",
+    ("ptckpt.resources.files", "_open_linked"): "a /proc/PID/fd path a restore opens a file again by",
+    ("ptckpt.resources.inotify", "make"): "adds watches through a placeholder's /proc/self/fd path",
+    ("ptckpt.resources.locks", "_break_lease"): "opens the leased file through its fd link to break the lease",
+    ("ptckpt.resources.memfd", "make"): "opens a memfd again with the image's access mode",
+    ("ptckpt.resources.memfd", "reopen_memfd"): "opens a memfd again with another access mode",
+    ("ptckpt.resources.memory", "_new_object"): "opens a mapped object again through /proc/self/map_files",
+    ("ptckpt.resources.memory", "fill_pages_in_target"): "the pages file by a path the tracee can open",
+    ("ptckpt.resources.memory", "fill_pages"): "opens the pages file again (its own file description)",
+    ("ptckpt.resources.memory", "_pagemap"): "the pagemap fd kept open over a whole scan of pages",
+    ("ptckpt.resources.mqueue", "dump"): "opens a message queue again to read it without moving its fd",
+    ("ptckpt.resources.mqueue", "_reopen_queue"): "opens a queue again whose name is gone",
+    ("ptckpt.resources.nsfs", "_with_id"): "opens an nsfs fd's file for NS_GET_ID",
+    ("ptckpt.resources.nsfs", "reopen_path"): "the path a restored process opens its own namespace by",
+    ("ptckpt.resources.nsfs", "_enter_and_open"): "opens the calling thread's namespace after setns",
+    ("ptckpt.resources.pipes", "dump_pipes"): "opens a pipe through its fd link to read its buffer",
+    ("ptckpt.resources.pipes", "_create_one"): "opens a pipe end again by its /proc/self/fd path",
+    ("ptckpt.resources.process", "restore_root_frozen"): "a made-again root directory, by a path for chroot",
+    ("ptckpt.resources.process", "_set_loginuid"): "the path the tracee opens to write its own loginuid",
+    ("ptckpt.resources.sockets", "_socket_file"): "a socket's relative bound path, seen from its cwd",
+    ("ptckpt.restore", "open_pages"): "opens the pages file again with O_DIRECT",
+    ("ptckpt.restore", "at_restored_pids.moved"): "rewrites an image's /proc/PID paths to the new pid",
+    ("ptckpt.symbols", "_open_mapped"): "opens a mapped file through map_files to read its ELF symbols "
+                                        "(errors as this module's)",
+    ("ptckpt.symbols", "_open_by_path"): "opens a mapped file through /proc/PID/root when map_files is denied",
+    ("ptckpt.netns", "_proc_ns_path"): "the nsfs file setns(2) enters and current_netns_id stats, under "
+                                       "netns's own error translation",
+    # reads left in modules other work is changing now (32-bit support, the tracee layer):
+    # each has a reader here (read_fdinfo's raw text, read_stat, read_status, list_tids)
+    ("ptckpt.dump", "_check_fdinfo"): "raw fdinfo text for ptckpt.claims (dump.py is being reworked)",
+    ("ptckpt.tracee", "_alive"): "a thread's state from stat (tracee.py is being reworked)",
+    ("ptckpt.tracee", "_shadow_stack"): "x86_Thread_features of a thread's status (tracee.py is being reworked)",
+    ("ptckpt.tracee", "Session.freeze_process"): "the tids of task/ (tracee.py is being reworked)",
+    ("ptckpt.tracee", "_parent_of"): "the ppid from stat (tracee.py is being reworked)",
+}

@@ -116,14 +116,9 @@ def _socket_details(pid: int, fd: int) -> list[tuple[str, str]]:
     return out
 
 
-def _mount_fstypes(pid: int) -> dict[int, str]:
-    """mnt_id -> filesystem type from /proc/PID/mountinfo (man 5 proc: field 1 and after ' - ')."""
-    return procfs.mount_fstypes(pid)
-
-
 def dump_fds(pid: int) -> list[Fd]:
     """Every open fd of `pid` (works on a running or a frozen process)."""
-    fstypes = _mount_fstypes(pid)
+    fstypes = procfs.mount_fstypes(pid)
     ctty = _controlling_tty(pid)
     return [f for f in (dump_fd(pid, fd, fstypes, ctty) for fd in procfs.list_fds(pid)) if f is not None]
 
@@ -132,7 +127,7 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
     """One open fd of `pid` (None: it was closed meanwhile); `ctty`: st_rdev of its
     controlling terminal (0: none; None: read it)."""
     if fstypes is None:
-        fstypes = _mount_fstypes(pid)
+        fstypes = procfs.mount_fstypes(pid)
     if ctty is None:
         ctty = _controlling_tty(pid)
     try:
