@@ -1383,6 +1383,16 @@ def read_fdinfo(pid: int, fd: int, *, procfs: str = "/proc") -> FdInfo:
 
 
 @_wrap_exceptions
+def read_fdinfo_text(pid: int, fd: int, *, procfs: str = "/proc") -> str:
+    """/proc/PID/fdinfo/FD as the kernel prints it (what read_fdinfo parses), for checks
+    that look at every line.  Raises FdGone if the fd was closed meanwhile."""
+    try:
+        return _read_text(f"{procfs}/{pid}/fdinfo/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
+
+
+@_wrap_exceptions
 def list_fds(pid: int, *, procfs: str = "/proc") -> list[int]:
     """Open file descriptors of pid, sorted."""
     return sorted(int(name) for name in os.listdir(f"{procfs}/{pid}/fd") if name.isdigit())
@@ -1781,8 +1791,7 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("ptckpt.netns", "_proc_ns_path"): "the nsfs file setns(2) enters and current_netns_id stats, under "
                                        "netns's own error translation",
     # reads left in modules other work is changing now (32-bit support, the tracee layer):
-    # each has a reader here (read_fdinfo's raw text, read_stat, read_status, list_tids)
-    ("ptckpt.dump", "_check_fdinfo"): "raw fdinfo text for ptckpt.claims (dump.py is being reworked)",
+    # each has a reader here (read_stat, read_status, list_tids)
     ("ptckpt.tracee", "_alive"): "a thread's state from stat (tracee.py is being reworked)",
     ("ptckpt.tracee", "_shadow_stack"): "x86_Thread_features of a thread's status (tracee.py is being reworked)",
     ("ptckpt.tracee", "Session.freeze_process"): "the tids of task/ (tracee.py is being reworked)",

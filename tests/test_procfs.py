@@ -804,6 +804,12 @@ def test_stat_fd_and_fd_gone(holder):
     with pytest.raises(procfs.FdGone) as exc:
         procfs.stat_fd(holder.pid, 999)
     assert exc.value.fd == 999 and exc.value.pid == holder.pid
+    text = procfs.read_fdinfo_text(holder.pid, 3)
+    assert text.startswith("pos:") and "lock:" in text
+    info = procfs.read_fdinfo(holder.pid, 3)
+    assert f"mnt_id:\t{info.mnt_id}" in text and info.extra["lock"][0] in text
+    with pytest.raises(procfs.FdGone):
+        procfs.read_fdinfo_text(holder.pid, 999)
 
 
 def test_namespaces(holder):
