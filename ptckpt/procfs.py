@@ -20,7 +20,14 @@ sits on every public reader:
   classification (zombie, kernel thread)
 * any other OSError          -> :class:`ProcfsError`
 
-so no bare OSError leaves this module.
+so no bare OSError leaves this module, but from the readers of system-wide files
+(/proc/sys, /proc/cpuinfo, /proc/locks ...): with no process to name, theirs pass as
+they are.
+
+This is the one module that knows /proc's files and formats; the places elsewhere that
+still name a /proc path (writes to tunables, files opened again through their links)
+are listed in :data:`ELSEWHERE` with their reasons, and tests/test_layout.py holds
+every other module to that list.
 
 PAGEMAP_SCAN, as verified on Linux 6.18 (x86_64, root): ioctl number
 0xc0606610, struct pm_scan_arg 96 bytes, PAGE_IS_* values as in
