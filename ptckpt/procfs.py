@@ -1779,7 +1779,6 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("ptckpt.resources.memory", "_new_object"): "opens a mapped object again through /proc/self/map_files",
     ("ptckpt.resources.memory", "fill_pages_in_target"): "the pages file by a path the tracee can open",
     ("ptckpt.resources.memory", "fill_pages"): "opens the pages file again (its own file description)",
-    ("ptckpt.resources.memory", "_pagemap"): "the pagemap fd kept open over a whole scan of pages",
     ("ptckpt.resources.mqueue", "dump"): "opens a message queue again to read it without moving its fd",
     ("ptckpt.resources.mqueue", "_reopen_queue"): "opens a queue again whose name is gone",
     ("ptckpt.resources.nsfs", "_with_id"): "opens an nsfs fd's file for NS_GET_ID",
@@ -1798,7 +1797,8 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("ptckpt.netns", "_proc_ns_path"): "the nsfs file setns(2) enters and current_netns_id stats, under "
                                        "netns's own error translation",
     # reads left in modules other work is changing now (32-bit support, the tracee layer):
-    # each has a reader here (read_stat, read_status, list_tids)
+    # each has a reader here (read_stat, read_status, list_tids, read_pagemap)
+    ("ptckpt.resources.memory", "_pagemap"): "guard pages from pagemap (memory.py is being reworked)",
     ("ptckpt.tracee", "_alive"): "a thread's state from stat (tracee.py is being reworked)",
     ("ptckpt.tracee", "_shadow_stack"): "x86_Thread_features of a thread's status (tracee.py is being reworked)",
     ("ptckpt.tracee", "Session.freeze_process"): "the tids of task/ (tracee.py is being reworked)",

@@ -704,12 +704,17 @@ def test_read_pagemap_live(scan_child):
         assert all(e.pfn not in (0, zero) and e.exclusive for e in entries[:16])
 
 
-def test_no_such_process():
+def _a_pid_gone() -> int:
+    """The pid of a child that has exited and been reaped (the test skips if it is reused)."""
     child = subprocess.Popen(["true"])
     child.wait()
-    pid = child.pid
-    if os.path.exists(f"/proc/{pid}"):
+    if os.path.exists(f"/proc/{child.pid}"):
         pytest.skip("pid reused already")
+    return child.pid
+
+
+def test_no_such_process():
+    pid = _a_pid_gone()
     for fn in (procfs.read_stat, procfs.read_status, procfs.read_maps, procfs.read_smaps,
                procfs.list_tids, procfs.read_children, procfs.read_auxv, procfs.read_limits,
                procfs.list_fds, procfs.read_cmdline, procfs.read_environ, procfs.read_comm,
@@ -897,11 +902,7 @@ def test_system_wide_files(holder):
 
 
 def test_new_readers_of_a_process_that_is_gone():
-    child = subprocess.Popen(["true"])
-    child.wait()
-    pid = child.pid
-    if os.path.exists(f"/proc/{pid}"):
-        pytest.skip("pid reused already")
+    pid = _a_pid_gone()
     for fn in (procfs.list_namespaces, procfs.read_mountinfo, procfs.read_mounts, procfs.read_numa_maps,
                procfs.read_attr_current, procfs.read_cgroup, procfs.read_timers, procfs.read_auxv_bytes):
         with pytest.raises(errors.NoSuchProcess) as exc:
