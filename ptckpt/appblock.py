@@ -62,7 +62,7 @@ def locate(pid: int, exe: str | None = None) -> int | None:
     /proc/PID/exe does not tell it (a process being restored)."""
     try:
         maps = procfs.read_maps(pid)
-        name = os.path.basename(exe or os.readlink(f"/proc/{pid}/exe"))
+        name = os.path.basename(exe or procfs.read_exe(pid))
     except (PtckptError, OSError):
         return None
     for m in maps:

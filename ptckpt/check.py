@@ -12,6 +12,8 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
+from . import procfs
+
 if TYPE_CHECKING:
     from .kinds import Kind
 
@@ -66,11 +68,7 @@ def _in_child(fn: Callable[[], bool]) -> bool:
 
 
 def _cap(bit: int) -> bool:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> bit & 1)
-    return False
+    return bool(procfs.read_status(os.getpid()).cap_eff >> bit & 1)
 
 
 def _ptrace_seize() -> tuple[bool, object]:
@@ -103,11 +101,9 @@ def free_pid_after(last: int, pid_max: int, taken) -> int:
 
 def _clone3_set_tid() -> bool:
     def probe() -> bool:
-        with open("/proc/sys/kernel/ns_last_pid") as f:
-            last = int(f.read())
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-        want = free_pid_after(last, pid_max, lambda p: os.path.exists(f"/proc/{p}"))
+        last = int(procfs.read_sysctl("kernel/ns_last_pid"))
+        pid_max = int(procfs.read_sysctl("kernel/pid_max"))
+        want = free_pid_after(last, pid_max, procfs.pid_exists)
         from .resources.pids import clone3_with_pid
         try:
             res = clone3_with_pid(want)
@@ -151,19 +147,14 @@ def _prctl_mm_map() -> bool:
         size = ctypes.c_uint()
         if _prctl(PR_SET_MM, PR_SET_MM_MAP_SIZE, ctypes.addressof(size)) != 0:
             return False
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        # man 5 proc: fields 26 start_code, 27 end_code, 28 start_stack, 45-51 data/brk/arg/env;
-        # fields[0] here is field 3.
-        f = lambda n: int(fields[n - 3])  # noqa: E731
+        st = procfs.read_stat(os.getpid())
         brk = _syscall(12, 0)
-        with open("/proc/self/auxv", "rb") as af:
-            auxv = af.read()
+        auxv = procfs.read_auxv_bytes(os.getpid())
         auxv_buf = ctypes.create_string_buffer(auxv, len(auxv))
         # struct prctl_mm_map (include/uapi/linux/prctl.h)
-        mm = struct.pack("<11QQIi", f(26), f(27), f(45), f(46), f(47), brk, f(28),
-                         f(48), f(49), f(50), f(51), ctypes.addressof(auxv_buf),
-                         len(auxv), -1)
+        mm = struct.pack("<11QQIi", st.start_code, st.end_code, st.start_data, st.end_data,
+                         st.start_brk, brk, st.start_stack, st.arg_start, st.arg_end,
+                         st.env_start, st.env_end, ctypes.addressof(auxv_buf), len(auxv), -1)
         buf = ctypes.create_string_buffer(mm, len(mm))
         return _prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(buf), len(mm)) == 0
     return _in_child(probe)
@@ -193,15 +184,12 @@ def _soft_dirty() -> bool:
     buf = ctypes.create_string_buffer(3 * 4096)
     page = (ctypes.addressof(buf) + 4095) & ~4095
     ctypes.memset(page, 1, 4096)
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(page // 4096 * 8)
-        entry = struct.unpack("<Q", f.read(8))[0]
-    return bool(entry >> 55 & 1)
+    raw = procfs.read_pagemap(os.getpid(), page, page + 4096)
+    return procfs.decode_pagemap_entry(procfs.pagemap_values(raw)[0]).soft_dirty
 
 
 def _pagemap_scan() -> bool:
     """procfs tries the ioctl on /proc/self/pagemap once, at import."""
-    from . import procfs
     return procfs.HAS_PAGEMAP_SCAN
 
 
@@ -215,16 +203,11 @@ def _process_vm_readv() -> bool:
 
 
 def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+    return procfs.read_cpu_flags()
 
 
 def _vdso() -> bool:
-    with open("/proc/self/maps") as f:
-        return any(line.rstrip().endswith("[vdso]") for line in f)
+    return any(m.path == "[vdso]" for m in procfs.read_maps(os.getpid()))
 
 
 def run_checks() -> list[Check]:

@@ -12,12 +12,11 @@ refuses.  The VMA flags are claimed the same way by :mod:`ptckpt.resources.memor
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .errors import UnsupportedResource
-from . import kinds, tracee
+from .errors import PtckptError, UnsupportedResource
+from . import kinds, procfs, tracee
 
 
 @dataclass(frozen=True)
@@ -128,9 +127,8 @@ def check_numa(pid: int) -> None:
     """Refuse a NUMA memory policy (set_mempolicy or mbind): /proc/PID/numa_maps shows the
     policy each mapping follows, "default" unless the task or the mapping chose one."""
     try:
-        with open(f"/proc/{pid}/numa_maps") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
+        lines = procfs.read_numa_maps(pid)
+    except procfs.GONE_OR_MISSING:
         return                                   # a kernel without NUMA: no policy to keep
     for line in lines:
         fields = line.split()
@@ -198,23 +196,24 @@ def check_namespaces(pid: int) -> None:
     """Refuse a member whose namespaces (but its pid namespace, which dump.py views) are
     not ptckpt's, and one with a namespace file the table of kinds does not know."""
     try:
-        present = sorted(os.listdir(f"/proc/{pid}/ns"))
-    except FileNotFoundError:
+        present = procfs.list_namespaces(pid)
+    except procfs.GONE_OR_MISSING:
         return                                   # gone: the dump meets it elsewhere
     for ns in present:
         if ns not in kinds.NAMESPACES:
             raise UnsupportedResource(pid, f"/proc/{pid}/ns/{ns}, a kind of namespace this ptckpt does "
                                       f"not know (a newer ptckpt may)")
     try:
-        if os.stat(f"/proc/{pid}/ns/pid_for_children").st_ino != os.stat(f"/proc/{pid}/ns/pid").st_ino:
+        if procfs.stat_namespace(pid, "pid_for_children").st_ino != procfs.stat_namespace(pid, "pid").st_ino:
             raise UnsupportedResource(pid, "a pid namespace for its next children other than its own "
                                       "(unshare(CLONE_NEWPID) not yet followed by a fork)")
-    except FileNotFoundError:
+    except procfs.GONE_OR_MISSING:
         pass
     for ns, flag in NAMESPACES.items():
         try:
-            theirs, ours = os.stat(f"/proc/{pid}/ns/{ns}").st_ino, os.stat(f"/proc/self/ns/{ns}").st_ino
-        except FileNotFoundError:
+            theirs = procfs.stat_namespace(pid, ns).st_ino
+            ours = procfs.stat_namespace("self", ns).st_ino
+        except procfs.GONE_OR_MISSING:
             continue                             # a kernel without this kind of namespace
         if theirs != ours:
             raise UnsupportedResource(pid, f"a {ns} namespace other than ptckpt's (a container?)",
@@ -227,9 +226,8 @@ def check_namespaces(pid: int) -> None:
 def _label(pid: int | str) -> str | None:
     """The LSM label (AppArmor profile, SELinux context); None where no LSM gives one."""
     try:
-        with open(f"/proc/{pid}/attr/current") as f:
-            return f.read().strip("\0\n ")
-    except OSError:
+        return procfs.read_attr_current(pid)
+    except (OSError, PtckptError):
         return None
 
 

@@ -408,9 +408,8 @@ def _check_fdinfo(pid: int, fds) -> None:
     for f in fds:
         if f.kind in files.RESTORABLE_KINDS or f.kind is FdKind.SOCKET:
             try:
-                with open(f"/proc/{pid}/fdinfo/{f.fd}") as info:
-                    text = info.read()
-            except OSError:
+                text = procfs.read_fdinfo_text(pid, f.fd)
+            except (OSError, PtckptError):
                 continue                          # closed meanwhile by another thread? it is frozen
             claims.check_fdinfo(pid, f.fd, f.kind.name, text)
 

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-from . import testhooks
-from .errors import CorruptImage
+from . import procfs, testhooks
+from .errors import CorruptImage, PtckptError
 from .formats import compression, pagesums
 from .formats.model import PageRun, Vma, VmaKind
 from .tracee import pidfd_getfd
@@ -162,7 +162,7 @@ class Source:
     decompressed (and so checked) the first time a page of it is needed."""
 
     def __init__(self, fd: int, check):
-        self.path = os.readlink(f"/proc/self/fd/{fd}")
+        self.path = procfs.readlink_fd(os.getpid(), fd)
         self.size = os.fstat(fd).st_size
         self.frames = check if isinstance(check, compression.FrameSpec) else None
         if self.frames is None:
@@ -631,8 +631,7 @@ def _run_child(main, keep: set[int]) -> None:
     """In a forked child: close every fd but `keep` (and stdio), run `main`, never return."""
     code = 1
     try:
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
+        for fd in procfs.list_fds(os.getpid()):
             if fd > 2 and fd not in keep:
                 try:
                     os.close(fd)
@@ -671,14 +670,12 @@ def _kill_tree(pids: Sequence[int], sessions: set[int]) -> list[int]:
     """SIGKILL `pids`, their descendants, and the processes of `sessions` with a mapping
     registered for missing pages (VmFlags "um"); returns whom."""
     stats: dict[int, tuple[int, int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                stats[int(name)] = (int(fields[1]), int(fields[3]))     # ppid, session
-            except (OSError, IndexError, ValueError):
-                pass
+    for pid in procfs.list_pids():
+        try:
+            st = procfs.read_stat(pid)
+            stats[pid] = (st.ppid, st.session)
+        except (OSError, PtckptError, IndexError, ValueError):
+            pass
     victims = {p for p in pids if p in stats}
     grew = True
     while grew:
@@ -698,9 +695,8 @@ def _kill_tree(pids: Sequence[int], sessions: set[int]) -> list[int]:
 
 def _has_missing_registration(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/smaps") as f:
-            return any(line.startswith("VmFlags:") and " um" in line for line in f)
-    except OSError:
+        return any("um" in e.vmflag_set for e in procfs.read_smaps(pid))
+    except (OSError, PtckptError):
         return False
 
 

@@ -431,8 +431,8 @@ def _unique(conns: Iterable[Connection], seen: set | None = None) -> list[Connec
 
 def _own_pidns() -> int:
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
+        return procfs.stat_namespace("self", "pid").st_ino
+    except (OSError, PtckptError):
         return 0
 
 

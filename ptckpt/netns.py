@@ -70,6 +70,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from ptckpt import procfs
 from ptckpt.errors import ExitCode, NoSuchProcess, OSErrorTranslator, PtckptError
 
 # --- kernel constants ---------------------------------------------------------
@@ -300,8 +301,8 @@ def _read_sysctls() -> dict[str, str]:
     """The calling thread's namespace's values (/proc/sys/net is the current thread's)."""
     out = {}
     for name in INHERITED_SYSCTLS:
-        with contextlib.suppress(OSError), open(f"/proc/sys/{name}") as f:
-            out[name] = f.read().strip()
+        with contextlib.suppress(OSError):
+            out[name] = procfs.read_sysctl(name)
     return out
 
 

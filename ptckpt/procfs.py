@@ -20,7 +20,14 @@ sits on every public reader:
   classification (zombie, kernel thread)
 * any other OSError          -> :class:`ProcfsError`
 
-so no bare OSError leaves this module.
+so no bare OSError leaves this module, but from the readers of system-wide files
+(/proc/sys, /proc/cpuinfo, /proc/locks ...): with no process to name, theirs pass as
+they are.
+
+This is the one module that knows /proc's files and formats; the places elsewhere that
+still name a /proc path (writes to tunables, files opened again through their links)
+are listed in :data:`ELSEWHERE` with their reasons, and tests/test_layout.py holds
+every other module to that list.
 
 PAGEMAP_SCAN, as verified on Linux 6.18 (x86_64, root): ioctl number
 0xc0606610, struct pm_scan_arg 96 bytes, PAGE_IS_* values as in
@@ -97,6 +104,11 @@ class ZombieProcess(NoSuchProcess):
 
     def __init__(self, pid: int):
         ProcessError.__init__(self, pid, f"process {pid} is a zombie (exited, not yet reaped)")
+
+
+# What the choke point makes of a FileNotFoundError: the process is gone (or a zombie),
+# a kernel thread, or alive without that entry.  Callers that skip a missing file catch it.
+GONE_OR_MISSING = (NoSuchProcess, KernelThread, ProcEntryMissing)
 
 
 # --- records ----------------------------------------------------------------
@@ -1277,6 +1289,13 @@ def read_auxv(pid: int, *, procfs: str = "/proc") -> list[AuxEntry]:
     return out
 
 
+@_wrap_exceptions
+def read_auxv_bytes(pid: int, *, procfs: str = "/proc") -> bytes:
+    """/proc/PID/auxv as the kernel gives it, the AT_NULL pair included: what
+    prctl(PR_SET_MM_MAP) takes back as the auxv of a process."""
+    return _read(f"{procfs}/{pid}/auxv")
+
+
 # fs/proc/base.c, lnames[]: the text of each line, indexed by RLIMIT_*.
 RLIMIT_NAMES = (
     "Max cpu time",           # RLIMIT_CPU 0
@@ -1368,6 +1387,16 @@ def read_fdinfo(pid: int, fd: int, *, procfs: str = "/proc") -> FdInfo:
         else:
             extra.setdefault(key, []).append(value)
     return FdInfo(pos, flags, mnt_id, ino, extra)
+
+
+@_wrap_exceptions
+def read_fdinfo_text(pid: int, fd: int, *, procfs: str = "/proc") -> str:
+    """/proc/PID/fdinfo/FD as the kernel prints it (what read_fdinfo parses), for checks
+    that look at every line.  Raises FdGone if the fd was closed meanwhile."""
+    try:
+        return _read_text(f"{procfs}/{pid}/fdinfo/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
 
 
 @_wrap_exceptions
@@ -1529,3 +1558,249 @@ def fd_holders(links: set[str], exclude: set[int], *, procfs: str = "/proc") -> 
             if link in links:
                 out.setdefault(link, []).append((pid, int(fd)))
     return out
+
+
+# --- fds, namespaces, mounts, timers of one process -----------------------------
+
+@_wrap_exceptions
+def stat_fd(pid: int, fd: int, *, procfs: str = "/proc") -> os.stat_result:
+    """stat(2) of the open file /proc/PID/fd/FD leads to (the link followed): the file's
+    dev, ino, mode, size ..., whatever its name now.  Raises FdGone if the fd was closed
+    meanwhile."""
+    try:
+        return os.stat(f"{procfs}/{pid}/fd/{fd}")
+    except FileNotFoundError as err:
+        raise _fd_gone(err, pid, fd, procfs) from err
+
+
+@_wrap_exceptions
+def list_namespaces(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The entries of /proc/PID/ns, sorted: one per kind of namespace the kernel has
+    ("cgroup", "ipc", "mnt", "net", "pid", "pid_for_children", "time" ...)."""
+    return sorted(os.listdir(f"{procfs}/{pid}/ns"))
+
+
+@_wrap_exceptions
+def stat_namespace(pid: int | str, name: str, *, procfs: str = "/proc") -> os.stat_result:
+    """stat(2) of /proc/PID/ns/NAME: the nsfs inode of that namespace (st_dev, st_ino
+    identify it; two processes share it when both are equal).  `pid` may be "self"."""
+    return os.stat(f"{procfs}/{pid}/ns/{name}")
+
+
+@_wrap_exceptions
+def read_mountinfo(pid: int | str, *, procfs: str = "/proc") -> list[bytes]:
+    """The lines of /proc/PID/mountinfo (man 5 proc: mount id, parent id, major:minor,
+    root, mount point, options, optional fields, "-", fstype, source, super options),
+    undecoded: paths are escaped (space, tab, newline, backslash as \\ooo) and need not be
+    UTF-8.  `pid` may be "self"."""
+    return _read(f"{procfs}/{pid}/mountinfo").splitlines()
+
+
+def mount_fstypes(pid: int, *, procfs: str = "/proc") -> dict[int, str]:
+    """mnt_id -> filesystem type of the mounts pid sees (mountinfo field 1 and the first
+    after " - "); {} when mountinfo cannot be read."""
+    out: dict[int, str] = {}
+    try:
+        lines = read_mountinfo(pid, procfs=procfs)
+    except (PtckptError, OSError):
+        return out
+    for line in lines:
+        left, _, right = line.partition(b" - ")
+        out[int(left.split(b" ", 1)[0])] = os.fsdecode(right.split(b" ", 1)[0])
+    return out
+
+
+@_wrap_exceptions
+def read_mounts(pid: int | str, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/mounts, in fstab(5) format (device, mount point, fstype,
+    options, 0, 0; spaces in names as \\040), of the mounts pid sees.  `pid` may be "self"."""
+    return _read_text(f"{procfs}/{pid}/mounts").splitlines()
+
+
+@_wrap_exceptions
+def read_id_map(pid: int | str, name: str, *, procfs: str = "/proc") -> list[tuple[int, int, int]]:
+    """/proc/PID/uid_map or gid_map (NAME): (first id inside, first id outside, count) per
+    line of the user namespace of pid (man 7 user_namespaces); the initial namespace shows
+    (0, 0, 4294967295).  `pid` may be "self"."""
+    out = []
+    for line in _read_text(f"{procfs}/{pid}/{name}").splitlines():
+        inside, outside, count = (int(x) for x in line.split())
+        out.append((inside, outside, count))
+    return out
+
+
+@_wrap_exceptions
+def read_numa_maps(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/numa_maps (fs/proc/task_mmu.c, show_numa_map): per VMA its
+    start address, the memory policy ("default", "bind:0-1", "interleave:0-1" ...), then
+    counters.  Only on kernels built with CONFIG_NUMA (else ProcEntryMissing)."""
+    return _read_text(f"{procfs}/{pid}/numa_maps").splitlines()
+
+
+@_wrap_exceptions
+def read_attr_current(pid: int | str, *, procfs: str = "/proc") -> str:
+    """The LSM label of the process, /proc/PID/attr/current (an AppArmor profile with its
+    mode, a SELinux context ...), without the trailing NUL or newline some LSMs add."""
+    return _read_text(f"{procfs}/{pid}/attr/current").strip("\0\n ")
+
+
+@_wrap_exceptions
+def read_net_table(pid: int | str, name: str, *, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/PID/net/NAME ("icmp", "igmp", "udp" ...) of the network namespace
+    of pid, the header line included (the tables print one; igmp's is a header too)."""
+    return _read_text(f"{procfs}/{pid}/net/{name}").splitlines()
+
+
+@_wrap_exceptions
+def read_cgroup(pid: int | str, *, procfs: str = "/proc") -> str:
+    """/proc/PID/cgroup as printed: "hierarchy-id:controllers:path" per line (man 7
+    cgroups), "0::/path" for the v2 hierarchy."""
+    return _read_text(f"{procfs}/{pid}/cgroup")
+
+
+@_wrap_exceptions
+def read_text_file(pid: int, name: str, *, procfs: str = "/proc") -> str:
+    """/proc/PID/NAME for a one-value file ("coredump_filter": hex; "loginuid", "sessionid",
+    "oom_score_adj": decimal ...), without surrounding whitespace."""
+    return _read_text(f"{procfs}/{pid}/{name}").strip()
+
+
+@_wrap_exceptions
+def read_timers(pid: int, *, procfs: str = "/proc") -> str:
+    """/proc/PID/timers (fs/proc/base.c show_timer, CONFIG_CHECKPOINT_RESTORE), a block of
+    four lines per POSIX timer::
+
+        ID: 1
+        signal: 14/0000000000000007
+        notify: signal/tid.946
+        ClockID: 0
+    """
+    return _read_text(f"{procfs}/{pid}/timers")
+
+
+@_wrap_exceptions
+def read_thread_children(pid: int, tid: int, *, procfs: str = "/proc") -> list[int]:
+    """The children one thread forked, from /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN),
+    in the order the kernel lists them (read_children unites those of every thread)."""
+    return [int(x) for x in _read(f"{procfs}/{pid}/task/{tid}/children").split()]
+
+
+# --- system-wide files ----------------------------------------------------------
+# No process to name in an error: an OSError of these passes to the caller as it is.
+
+def pid_exists(pid: int | str, *, procfs: str = "/proc") -> bool:
+    """Whether /proc/PID exists: a process (or a thread, by its tid) of this pid namespace,
+    a zombie included."""
+    return os.path.exists(f"{procfs}/{pid}")
+
+
+def list_pids(*, procfs: str = "/proc") -> list[int]:
+    """Every pid /proc lists (the processes of procfs's pid namespace), in directory order."""
+    return [int(name) for name in os.listdir(procfs) if name.isdigit()]
+
+
+def read_sysctl(name: str, *, procfs: str = "/proc") -> str:
+    """/proc/sys/NAME ("kernel/pid_max", "net/ipv4/ip_forward" ...) without surrounding
+    whitespace.  Those of a namespace (net/, kernel/msg* ...) are the calling thread's."""
+    with open(f"{procfs}/sys/{name}") as f:
+        return f.read().strip()
+
+
+def read_cpu_flags(*, procfs: str = "/proc") -> set[str]:
+    """The "flags" line of /proc/cpuinfo (that of the first CPU) as a set, empty if none."""
+    with open(f"{procfs}/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def read_vmstat(*, procfs: str = "/proc") -> dict[str, int]:
+    """/proc/vmstat: counter name -> value ("oom_kill" since 4.13, "pgfault" ...)."""
+    out = {}
+    with open(f"{procfs}/vmstat") as f:
+        for line in f:
+            key, _, value = line.partition(" ")
+            out[key] = int(value)
+    return out
+
+
+def read_locks(*, procfs: str = "/proc") -> list[str]:
+    """The lines of /proc/locks (fs/locks.c, lock_get_status): "N: POSIX  ADVISORY  WRITE
+    PID MAJ:MIN:INODE START END", "->" lines for the waiters, of every lock the kernel
+    holds in this pid namespace's view."""
+    with open(f"{procfs}/locks") as f:
+        return f.read().splitlines()
+
+
+def read_kernel_cmdline(*, procfs: str = "/proc") -> list[str]:
+    """The words of /proc/cmdline, the kernel's boot parameters."""
+    with open(f"{procfs}/cmdline") as f:
+        return f.read().split()
+
+
+def read_sysvipc(kind: str, *, procfs: str = "/proc") -> str:
+    """/proc/sysvipc/KIND ("shm", "sem", "msg": ipc/util.c sysvipc_proc_show): a header
+    line naming the columns, then one line of numbers per object of the caller's IPC
+    namespace (perms in octal, the rest decimal)."""
+    with open(f"{procfs}/sysvipc/{kind}") as f:
+        return f.read()
+
+
+# --- who else touches /proc, and why --------------------------------------------
+# This module is the one that knows /proc's formats: every other module reads /proc
+# through the functions above.  What others still name a /proc path for is not a read of
+# a /proc file's format: they write a tunable, reopen a file through its link, hand a
+# path to a tracee, or read a file's own contents through /proc.  Each such place, by
+# (module, function), with its reason; tests/test_layout.py fails on any other.
+
+ELSEWHERE: dict[tuple[str, str], str] = {
+    # writes: /proc files that are knobs, not reports
+    ("ptckpt.netns", "_write_sysctls"): "writes the net sysctls a new network namespace inherits",
+    ("ptckpt.resources.pids", "_enter_own_user_namespace"): "writes setgroups, uid_map, gid_map of ptckpt's "
+                                                            "new user namespace",
+    ("ptckpt.resources.process", "restore_task_frozen"): "writes a restored process's oom_score_adj, "
+                                                         "timerslack_ns ..., coredump_filter",
+    ("ptckpt.resources.process", "expendable"): "writes oom_score_adj of a process being made",
+    ("ptckpt.resources.sysvipc", "IpcKind.next_id_path"): "the *_next_id sysctl written to choose an id, "
+                                                          "named in messages",
+    ("ptckpt.core", "_write_vdso"): "reads ptckpt's own vdso through /proc/self/mem (memory, not a report)",
+    ("ptckpt.tracee", "AddressSpace.__init__"): "/proc/PID/mem: the tracee's memory, read and written",
+    # a file opened again through its /proc link (the file's data, not /proc's)
+    ("ptckpt.appblock", "locate"): "opens the program through /proc/PID/exe to look for a symbol",
+    ("ptckpt.dump", "refuse_other_abi"): "reads the ELF header of the program through /proc/PID/exe",
+    ("ptckpt.resources.files", "dump_fd"): "hashes the head of an O_APPEND file through its fd link",
+    ("ptckpt.resources.files", "dump_ghost_files"): "copies a deleted file through its fd, cwd or root link",
+    ("ptckpt.resources.files", "_open_linked"): "a /proc/PID/fd path a restore opens a file again by",
+    ("ptckpt.resources.inotify", "make"): "adds watches through a placeholder's /proc/self/fd path",
+    ("ptckpt.resources.locks", "_break_lease"): "opens the leased file through its fd link to break the lease",
+    ("ptckpt.resources.memfd", "make"): "opens a memfd again with the image's access mode",
+    ("ptckpt.resources.memfd", "reopen_memfd"): "opens a memfd again with another access mode",
+    ("ptckpt.resources.memory", "_new_object"): "opens a mapped object again through /proc/self/map_files",
+    ("ptckpt.resources.memory", "fill_pages_in_target"): "the pages file by a path the tracee can open",
+    ("ptckpt.resources.memory", "fill_pages"): "opens the pages file again (its own file description)",
+    ("ptckpt.resources.mqueue", "dump"): "opens a message queue again to read it without moving its fd",
+    ("ptckpt.resources.mqueue", "_reopen_queue"): "opens a queue again whose name is gone",
+    ("ptckpt.resources.nsfs", "_with_id"): "opens an nsfs fd's file for NS_GET_ID",
+    ("ptckpt.resources.nsfs", "reopen_path"): "the path a restored process opens its own namespace by",
+    ("ptckpt.resources.nsfs", "_enter_and_open"): "opens the calling thread's namespace after setns",
+    ("ptckpt.resources.pipes", "dump_pipes"): "opens a pipe through its fd link to read its buffer",
+    ("ptckpt.resources.pipes", "_create_one"): "opens a pipe end again by its /proc/self/fd path",
+    ("ptckpt.resources.process", "restore_root_frozen"): "a made-again root directory, by a path for chroot",
+    ("ptckpt.resources.process", "_set_loginuid"): "the path the tracee opens to write its own loginuid",
+    ("ptckpt.resources.sockets", "_socket_file"): "a socket's relative bound path, seen from its cwd",
+    ("ptckpt.restore", "open_pages"): "opens the pages file again with O_DIRECT",
+    ("ptckpt.restore", "at_restored_pids.moved"): "rewrites an image's /proc/PID paths to the new pid",
+    ("ptckpt.symbols", "_open_mapped"): "opens a mapped file through map_files to read its ELF symbols "
+                                        "(errors as this module's)",
+    ("ptckpt.symbols", "_open_by_path"): "opens a mapped file through /proc/PID/root when map_files is denied",
+    ("ptckpt.netns", "_proc_ns_path"): "the nsfs file setns(2) enters and current_netns_id stats, under "
+                                       "netns's own error translation",
+    # reads left in modules other work is changing now (32-bit support, the tracee layer):
+    # each has a reader here (read_stat, read_status, list_tids, read_pagemap)
+    ("ptckpt.resources.memory", "_pagemap"): "guard pages from pagemap (memory.py is being reworked)",
+    ("ptckpt.tracee", "_alive"): "a thread's state from stat (tracee.py is being reworked)",
+    ("ptckpt.tracee", "_shadow_stack"): "x86_Thread_features of a thread's status (tracee.py is being reworked)",
+    ("ptckpt.tracee", "Session.freeze_process"): "the tids of task/ (tracee.py is being reworked)",
+    ("ptckpt.tracee", "_parent_of"): "the ppid from stat (tracee.py is being reworked)",
+}

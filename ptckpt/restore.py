@@ -260,8 +260,8 @@ def reap_traced_threads(tgid: int) -> None:
     """The threads ptckpt traces in a killed process are its to reap (__WALL), or the
     process never stops being a zombie and the wait for it never ends."""
     try:
-        tids = [int(t) for t in os.listdir(f"/proc/{tgid}/task") if int(t) != tgid]
-    except OSError:
+        tids = [t for t in procfs.list_tids(tgid) if t != tgid]
+    except (OSError, PtckptError):
         return
     # The leader last: it is a zombie once its threads are gone.  Traced, it is ours to reap
     # first too (the parent, an init of --pidns, would otherwise wait for it for ever while

@@ -29,7 +29,8 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import cpuid
+from . import cpuid, procfs
+from .errors import PtckptError
 
 SIGRETURN_CODES = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05",     # mov $15,%rax; syscall (glibc, musl)
                    b"\xb8\x0f\x00\x00\x00\x0f\x05")             # mov $15,%eax; syscall (Go)
@@ -85,14 +86,7 @@ def epilogue_pops(code: bytes) -> int | None:
 
 
 def _exec_maps(pid: int) -> list[tuple[int, int, str]]:
-    out = []
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) >= 2 and "x" in fields[1]:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                out.append((start, end, fields[5].strip() if len(fields) > 5 else ""))
-    return out
+    return [(m.start, m.end, m.path) for m in procfs.read_maps(pid) if m.prot & procfs.PROT_EXEC]
 
 
 def find_return_path(mem: _Memory) -> ReturnPath | None:
@@ -100,7 +94,7 @@ def find_return_path(mem: _Memory) -> ReturnPath | None:
     no rt_sigreturn code mapped (then a vanished tracer leaves injected registers behind)."""
     try:
         maps = _exec_maps(mem.pid)
-    except OSError:
+    except (OSError, PtckptError):
         return None
     syscall = pops = None
     for start, end, path in maps:

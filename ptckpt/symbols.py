@@ -314,7 +314,7 @@ def _open_mapped(pid: int, obj: MappedObject) -> int:
     except PermissionError:
         return _open_by_path(pid, obj)
     except FileNotFoundError:
-        if not os.path.exists(f"/proc/{pid}"):
+        if not procfs.pid_exists(pid):
             raise TargetVanished(pid, "reading its symbols") from None
         raise procfs.ProcEntryMissing(pid, f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}") from None
     except OSError as err:

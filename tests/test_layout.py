@@ -360,3 +360,90 @@ def test_what_is_done_outside_the_table_is_still_so():
     """DONE_OUTSIDE_THE_TABLE lists only calls that are there: moved into the table, a line goes."""
     stale = [key for key in DONE_OUTSIDE_THE_TABLE if key[1:] not in _calls_of_modules(key[0])]
     assert not stale, stale
+
+
+# --- issue 33: /proc is read through ptckpt/procfs.py --------------------------------------
+
+PROCFS_LAYER = "ptckpt.procfs"
+
+
+def _proc_paths(path: Path) -> list[tuple[str, int, str]]:
+    """(function, line, text) of each /proc path a module names: a string or bytes constant,
+    or an f-string whose leading text, starting with "/proc", is a path (no whitespace in
+    its literal parts: a message that names a /proc file is not a read).  `function` is the
+    qualified name of the innermost def ("Class.method", "outer.inner"), "" at module level.
+    A parameter's default "/proc" (a procfs root handed on to procfs.py) is not counted;
+    docstrings are not."""
+    found: list[tuple[str, int, str]] = []
+
+    def literal(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            return node.value if isinstance(node.value, str) else node.value.decode("latin-1")
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            return "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        return None
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = f"{where}.{node.name}" if where else node.name
+        text = literal(node)
+        if text is not None:
+            if text.startswith("/proc") and not any(c.isspace() for c in text):
+                found.append((where, node.lineno, ast.unparse(node)))
+            return
+        skip = set()
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+            skip.add(id(body[0]))
+        if isinstance(node, ast.arguments):
+            skip |= {id(d) for d in [*node.defaults, *node.kw_defaults]
+                     if isinstance(d, ast.Constant) and d.value == "/proc"}
+        for child in ast.iter_child_nodes(node):
+            if id(child) not in skip:
+                visit(child, where)
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return found
+
+
+def test_the_proc_detector_sees_what_it_should(tmp_path):
+    import textwrap
+    sample = textwrap.dedent('''
+        """/proc/self/maps in a docstring is fine."""
+        def read(pid, procfs_root="/proc"):
+            """Nor /proc/PID/stat here."""
+            open(f"/proc/{pid}/stat")
+            raise ValueError(f"/proc/{pid}/ns/x, a kind of namespace not known")
+        class K:
+            def m(self):
+                def inner():
+                    return os.listdir("/proc")
+                return b"/proc/self/loginuid\\0", "/dev/null"
+        ''')
+    path = tmp_path / "sample.py"
+    path.write_text(sample)
+    assert [(w, t) for w, _line, t in _proc_paths(path)] == [
+        ("read", "f'/proc/{pid}/stat'"), ("K.m.inner", "'/proc'"), ("K.m", "b'/proc/self/loginuid\\x00'")]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != PROCFS_LAYER))
+def test_only_procfs_reads_proc(module):
+    """ptckpt/procfs.py alone knows /proc's files and formats: another module names a /proc
+    path only in a (module, function) procfs.ELSEWHERE lists with its reason (a write, a
+    file opened again through its link ...)."""
+    from ptckpt import procfs
+    found = [f"line {line} in {where or 'module level'}: {text}"
+             for where, line, text in _proc_paths(MODULES[module][0])
+             if (module, where) not in procfs.ELSEWHERE]
+    assert not found, (f"{module} reads /proc itself (use a reader of ptckpt.procfs, or list the place "
+                       "in procfs.ELSEWHERE with why):\n" + "\n".join(found))
+
+
+def test_what_else_touches_proc_is_still_there():
+    """procfs.ELSEWHERE lists only places that still name a /proc path: one moved behind
+    procfs.py loses its line."""
+    from ptckpt import procfs
+    named = {(module, where) for module, (path, _init) in MODULES.items() for where, _l, _t in _proc_paths(path)}
+    stale = sorted(set(procfs.ELSEWHERE) - named)
+    assert not stale, stale

@@ -704,12 +704,17 @@ def test_read_pagemap_live(scan_child):
         assert all(e.pfn not in (0, zero) and e.exclusive for e in entries[:16])
 
 
-def test_no_such_process():
+def _a_pid_gone() -> int:
+    """The pid of a child that has exited and been reaped (the test skips if it is reused)."""
     child = subprocess.Popen(["true"])
     child.wait()
-    pid = child.pid
-    if os.path.exists(f"/proc/{pid}"):
+    if os.path.exists(f"/proc/{child.pid}"):
         pytest.skip("pid reused already")
+    return child.pid
+
+
+def test_no_such_process():
+    pid = _a_pid_gone()
     for fn in (procfs.read_stat, procfs.read_status, procfs.read_maps, procfs.read_smaps,
                procfs.list_tids, procfs.read_children, procfs.read_auxv, procfs.read_limits,
                procfs.list_fds, procfs.read_cmdline, procfs.read_environ, procfs.read_comm,
@@ -774,3 +779,142 @@ def test_ancestors_walks_up_to_init():
     assert chain[-1] in (0, 1) or procfs.read_stat(chain[-1]).ppid in (0, 1)
     assert os.getpid() not in chain and len(set(chain)) == len(chain)
     assert procfs.ancestors(1) == []
+
+
+# --- the readers other modules use (issue 33): live, on this process and a child ----------
+
+@pytest.fixture
+def holder(pychild, tmp_path):
+    """A child holding fd 3 on a file it flock()ed, with a POSIX timer (CLOCK_MONOTONIC)."""
+    path = tmp_path / "held"
+    path.write_bytes(b"x" * 10)
+    child = pychild(f'''
+        import ctypes, fcntl, json, os
+        fd = os.open({str(path)!r}, os.O_RDWR)
+        os.dup2(fd, 3)
+        fcntl.flock(3, fcntl.LOCK_EX)
+        librt = ctypes.CDLL("librt.so.1", use_errno=True)
+        timer = ctypes.c_void_p()
+        assert librt.timer_create(1, None, ctypes.byref(timer)) == 0
+        print(json.dumps({{"pid": os.getpid()}}))
+        ''')
+    child.path = path
+    return child
+
+
+def test_stat_fd_and_fd_gone(holder):
+    st = procfs.stat_fd(holder.pid, 3)
+    own = os.stat(holder.path)
+    assert (st.st_dev, st.st_ino, st.st_size) == (own.st_dev, own.st_ino, 10)
+    with pytest.raises(procfs.FdGone) as exc:
+        procfs.stat_fd(holder.pid, 999)
+    assert exc.value.fd == 999 and exc.value.pid == holder.pid
+    text = procfs.read_fdinfo_text(holder.pid, 3)
+    assert text.startswith("pos:") and "lock:" in text
+    info = procfs.read_fdinfo(holder.pid, 3)
+    assert f"mnt_id:\t{info.mnt_id}" in text and info.extra["lock"][0] in text
+    with pytest.raises(procfs.FdGone):
+        procfs.read_fdinfo_text(holder.pid, 999)
+
+
+def test_namespaces(holder):
+    names = procfs.list_namespaces(holder.pid)
+    assert names == sorted(os.listdir(f"/proc/{holder.pid}/ns")) and {"mnt", "net", "pid"} <= set(names)
+    for name in ("mnt", "net", "pid"):
+        ours = os.stat(f"/proc/self/ns/{name}")
+        assert procfs.stat_namespace(holder.pid, name).st_ino == ours.st_ino
+        assert procfs.stat_namespace("self", name).st_ino == ours.st_ino
+    with pytest.raises(procfs.ProcEntryMissing):
+        procfs.stat_namespace(holder.pid, "no-such-kind")
+
+
+def test_mounts(holder):
+    lines = procfs.read_mountinfo(holder.pid)
+    with open(f"/proc/{holder.pid}/mountinfo", "rb") as f:
+        assert lines == f.read().splitlines()
+    assert procfs.read_mountinfo("self") == lines            # one mount namespace
+    fstypes = procfs.mount_fstypes(holder.pid)
+    assert fstypes[procfs.read_fdinfo(holder.pid, 3).mnt_id] != ""
+    assert "proc" in fstypes.values()
+    mounts = procfs.read_mounts("self")
+    assert any(line.split()[1:3] == ["/proc", "proc"] for line in mounts)
+    assert procfs.mount_fstypes(1 << 30) == {}               # no such process: nothing
+
+
+def test_small_files_of_a_child(holder):
+    pid = holder.pid
+    assert procfs.read_text_file(pid, "coredump_filter") == procfs.read_text_file(os.getpid(), "coredump_filter")
+    assert int(procfs.read_text_file(pid, "oom_score_adj")) == procfs.read_oom_score_adj(pid)
+    assert procfs.read_cgroup(pid) == procfs.read_cgroup(os.getpid()) != ""
+    assert procfs.read_id_map(pid, "uid_map") == procfs.read_id_map("self", "uid_map")
+    assert all(len(row) == 3 for row in procfs.read_id_map(pid, "gid_map"))
+    try:
+        label = procfs.read_attr_current(pid)
+    except procfs.ProcfsError as err:
+        assert err.errno in (errno.EINVAL, errno.ENOENT)    # no LSM gives labels here
+    else:
+        assert not label.endswith(("\0", "\n"))
+    auxv = procfs.read_auxv_bytes(pid)
+    assert len(auxv) % 16 == 0 and auxv.startswith(
+        b"".join(struct.pack("=QQ", *e) for e in procfs.read_auxv(pid)))
+    timers = procfs.read_timers(pid)
+    assert "ClockID: 1" in timers and "signal: 14/" in timers
+    try:
+        numa = procfs.read_numa_maps(pid)
+    except procfs.ProcEntryMissing:
+        pass                                                 # a kernel without CONFIG_NUMA
+    else:
+        assert numa and all(line.split()[1].startswith(("default", "bind", "prefer", "interleave", "local"))
+                            for line in numa)
+
+
+def test_net_tables(holder):
+    lines = procfs.read_net_table(holder.pid, "tcp")
+    assert lines[0].split()[:2] == ["sl", "local_address"]
+    assert procfs.read_net_table("self", "tcp")[0] == lines[0]
+
+
+def test_thread_children_and_pids(holder):
+    import threading
+    assert holder.pid in procfs.read_thread_children(os.getpid(), threading.get_native_id())
+    assert procfs.read_thread_children(holder.pid, holder.pid) == []
+    pids = procfs.list_pids()
+    assert os.getpid() in pids and holder.pid in pids and 1 in pids
+    assert procfs.pid_exists(holder.pid) and procfs.pid_exists("self")
+
+
+def test_system_wide_files(holder):
+    assert int(procfs.read_sysctl("kernel/pid_max")) > 300
+    assert procfs.read_sysctl("kernel/cap_last_cap").isdigit()
+    with pytest.raises(FileNotFoundError):                   # no process to name: OSError as it is
+        procfs.read_sysctl("kernel/no_such_knob")
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), None)
+    assert procfs.read_cpu_flags() == (set(flags.split(":", 1)[1].split()) if flags else set())
+    vmstat = procfs.read_vmstat()
+    assert vmstat["nr_free_pages"] >= 0 and all(isinstance(v, int) for v in vmstat.values())
+    held = os.stat(holder.path)
+    where = f"{os.major(held.st_dev):02x}:{os.minor(held.st_dev):02x}:{held.st_ino}"
+    assert any("FLOCK" in line and where in line.split() for line in procfs.read_locks())
+    assert procfs.read_kernel_cmdline() == open("/proc/cmdline").read().split()
+    for kind in ("shm", "sem", "msg"):
+        try:
+            text = procfs.read_sysvipc(kind)
+        except FileNotFoundError:
+            pytest.skip("a kernel without CONFIG_SYSVIPC")
+        assert text.splitlines()[0].split()[:2] == ["key", {"shm": "shmid", "sem": "semid", "msg": "msqid"}[kind]]
+
+
+def test_new_readers_of_a_process_that_is_gone():
+    pid = _a_pid_gone()
+    for fn in (procfs.list_namespaces, procfs.read_mountinfo, procfs.read_mounts, procfs.read_numa_maps,
+               procfs.read_attr_current, procfs.read_cgroup, procfs.read_timers, procfs.read_auxv_bytes):
+        with pytest.raises(errors.NoSuchProcess) as exc:
+            fn(pid)
+        assert exc.value.pid == pid, fn
+    for fn, args in ((procfs.stat_fd, (0,)), (procfs.stat_namespace, ("net",)), (procfs.read_net_table, ("tcp",)),
+                     (procfs.read_text_file, ("loginuid",)), (procfs.read_id_map, ("uid_map",)),
+                     (procfs.read_thread_children, (pid,))):
+        with pytest.raises(errors.NoSuchProcess):
+            fn(pid, *args)
+    assert not procfs.pid_exists(pid) and pid not in procfs.list_pids()

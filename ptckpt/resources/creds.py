@@ -41,8 +41,7 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 def cap_last_cap() -> int:
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        return int(f.read())
+    return int(procfs.read_sysctl("kernel/cap_last_cap"))
 
 
 def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None = None,

@@ -14,6 +14,7 @@ import os
 import re
 import struct
 
+from .. import procfs
 from .fdstate import DELETED, O_CLOEXEC, O_PATH, Target, check, proto
 
 _c_int = ctypes.c_int
@@ -145,7 +146,7 @@ def _path_of_handle(mount_fd: int, handle: bytes, ino: int) -> str | None:
     fd = check(_open_by_handle_at(mount_fd, handle, O_PATH | O_CLOEXEC), "open_by_handle_at")
     try:
         st = os.fstat(fd)
-        path = os.readlink(f"/proc/self/fd/{fd}")
+        path = procfs.readlink_fd(os.getpid(), fd)
     finally:
         os.close(fd)
     if st.st_ino != ino or not path.startswith("/"):
@@ -160,8 +161,7 @@ def _path_of_handle(mount_fd: int, handle: bytes, ino: int) -> str | None:
 
 
 def _read_mountinfo() -> list[bytes]:
-    with open("/proc/self/mountinfo", "rb") as f:
-        return f.read().splitlines()
+    return procfs.read_mountinfo("self")
 
 
 def _unescape(field: bytes) -> str:

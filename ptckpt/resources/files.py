@@ -116,20 +116,9 @@ def _socket_details(pid: int, fd: int) -> list[tuple[str, str]]:
     return out
 
 
-def _mount_fstypes(pid: int) -> dict[int, str]:
-    """mnt_id -> filesystem type from /proc/PID/mountinfo (man 5 proc: field 1 and after ' - ')."""
-    out: dict[int, str] = {}
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/mountinfo", "rb") as f:
-            for line in f:
-                left, _, right = line.partition(b" - ")
-                out[int(left.split(b" ", 1)[0])] = os.fsdecode(right.split(b" ", 1)[0])
-    return out
-
-
 def dump_fds(pid: int) -> list[Fd]:
     """Every open fd of `pid` (works on a running or a frozen process)."""
-    fstypes = _mount_fstypes(pid)
+    fstypes = procfs.mount_fstypes(pid)
     ctty = _controlling_tty(pid)
     return [f for f in (dump_fd(pid, fd, fstypes, ctty) for fd in procfs.list_fds(pid)) if f is not None]
 
@@ -138,7 +127,7 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
     """One open fd of `pid` (None: it was closed meanwhile); `ctty`: st_rdev of its
     controlling terminal (0: none; None: read it)."""
     if fstypes is None:
-        fstypes = _mount_fstypes(pid)
+        fstypes = procfs.mount_fstypes(pid)
     if ctty is None:
         ctty = _controlling_tty(pid)
     try:
@@ -147,8 +136,8 @@ def dump_fd(pid: int, fd: int, fstypes: Mapping[int, str] | None = None, ctty: i
     except procfs.FdGone:
         return None
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
+        st = procfs.stat_fd(pid, fd)
+    except (OSError, PtckptError):
         st = None
     kind = classify_fd(link, st, info.flags, fstypes.get(info.mnt_id, ""))
     if kind is FdKind.REGULAR and info.mnt_id not in fstypes and is_mqueue(pid, fd):
@@ -261,7 +250,7 @@ def ended_process_file(path: str) -> int:
     parts = path.removesuffix(DELETED).split("/")
     if len(parts) < 3 or parts[1] != "proc" or not parts[2].isdigit():
         return 0
-    return 0 if os.path.exists(f"/proc/{parts[2]}") else int(parts[2])
+    return 0 if procfs.pid_exists(parts[2]) else int(parts[2])
 
 
 def ghost_dir_key(path: str) -> tuple[str, str] | None:

@@ -492,9 +492,8 @@ def ping_table(pid: int | str, family: int) -> dict[int, tuple[int, str]]:
     name = "icmp" if family == socket.AF_INET else "icmp6"
     out: dict[int, tuple[int, str]] = {}
     try:
-        with open(f"/proc/{pid}/net/{name}") as f:
-            lines = f.read().splitlines()[1:]
-    except OSError:
+        lines = procfs.read_net_table(pid, name)[1:]
+    except (OSError, PtckptError):
         return out
     for line in lines:
         fields = line.split()

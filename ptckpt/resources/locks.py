@@ -258,8 +258,11 @@ def dump_process_locks(pid: int, fds: list[int]) -> dict[int, list[FileLock]]:
     for fd in sorted(set(fds)):
         try:
             info = procfs.read_fdinfo(pid, fd)
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except (procfs.FdGone, FileNotFoundError):
+        except procfs.FdGone:
+            continue
+        try:
+            st = procfs.stat_fd(pid, fd)
+        except procfs.GONE_OR_MISSING:
             continue
         files[fd] = _OpenFile(fd, (st.st_dev, st.st_ino), info.flags)
         locks = _locks_of(pid, fd, info.extra.get("lock", []), info.flags)
@@ -398,15 +401,15 @@ def _getlk(remote: RemoteSyscalls, fd: int, lock: FileLock) -> FileLock | None:
 def _openers(pid: int, fd: int) -> list[tuple[int, int]]:
     """(pid, fd) of every other fd open on the file of pid's fd (a lease's conflicts)."""
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
+        st = procfs.stat_fd(pid, fd)
+    except (OSError, PtckptError):
         return []
     out = []
-    for other in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+    for other in procfs.list_pids():
         try:
             for n in procfs.list_fds(other):
                 if (other, n) != (pid, fd):
-                    o = os.stat(f"/proc/{other}/fd/{n}")
+                    o = procfs.stat_fd(other, n)
                     if (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
                         out.append((other, n))
         except (OSError, PtckptError):
@@ -433,22 +436,19 @@ def lock_holders(pid: int, fd: int, lock: FileLock) -> list[tuple[int, int, File
     the same file.  Processes that exit or deny access during the scan are skipped.
     """
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
+        st = procfs.stat_fd(pid, fd)
+    except (OSError, PtckptError):
         return []
     key = (st.st_dev, st.st_ino)
     found: dict[tuple[int, FileLock], int] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        other_pid = int(name)
+    for other_pid in procfs.list_pids():
         try:
-            fds = sorted(int(n) for n in os.listdir(f"/proc/{other_pid}/fd"))
-        except OSError:
+            fds = procfs.list_fds(other_pid)
+        except (OSError, PtckptError):
             continue
         for n in fds:
             try:
-                ost = os.stat(f"/proc/{other_pid}/fd/{n}")
+                ost = procfs.stat_fd(other_pid, n)
                 if (ost.st_dev, ost.st_ino) != key:
                     continue
                 lines = procfs.read_fdinfo(other_pid, n).extra.get("lock", [])
@@ -482,14 +482,13 @@ def _same_owner(pid: int, fd: int, lock: FileLock, other_pid: int, other_fd: int
 def _proc_locks_lines(pid: int, fd: int, lock: FileLock) -> list[str]:
     """Lines of /proc/locks on pid's fd's file that conflict with `lock` (pid column as shown)."""
     try:
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-        with open("/proc/locks") as f:
-            text = f.read()
-    except OSError:
+        st = procfs.stat_fd(pid, fd)
+        lines = procfs.read_locks()
+    except (OSError, PtckptError):
         return []
     where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     out = []
-    for line in text.splitlines():
+    for line in lines:
         words = line.split()
         if where not in words:
             continue

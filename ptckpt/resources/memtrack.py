@@ -99,9 +99,9 @@ def load_state(pid: int) -> State | None:
 
 def _fd_is(pid: int, fd: int, ino: int) -> bool:
     try:
-        return (os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[userfaultfd]"
-                and os.stat(f"/proc/{pid}/fd/{fd}").st_ino == ino)
-    except OSError:
+        return (procfs.readlink_fd(pid, fd) == "anon_inode:[userfaultfd]"
+                and procfs.stat_fd(pid, fd).st_ino == ino)
+    except (OSError, PtckptError):
         return False
 
 
@@ -115,20 +115,19 @@ def is_ours(pid: int, fd: int) -> bool:
     if fd < TRACK_FD_FLOOR:
         return False
     try:
-        if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[userfaultfd]":
+        if procfs.readlink_fd(pid, fd) != "anon_inode:[userfaultfd]":
             return False
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            api = next(line for line in f if line.startswith("API:")).split()[1]
+        api = procfs.read_fdinfo(pid, fd).extra["API"][0].split()[0]
         return int(api.split(":")[1], 16) & 0xFFFFFFF == FEATURES
-    except (OSError, StopIteration, IndexError, ValueError):
+    except (OSError, PtckptError, KeyError, IndexError, ValueError):
         return False
 
 
 def find_fd(pid: int) -> int | None:
     """The process's tracking fd, if it has one."""
     try:
-        fds = sorted(int(n) for n in os.listdir(f"/proc/{pid}/fd") if int(n) >= TRACK_FD_FLOOR)
-    except OSError:
+        fds = [fd for fd in procfs.list_fds(pid) if fd >= TRACK_FD_FLOOR]
+    except (OSError, PtckptError):
         return None
     return next((fd for fd in fds if is_ours(pid, fd)), None)
 

@@ -31,7 +31,8 @@ import os
 import struct
 from collections.abc import Iterable
 
-from ..errors import RestoreFailed
+from .. import procfs
+from ..errors import PtckptError, RestoreFailed
 from ..netns import in_helper_thread
 from ..formats.model import Fd, FdKind
 
@@ -64,8 +65,8 @@ def dump_details(pid: int, fd: int, link: str, st: os.stat_result | None) -> lis
     if link.startswith("/"):                   # opened through a mount point: that name
         return _with_id([(BOUND_DETAIL, link)], pid, fd)
     for entry in ENTRIES.get(kind_of(link), ()):
-        with contextlib.suppress(OSError):
-            own = os.stat(f"/proc/{pid}/ns/{entry}")
+        with contextlib.suppress(OSError, PtckptError):
+            own = procfs.stat_namespace(pid, entry)
             if (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino):
                 return [(NS_DETAIL, entry)]
     path = mount_point(link, st)
@@ -94,12 +95,12 @@ def ns_id(path: str) -> int:
         os.close(fd)
 
 
-def mount_point(link: str, st: os.stat_result, mountinfo: str = "/proc/self/mountinfo") -> str:
+def mount_point(link: str, st: os.stat_result) -> str:
     """Where ptckpt sees namespace `link` bind-mounted ("" if nowhere): an nsfs mount whose
     root is the link text (man 5 proc: mountinfo fields 4, root, and 5, mount point) and
     whose file is that namespace still."""
-    with contextlib.suppress(OSError), open(mountinfo, "rb") as f:
-        for line in f:
+    with contextlib.suppress(OSError, PtckptError):
+        for line in procfs.read_mountinfo("self"):
             left, _, right = line.partition(b" - ")
             fields = left.split(b" ")
             if not right.startswith(b"nsfs ") or len(fields) < 5 or os.fsdecode(fields[3]) != link:

@@ -217,10 +217,9 @@ def pgrp_orphaned(pid: int, *, procfs_root: str = "/proc") -> bool:
     group but in its session, init aside.  The kernel discards SIGTSTP, SIGTTIN and SIGTTOU
     sent to a member of such a group."""
     stats = {}
-    for name in os.listdir(procfs_root):
-        if name.isdigit():
-            with contextlib.suppress(PtckptError):
-                stats[int(name)] = procfs.read_stat(int(name), procfs=procfs_root)
+    for other in procfs.list_pids(procfs=procfs_root):
+        with contextlib.suppress(PtckptError):
+            stats[other] = procfs.read_stat(other, procfs=procfs_root)
     pgrp = stats[pid].pgrp if pid in stats else procfs.read_stat(pid, procfs=procfs_root).pgrp
     for st in stats.values():
         if st.pgrp != pgrp or st.state in ("Z", "X") or st.ppid <= 1:
@@ -521,8 +520,7 @@ def _keep_capabilities_across_exec() -> str | None:
                      ctypes.c_char_p(struct.pack("<6I", *words))) != 0:
         return "capset"
     permitted = words[1] | words[4] << 32
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last = int(f.read())
+    last = int(procfs.read_sysctl("kernel/cap_last_cap"))
     for cap in range(last + 1):
         if permitted >> cap & 1 and _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0:
             return f"raising ambient capability {cap}"
@@ -591,8 +589,7 @@ def _start_in_new_pidns(pid: int, stub_fd: int) -> Stub:
                     break
         if not init_pid or not created:
             raise TraceeError(pid, "pid namespace setup: the init did not start")
-        with open(f"/proc/{init_pid}/task/{init_pid}/children") as f:
-            children = [int(x) for x in f.read().split()]
+        children = procfs.read_thread_children(init_pid, init_pid)
         if len(children) != 1:
             raise TraceeError(pid, "pid namespace setup: the init has no child")
         testhooks.reached("restore-pidns")

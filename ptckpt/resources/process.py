@@ -94,9 +94,8 @@ def dump_task(pid: int, tids: list[int], status: procfs.Status, st: procfs.Stat,
 
 def _read_proc(pid: int, name: str, default: str) -> str:
     try:
-        with open(f"/proc/{pid}/{name}") as f:
-            return f.read().strip()
-    except OSError:
+        return procfs.read_text_file(pid, name)
+    except (OSError, PtckptError):
         return default
 
 
@@ -331,24 +330,22 @@ def _shares(a: int, b: int, kind: int, same) -> bool:
 
 def read_cgroups(pid: int | str) -> str:
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            return f.read()
-    except OSError:
+        return procfs.read_cgroup(pid)
+    except (OSError, PtckptError):
         return ""
 
 
 def _cgroup_mounts() -> dict[frozenset, str]:
     """{controllers (v1; the empty set for the v2 hierarchy): where that hierarchy is mounted}."""
     out: dict[frozenset, str] = {}
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _dev, where, fstype, opts = line.split()[:4]
-            if fstype == "cgroup2":
-                out.setdefault(frozenset(), where)
-            elif fstype == "cgroup":
-                names = {o for o in opts.split(",") if o not in ("rw", "ro", "relatime", "noexec",
-                                                                   "nosuid", "nodev", "clone_children")}
-                out.setdefault(frozenset(names), where)
+    for line in procfs.read_mounts("self"):
+        _dev, where, fstype, opts = line.split()[:4]
+        if fstype == "cgroup2":
+            out.setdefault(frozenset(), where)
+        elif fstype == "cgroup":
+            names = {o for o in opts.split(",") if o not in ("rw", "ro", "relatime", "noexec",
+                                                               "nosuid", "nodev", "clone_children")}
+            out.setdefault(frozenset(names), where)
     return out
 
 
@@ -394,10 +391,6 @@ def expendable(pid: int) -> None:
 def oom_kills() -> int:
     """How many processes the OOM killer has ended since boot (/proc/vmstat, 4.13+)."""
     try:
-        with open("/proc/vmstat") as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
+        return procfs.read_vmstat().get("oom_kill", 0)
     except OSError:
-        pass
-    return 0
+        return 0

@@ -28,6 +28,9 @@ import socket
 import struct
 from collections.abc import Iterable, Sequence
 
+from .. import procfs as _procfs
+from ..errors import PtckptError
+
 SOL_SOCKET, SOL_IP, SOL_TCP, SOL_IPV6, SOL_UDP, SOL_NETLINK = socket.SOL_SOCKET, 0, 6, 41, 17, 270
 AF_NETLINK = socket.AF_NETLINK
 SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 7, 8, 32, 33
@@ -259,24 +262,22 @@ def host_groups(procfs: str = "/proc") -> list[tuple[int, int, str]]:
     """(family, ifindex, group) of every multicast group some socket of this network
     namespace may have joined (/proc/net/igmp and igmp6), the all-nodes groups left out."""
     out = []
-    with contextlib.suppress(OSError):
-        with open(f"{procfs}/net/igmp") as f:
-            ifindex = 0
-            for line in f.read().splitlines()[1:]:
-                if not line.startswith("\t"):
-                    ifindex = int(line.split()[0])
-                    continue
-                group = str(ipaddress.IPv4Address(struct.pack("<I", int(line.split()[0], 16))))
-                if group != "224.0.0.1":
-                    out.append((socket.AF_INET, ifindex, group))
-    with contextlib.suppress(OSError):
-        with open(f"{procfs}/net/igmp6") as f:
-            for line in f:
-                fields = line.split()
-                group = ipaddress.IPv6Address(bytes.fromhex(fields[2]))
-                if group.exploded.startswith(("ff02:0000:0000:0000:0000:0001:ff", "ff01:", "ff02:0000:0000:0000:0000:0000:0000:0001")):
-                    continue                 # solicited-node, node-local, all-nodes: the kernel's own
-                out.append((socket.AF_INET6, int(fields[0]), str(group)))
+    with contextlib.suppress(OSError, PtckptError):
+        ifindex = 0
+        for line in _procfs.read_net_table("self", "igmp", procfs=procfs)[1:]:
+            if not line.startswith("\t"):
+                ifindex = int(line.split()[0])
+                continue
+            group = str(ipaddress.IPv4Address(struct.pack("<I", int(line.split()[0], 16))))
+            if group != "224.0.0.1":
+                out.append((socket.AF_INET, ifindex, group))
+    with contextlib.suppress(OSError, PtckptError):
+        for line in _procfs.read_net_table("self", "igmp6", procfs=procfs):
+            fields = line.split()
+            group = ipaddress.IPv6Address(bytes.fromhex(fields[2]))
+            if group.exploded.startswith(("ff02:0000:0000:0000:0000:0001:ff", "ff01:", "ff02:0000:0000:0000:0000:0000:0000:0001")):
+                continue                 # solicited-node, node-local, all-nodes: the kernel's own
+            out.append((socket.AF_INET6, int(fields[0]), str(group)))
     return out
 
 

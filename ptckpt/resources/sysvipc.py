@@ -464,8 +464,7 @@ def _parse_table(kind: IpcKind, text: str, cls: type[_Row]) -> list[_Row]:
 def _read_table(kind: IpcKind, cls: type[_Row], procfs_root: str) -> list[_Row]:
     path = f"{procfs_root}/sysvipc/{kind.value}"
     try:
-        with open(path) as f:
-            text = f.read()
+        text = procfs.read_sysvipc(kind.value, procfs=procfs_root)
     except FileNotFoundError as err:
         raise SysvIpcError(kind, None, None, f"cannot list {kind.noun}s: {path} does not exist "
                            "(kernel without CONFIG_SYSVIPC?)", err.errno) from err
@@ -614,8 +613,7 @@ def dump_sem(sem: SemSet) -> SemImage:
 def _msgmax() -> int:
     """kernel.msgmax: the largest message (and the most MSG_COPY copies into a buffer)."""
     try:
-        with open("/proc/sys/kernel/msgmax") as f:
-            return int(f.read())
+        return int(procfs.read_sysctl("kernel/msgmax"))
     except (OSError, ValueError):
         return 8192
 
@@ -714,8 +712,7 @@ def _write_sysctl(path: str, value: int) -> None:
 def _ipcmni_shift() -> int:
     """Bits of the slot index in an id: 15, or 24 with the ipcmni_extend boot option."""
     try:
-        with open("/proc/cmdline") as f:
-            return 24 if "ipcmni_extend" in f.read().split() else 15
+        return 24 if "ipcmni_extend" in procfs.read_kernel_cmdline() else 15
     except OSError:
         return 15
 
@@ -778,8 +775,7 @@ def _as_creator(cuid: int, cgid: int) -> Iterator[None]:
 def _read_next_id(kind: IpcKind) -> int:
     """The current *_next_id value (-1: unset)."""
     try:
-        with open(kind.next_id_path) as f:
-            return int(f.read())
+        return int(procfs.read_sysctl(f"kernel/{kind.value}_next_id"))
     except (OSError, ValueError) as err:
         raise _CallFailed(getattr(err, "errno", None) or _errno.EIO,
                           f"read {kind.next_id_path}") from err

@@ -433,11 +433,9 @@ def hung_up_record(index: int) -> Pty:
 def can_type_in() -> bool:
     """TIOCSTI on a tty that is not ours needs CAP_SYS_ADMIN in the initial user namespace."""
     try:
-        with open("/proc/self/status") as f:
-            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
-        with open("/proc/self/uid_map") as f:
-            initial = f.read().split() == ["0", "0", "4294967295"]
-    except (OSError, StopIteration, ValueError):
+        eff = procfs.read_status(os.getpid()).cap_eff
+        initial = procfs.read_id_map("self", "uid_map") == [(0, 0, 4294967295)]
+    except (OSError, PtckptError, ValueError):
         return False
     return initial and bool(eff >> CAP_SYS_ADMIN & 1)
 
@@ -654,8 +652,8 @@ def open_new_pty(state: TerminalState | None = None) -> tuple[int, int, str]:
         index = struct.unpack("<I", fcntl.ioctl(master, TIOCGPTN, bytes(4)))[0]
         slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC)
         try:
-            path = os.readlink(f"/proc/self/fd/{slave}")
-        except OSError:
+            path = procfs.readlink_fd(os.getpid(), slave)
+        except (OSError, PtckptError):
             path = f"/dev/pts/{index}"
         if state is not None:
             _set_termios(slave, state.termios)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 
+from .. import procfs
 from ..errors import RestoreFailed, UnsupportedResource
 from ..formats.model import Itimer, PosixTimer
 from ..tracee import RemoteSyscalls
@@ -44,9 +45,8 @@ def read_proc_timers(pid: int, procfs_root: str = "/proc") -> list[tuple[int, in
         ClockID: 0
     """
     try:
-        with open(f"{procfs_root}/{pid}/timers") as f:
-            text = f.read()
-    except FileNotFoundError:
+        text = procfs.read_timers(pid, procfs=procfs_root)
+    except procfs.GONE_OR_MISSING:
         return []
     out, cur = [], {}
     for line in text.splitlines():
