@@ -97,18 +97,47 @@ def check_target(pid: int) -> None:
 
 def refuse_other_abi(pid: int) -> None:
     """A program of an instruction set the table of kinds (ptckpt.kinds.ABIS) does not say
-    is restored (a 32-bit one: ELF class 1) is refused by name before anything is injected."""
+    is restored is refused by name before anything is injected."""
+    if not is_32_bit(pid):
+        return
+    row = kinds.ABIS["ia32"]
+    if not row.restored:
+        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit ({row.name}) program",
+                                  why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
+
+
+def is_32_bit(pid: int) -> bool:
+    """The process runs a 32-bit program (ELF class 1 in /proc/PID/exe)."""
     try:
         with open(f"/proc/{pid}/exe", "rb") as f:
             head = f.read(5)
     except OSError:
-        return                                   # no program to read (gone): the freeze says so
-    if head[:4] != b"\x7fELF":
-        return
-    row = kinds.ABIS["ia32" if head[4] == 1 else "x86_64"]
-    if not row.restored:
-        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit ({row.name}) program",
-                                  why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
+        return False                             # no program to read (gone): the freeze says so
+    return head[:4] == b"\x7fELF" and head[4] == 1
+
+
+COMPAT_WHY = ("the 32-bit (ia32) path restores a single-threaded process alone in its tree, "
+              "without POSIX timers or sockets, so far")
+
+
+def refuse_compat_parts(pid: int, *, threads: int = 1, members: int = 1, timers: Sequence = (),
+                        fds: Sequence = ()) -> None:
+    """What a 32-bit process holds that the ia32 path does not restore yet, refused by name
+    (before anything is injected, where the freeze tells it: threads, members)."""
+    parts = []
+    if threads > 1:
+        parts.append(f"{threads} threads")
+    if members > 1:
+        parts.append(f"a tree of {members} processes")
+    if timers:
+        parts.append(f"POSIX timer {timers[0].id}")
+    sockets_held = [f.fd for f in fds if f.kind is FdKind.SOCKET]
+    if sockets_held:
+        parts.append(f"a socket (fd {sockets_held[0]})")
+    if parts:
+        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit (ia32) program with "
+                                       f"{' and '.join(parts)},", why=COMPAT_WHY,
+                                  way_out="checkpoint its x86_64 build, or a tree without it")
 
 
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
@@ -336,6 +365,9 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     `lent`: the ranges of this process's pages its children share (read without pinning)."""
     refuse_other_abi(pid)                        # a member of another instruction set, before any injection
     tasks = session.threads_of(pid)
+    compat = is_32_bit(pid)
+    if compat:
+        refuse_compat_parts(pid, threads=len(tasks))
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
     # shows in how the freeze found it, and by which one in that stop's status
@@ -375,6 +407,8 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     plan.prepare(pid, vpid, remote)
                     aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))
+        if compat:
+            refuse_compat_parts(pid, timers=posix_timers, fds=fds)
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)

@@ -111,7 +111,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
     if inv.page_size != PAGE_SIZE:
         raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
-    why = memory.vdso_mismatch(proc.vmas, host.maps)
+    # (a 32-bit process's vdso is this kernel's 32-bit one: compared once mapped)
+    why = None if threads.compat_process(proc.threads, proc.task.pid) else memory.vdso_mismatch(proc.vmas, host.maps)
     if why:
         raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
     xcr0, xsize = host.xcr0, host.xstate_size
@@ -606,7 +607,8 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
 
 def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
-    memory.prepare_address_space_frozen(remote, mem, proc.vmas)
+    memory.prepare_address_space_frozen(remote, mem, proc.vmas,
+                                        compat=threads.compat_process(proc.threads, proc.task.pid))
     memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed, lazy)
 
 
@@ -722,7 +724,8 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             registry.install(installing, registry.AFTER_TASK)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             warnings += process.restore_cgroups(leader.tgid, proc.task.cgroups)
-            signals.restore_sigactions_frozen(remote, proc.sigactions)
+            signals.restore_sigactions_frozen(remote, proc.sigactions,
+                                              compat=threads.compat_process(proc.threads, proc.task.pid))
             log.info("fix up %d: threads", proc.task.pid)
             tasks = _create_threads_frozen(remote, mem, leader, proc)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)

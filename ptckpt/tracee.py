@@ -78,6 +78,23 @@ SUSPEND_SECCOMP = PTRACE_O_SUSPEND_SECCOMP if os.geteuid() == 0 else 0   # needs
 NT_PRSTATUS = 1
 NT_X86_XSTATE = 0x202
 WALL = 0x40000000                     # __WALL: wait for clone children (threads) too
+PTRACE_GET_THREAD_AREA = 25           # a GDT TLS entry (struct user_desc) of the tracee
+PTRACE_SET_THREAD_AREA = 26
+
+# Code segments (arch/x86/include/asm/segment.h): a thread whose cs is __USER32_CS runs
+# 32-bit (ia32, compat) code; a tracer may set cs, and the thread returns to user space
+# in that mode (through IRET).  Injected syscalls in a compat thread run in 64-bit mode
+# (the x86_64 syscalls, at a `syscall` instruction); the few whose compat form differs in
+# what it sets (SA_IA32_ABI of a sigaction, the compat robust list) run as i386 syscalls
+# through `int $0x80`, which works from either mode.
+USER32_CS = 0x23
+USER_CS = 0x33
+TLS_ENTRIES = range(12, 15)           # GDT_ENTRY_TLS_MIN .. +GDT_ENTRY_TLS_ENTRIES (x86_64)
+USER_DESC_SIZE = 16                   # struct user_desc (asm/ldt.h)
+# i386 syscall numbers (arch/x86/entry/syscalls/syscall_32.tbl) of the compat calls we make
+I386_SYSCALLS = {"restart_syscall": 0, "nanosleep": 162, "rt_sigaction": 174, "clock_nanosleep": 267,
+                 "set_robust_list": 311, "get_robust_list": 312, "clock_nanosleep_time64": 407,
+                 "futex": 240, "futex_time64": 422, "openat": 295}
 
 # Kernel-internal restart codes a thread frozen in a syscall shows in rax
 # (include/linux/errno.h).
@@ -267,6 +284,11 @@ class Regs:
     def signed(self, name: str) -> int:
         v = getattr(self._raw, name)
         return v - 2**64 if v >= 2**63 else v
+
+
+def compat_mode(regs: Regs) -> bool:
+    """The thread runs 32-bit (ia32) code: its code segment is __USER32_CS."""
+    return regs.cs == USER32_CS
 
 
 def syscall_restart(regs: Regs) -> tuple[int, int]:
@@ -516,6 +538,21 @@ class Task:
             if n < batch:
                 return out
 
+    def get_thread_area(self, entry: int) -> bytes:
+        """The GDT TLS entry `entry` (struct user_desc, 16 bytes) of the thread; a 32-bit
+        program's thread pointer (%gs) selects one."""
+        buf = ctypes.create_string_buffer(USER_DESC_SIZE)
+        _ptrace(PTRACE_GET_THREAD_AREA, self.tid, entry, ctypes.addressof(buf),
+                what="PTRACE_GET_THREAD_AREA")
+        return buf.raw
+
+    def set_thread_area(self, desc: bytes) -> None:
+        """Set the GDT TLS entry a struct user_desc names (its first field)."""
+        buf = ctypes.create_string_buffer(desc, USER_DESC_SIZE)
+        entry = struct.unpack_from("<I", desc)[0]
+        _ptrace(PTRACE_SET_THREAD_AREA, self.tid, entry, ctypes.addressof(buf),
+                what="PTRACE_SET_THREAD_AREA")
+
     def get_rseq(self) -> Rseq:
         conf = _RseqConfiguration()
         _ptrace(PTRACE_GET_RSEQ_CONFIGURATION, self.tid, ctypes.sizeof(conf),
@@ -665,6 +702,21 @@ _libc.process_vm_writev.argtypes = _libc.process_vm_readv.argtypes
 
 # --- the injection scope ----------------------------------------------------
 
+def _find_in_vdso(mem: AddressSpace, code: bytes) -> RemotePtr | None:
+    try:
+        with open(f"/proc/{mem.pid}/maps") as f:
+            lines = [line.split() for line in f]
+    except OSError as exc:
+        raise _translate_os_error(exc, mem.pid, "reading maps") from None
+    for fields in lines:
+        if fields[-1] == "[vdso]":
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            at = mem.read(start, end - start).find(code)
+            if at >= 0:
+                return RemotePtr(start + at)
+    return None
+
+
 def find_syscall_insn(mem: AddressSpace, maps: Sequence) -> RemotePtr | None:
     """Address of a `syscall` instruction (0f 05) in the tracee's [vdso], if any.
 
@@ -698,6 +750,8 @@ class RemoteSyscalls:
         self._under_frame: tuple[int, bytes] | None = None
         self.used = False
         self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
+        self.compat = False          # the thread runs 32-bit code (its own registers' cs)
+        self._int80: RemotePtr | None = None
 
     @property
     def gadget(self) -> RemotePtr | None:
@@ -718,6 +772,7 @@ class RemoteSyscalls:
         if self.task.stop is None:
             raise TraceeError(self.task.tid, "remote syscalls need a stopped thread")
         self.saved_regs = self.task.get_regs()
+        self.compat = compat_mode(self.saved_regs)
         if self._scratch_top is not None:
             self._sp = self._scratch_top
         else:
@@ -729,7 +784,8 @@ class RemoteSyscalls:
             self._patched = (rip, self.mem.read(rip, 2))
             self.mem.write(rip, b"\x0f\x05")
             self._gadget = RemotePtr(rip)
-        elif self._keep_regs and self._scratch_top is None:
+        elif self._keep_regs and self._scratch_top is None and not self.compat:
+            # (a compat thread has no way home yet: its frame would be an ia32 one)
             self._prepare_way_home()
 
     def _prepare_way_home(self) -> None:
@@ -777,20 +833,52 @@ class RemoteSyscalls:
                 self.mem.write(low, old)
 
     def syscall(self, nr: int | str, *args: int) -> int:
-        """Run one syscall in the tracee; returns the raw result (-errno on failure)."""
+        """Run one syscall in the tracee; returns the raw result (-errno on failure).
+        In a compat thread it runs in 64-bit mode (cs __USER_CS), an x86_64 syscall still."""
         if isinstance(nr, str):
             nr = SYSCALL_NUMBERS[nr]
         assert self.saved_regs is not None
         regs = self.saved_regs.copy()
         regs.rip = int(self._gadget)
-        regs.rax = nr
-        regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
+        if self.compat:
+            regs.cs = USER_CS              # 64-bit mode for the x86_64 syscall
         if self._entry is not None:
             regs.rsp = regs.rbp = self._entry     # the epilogue after the syscall leads home
         else:
             regs.rsp = self._sp - 64       # below the scratch data in use
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
             setattr(regs, name, value)
+        return self._run(regs, nr).signed("rax")
+
+    def compat_syscall(self, name: str, *args: int) -> int:
+        """Run one i386 syscall (its ia32 form: compat structures, SA_IA32_ABI) through
+        `int $0x80`, in the thread's own mode; pointers must lie below 4 GiB.  Returns the
+        raw result (-errno on failure)."""
+        assert self.saved_regs is not None
+        regs = self.saved_regs.copy()
+        regs.rip = int(self.int80())
+        regs.rsp = self._sp - 64
+        for reg, value in zip(("rbx", "rcx", "rdx", "rsi", "rdi", "rbp"), args):
+            setattr(regs, reg, value & 0xFFFFFFFF)
+        result = self._run(regs, I386_SYSCALLS[name]).rax & 0xFFFFFFFF
+        return result - 2**32 if result >= 2**31 else result
+
+    def int80(self) -> RemotePtr:
+        """An `int $0x80` instruction (cd 80) of the tracee: beside the gadget (a restore's
+        gadget page holds one), else in its [vdso] (a 32-bit vdso's __kernel_vsyscall)."""
+        if self._int80 is None:
+            if self._gadget is not None and self.mem.read(self._gadget + 3, 2) == b"\xcd\x80":
+                self._int80 = RemotePtr(self._gadget + 3)
+            else:
+                self._int80 = _find_in_vdso(self.mem, b"\xcd\x80")
+        if self._int80 is None:
+            raise TraceeError(self.task.tgid, f"no int $0x80 instruction in process {self.task.tgid}")
+        return self._int80
+
+    def _run(self, regs: Regs, nr: int) -> Regs:
+        """Set `regs` with syscall `nr`, run it to its exit stop; the registers there."""
+        regs.rax = nr
+        regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
         self.task.set_regs(regs)
         self.used = True
         testhooks.reached("inject-set")
@@ -809,8 +897,7 @@ class RemoteSyscalls:
                                                                PTRACE_EVENT_VFORK):
                     self.last_clone = self.task.get_event_msg()
                 # an interrupt or group stop while injecting: just go on
-        result = self.task.get_regs().signed("rax")
-        return result
+        return self.task.get_regs()
 
     def checked(self, nr: int | str, *args: int, step: str | None = None) -> int:
         """Like :meth:`syscall`, but a failure raises RemoteSyscallError naming everything."""
@@ -818,6 +905,13 @@ class RemoteSyscalls:
         res = self.syscall(nr, *args)
         if -4096 < res < 0:
             raise RemoteSyscallError(self.task.tgid, name, tuple(args), -res, step=step)
+        return res
+
+    def checked_compat(self, name: str, *args: int, step: str | None = None) -> int:
+        """Like :meth:`compat_syscall`, but a failure raises RemoteSyscallError."""
+        res = self.compat_syscall(name, *args)
+        if -4096 < res < 0:
+            raise RemoteSyscallError(self.task.tgid, f"{name} (i386)", tuple(args), -res, step=step)
         return res
 
     @contextlib.contextmanager

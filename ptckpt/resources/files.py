@@ -732,6 +732,18 @@ def remove_ghost_files(paths: dict[tuple, str]) -> None:
                 os.unlink(path)
 
 
+O_LARGEFILE = 0o100000
+
+
+def _reopen(remote, f: Fd, path: int, flags: int, step: str) -> int:
+    """openat of `path` with `flags`.  An x86_64 open always adds O_LARGEFILE; a file a
+    32-bit program opened without it is opened again through the compat openat, which
+    does not (where the scratch memory lies below 4 GiB: a 32-bit process's restore)."""
+    if not f.flags & O_LARGEFILE and remote.scratch_top < 2**32:
+        return remote.checked_compat("openat", AT_FDCWD, path, flags, 0, step=step)
+    return remote.checked("openat", AT_FDCWD, path, flags, 0, step=step)
+
+
 def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}, *,
                        extra: list[tuple[int, int]] = (), keep: set[int] = frozenset()) -> None:
     """Install every fd at its number: files by path at their offset, stdio from ptckpt restore.
@@ -779,8 +791,7 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
         # inside the injected syscall), then gets its own flags back.
         open_flags = flags | O_NONBLOCK if f.kind is FdKind.FIFO else flags
         with remote.scratch(os.fsencode(path) + b"\0") as p:
-            got = remote.checked("openat", AT_FDCWD, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0),
-                                 0, step=step)
+            got = _reopen(remote, f, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0), step)
         if open_flags != flags:
             remote.checked("fcntl", got, F_SETFL, flags, step=step)
         if got != f.fd:
