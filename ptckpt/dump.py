@@ -116,21 +116,15 @@ def is_32_bit(pid: int) -> bool:
     return head[:4] == b"\x7fELF" and head[4] == 1
 
 
-COMPAT_WHY = ("the 32-bit (ia32) path restores a single-threaded process alone in its tree, "
-              "without POSIX timers or sockets, so far")
+COMPAT_WHY = "the 32-bit (ia32) path restores a process alone in its tree, without sockets, so far"
 
 
-def refuse_compat_parts(pid: int, *, threads: int = 1, members: int = 1, timers: Sequence = (),
-                        fds: Sequence = ()) -> None:
+def refuse_compat_parts(pid: int, *, members: int = 1, fds: Sequence = ()) -> None:
     """What a 32-bit process holds that the ia32 path does not restore yet, refused by name
-    (before anything is injected, where the freeze tells it: threads, members)."""
+    (a tree of several processes: before anything is injected)."""
     parts = []
-    if threads > 1:
-        parts.append(f"{threads} threads")
     if members > 1:
         parts.append(f"a tree of {members} processes")
-    if timers:
-        parts.append(f"POSIX timer {timers[0].id}")
     sockets_held = [f.fd for f in fds if f.kind is FdKind.SOCKET]
     if sockets_held:
         parts.append(f"a socket (fd {sockets_held[0]})")
@@ -366,8 +360,6 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     refuse_other_abi(pid)                        # a member of another instruction set, before any injection
     tasks = session.threads_of(pid)
     compat = is_32_bit(pid)
-    if compat:
-        refuse_compat_parts(pid, threads=len(tasks))
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
     # shows in how the freeze found it, and by which one in that stop's status
@@ -408,7 +400,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))
         if compat:
-            refuse_compat_parts(pid, timers=posix_timers, fds=fds)
+            refuse_compat_parts(pid, fds=fds)
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)

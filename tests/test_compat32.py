@@ -2,10 +2,10 @@
 restored for real, in compat mode, and go on from where they were: the counter counts on
 (nanosleep not failing with EINTR), a sleep frozen twice wakes, a file's offset, an
 O_APPEND log, a directory stream, a ghost file and a SIGUSR1 handler (an ia32 signal
-frame) are all there again.  What the ia32 path does not restore yet -- threads, POSIX
-timers, sockets, a tree of several processes (a 64-bit parent with a 32-bit child) -- is
-refused at dump by name, and the target runs on as it was (it was an internal error,
-exit 10, out of an injected sigaltstack)."""
+frame) are all there again, threads count on with their tids, POSIX timers fire again.
+What the ia32 path does not restore yet -- sockets, a tree of several processes (a 64-bit
+parent with a 32-bit child) -- is refused at dump by name, and the target runs on as it
+was (it was an internal error, exit 10, out of an injected sigaltstack)."""
 
 from __future__ import annotations
 
@@ -26,17 +26,11 @@ CS = GP_REG_NAMES.index("cs")
 
 
 HOLDER32 = r"""
-#include <signal.h>
 #include <stdio.h>
-#include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
-int main(int argc, char **argv) {
-    timer_t id;
-    if (argc > 1 && !strcmp(argv[1], "timer") && timer_create(CLOCK_MONOTONIC, NULL, &id))
-        return 2;
-    if (argc > 1 && !strcmp(argv[1], "socket") && socket(AF_UNIX, SOCK_DGRAM, 0) < 0)
+int main(void) {
+    if (socket(AF_UNIX, SOCK_DGRAM, 0) < 0)
         return 2;
     printf("READY %d\n", (int)getpid());
     fflush(stdout);
@@ -48,13 +42,13 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def bins32(tmp_path_factory) -> dict[str, str]:
-    """counter, sleeper, files and threads of fixtures/, built with -m32; holder: a
-    single-threaded program holding a POSIX timer or a socket (its argument)."""
+    """counter, sleeper, files, threads and timers of fixtures/, built with -m32; holder:
+    a program holding a socket."""
     require("gcc")
     out = tmp_path_factory.mktemp("bins32")
     (out / "holder.c").write_text(HOLDER32)
     made = {}
-    for name in ("counter", "sleeper", "files", "threads", "holder"):
+    for name in ("counter", "sleeper", "files", "threads", "timers", "holder"):
         source = fixture_build.FIXTURES_DIR / f"{name}.c" if name != "holder" else out / "holder.c"
         argv = fixture_build.compile_command("gcc", source, out / name)
         res = subprocess.run([argv[0], "-m32", *argv[1:]], capture_output=True, text=True)
@@ -165,22 +159,46 @@ def test_a_32_bit_program_gets_its_files_and_its_signal_handler_back(spawn, ptck
     assert os.readlink(f"/proc/{target.pid}/cwd") == str(where / "sub")
 
 
-@pytest.mark.parametrize("name, args, words", [
-    ("threads", (), ("with 5 threads",)),
-    ("holder", ("timer",), ("with POSIX timer",)),
-    ("holder", ("socket",), ("with a socket (fd",)),
-])
-def test_what_the_32_bit_path_lacks_is_refused_by_name_and_it_runs_on(spawn, ptckpt, tmp_path, bins32,
-                                                                      name, args, words):
-    target = spawn(bins32[name], *args, out=name != "holder")
+@VSYSCALL
+def test_32_bit_threads_all_go_on_with_their_tids(spawn, ptckpt, tmp_path, bins32):
+    """Four counting threads and a reporting one, cloned again in the stub and each sent
+    back to 32-bit mode with its own TLS entry and compat robust list."""
+    target = spawn(bins32["threads"])
+    tids = list(target.tids)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    at_dump = target.read_counters()
+    assert _restore(ptckpt, tmp_path / "img") == target.pid
+    wait_until(lambda: all(a > b for a, b in zip(target.read_counters(), at_dump)), 10,
+               message="every 32-bit thread counts on")
+    assert sorted(int(t) for t in os.listdir(f"/proc/{target.pid}/task")) == sorted([target.pid] + tids)
+    target.assert_ok()                     # the fixture checks gettid() against glibc's cached tid
+
+
+@VSYSCALL
+def test_32_bit_posix_timers_fire_again_with_their_ids_values_and_thread(spawn, ptckpt, tmp_path, bins32):
+    """A timer to the process, one to a thread (SIGEV_THREAD_ID), one never firing, an
+    ITIMER_REAL: the same ids, sigev_values read in ia32 siginfo by ia32 handlers."""
+    target = spawn(bins32["timers"])
+    ids = [int(x) for x in target.wait_for_line(r"^TIMERS ").string.split()[1:]]
+    with open(f"/proc/{target.pid}/timers") as f:
+        before = f.read()
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    with open(f"/proc/{target.pid}/timers") as f:
+        assert f.read() == before, ids
+    target.signal()
+    line = target.wait_for_line(r"^COUNTS ", timeout=15).string
+    assert target.wait_exit(10) == 0, target.describe()
+    assert all(int(n) > 0 for n in line.split()[1:4]), line
+
+
+def test_a_32_bit_program_with_a_socket_is_refused_by_name_and_runs_on(spawn, ptckpt, tmp_path, bins32):
+    target = spawn(bins32["holder"], out=False)
     res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, "32-bit (ia32)", *words, "x86_64 build")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, "32-bit (ia32)", "with a socket (fd", "x86_64 build")
     assert target.alive() and not (tmp_path / "img").exists()
-    before = target.read_counters() if name == "threads" else None
-    if before is not None:
-        wait_until(lambda: all(a > b for a, b in zip(target.read_counters(), before)), 10,
-                   message="every thread counts on, none left frozen")
-    target.assert_ok()
+    with open(f"/proc/{target.pid}/stat") as f:
+        assert f.read().split(") ")[1][0] in "RS", "it runs on, not left frozen"
 
 
 def test_a_64_bit_parent_with_a_32_bit_child_is_refused_and_both_run_on(spawn, ptckpt, tmp_path, bins32):
