@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -19,11 +20,43 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import GP_REG_NAMES
 
-from conftest import fixture_build, idle_script, kill_pids, reap_orphans, require, wait_until
+from conftest import fixture_build, idle_script, kill_pids, read_counter, reap_orphans, require, wait_until
 from test_restore import _dump_kill, _one_line, _restore
 
 CS = GP_REG_NAMES.index("cs")
 
+
+PARENT32 = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+static void count(const char *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    char line[32];
+    for (unsigned long n = 1;; n++) {
+        snprintf(line, sizeof line, "%020lu\n", n);
+        if (pwrite(fd, line, 21, 0) != 21)
+            _exit(3);
+        usleep(2000);
+    }
+}
+int main(int argc, char **argv) {             /* parent32 OUT PROGRAM64 OUT64 */
+    char path[4096];
+    snprintf(path, sizeof path, "%s.fork", argv[1]);
+    pid_t forked = fork();
+    if (forked == 0)
+        count(path);                          /* a 32-bit child, sharing pages copy-on-write */
+    pid_t execd = fork();
+    if (execd == 0) {
+        execl(argv[2], argv[2], argv[3], (char *)0);
+        _exit(127);
+    }
+    printf("KIDS %d %d\n", (int)forked, (int)execd);
+    printf("READY %d\n", (int)getpid());
+    fflush(stdout);
+    count(argv[1]);
+}
+"""
 
 HOLDER32 = r"""
 #include <stdio.h>
@@ -43,13 +76,15 @@ int main(void) {
 @pytest.fixture(scope="module")
 def bins32(tmp_path_factory) -> dict[str, str]:
     """counter, sleeper, files, threads and timers of fixtures/, built with -m32; holder:
-    a program holding a socket."""
+    a program holding a socket; parent32: a 32-bit parent with a forked 32-bit child and
+    an exec'd 64-bit one."""
     require("gcc")
     out = tmp_path_factory.mktemp("bins32")
     (out / "holder.c").write_text(HOLDER32)
+    (out / "parent32.c").write_text(PARENT32)
     made = {}
-    for name in ("counter", "sleeper", "files", "threads", "timers", "holder"):
-        source = fixture_build.FIXTURES_DIR / f"{name}.c" if name != "holder" else out / "holder.c"
+    for name in ("counter", "sleeper", "files", "threads", "timers", "holder", "parent32"):
+        source = out / f"{name}.c" if (out / f"{name}.c").exists() else fixture_build.FIXTURES_DIR / f"{name}.c"
         argv = fixture_build.compile_command("gcc", source, out / name)
         res = subprocess.run([argv[0], "-m32", *argv[1:]], capture_output=True, text=True)
         if res.returncode != 0:
@@ -201,21 +236,47 @@ def test_a_32_bit_program_with_a_socket_is_refused_by_name_and_runs_on(spawn, pt
         assert f.read().split(") ")[1][0] in "RS", "it runs on, not left frozen"
 
 
-def test_a_64_bit_parent_with_a_32_bit_child_is_refused_and_both_run_on(spawn, ptckpt, tmp_path, bins32):
+@VSYSCALL
+def test_a_64_bit_parent_with_a_32_bit_child_both_go_on(spawn, ptckpt, tmp_path, bins32):
+    kid_out = tmp_path / "kid.out"
     script = idle_script(tmp_path, "parent64.py", "import os, subprocess, time\n"
-                         f"child = subprocess.Popen([{bins32['counter']!r}, {str(tmp_path / 'kid.out')!r}], "
+                         f"child = subprocess.Popen([{bins32['counter']!r}, {str(kid_out)!r}], "
                          "stdout=subprocess.DEVNULL)\n"
                          "print('KID', child.pid, flush=True)\n"
                          "time.sleep(0.3)\n")
     target = spawn(str(script), out=False)
     kid = int(next(line for line in target.preamble if line.startswith("KID")).split()[1])
     try:
-        res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-        _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {kid}", "32-bit (ia32)", "a tree of 2 processes")
-        assert target.alive() and not (tmp_path / "img").exists()
-        with open(f"/proc/{kid}/stat") as f:
-            assert f.read().split(") ")[1][0] in "RS", "the 32-bit child runs on, not left frozen"
+        _dump_kill(ptckpt, target, tmp_path / "img", members=[kid])
+        at_dump = read_counter(kid_out)
+        assert _restore(ptckpt, tmp_path / "img") == target.pid
+        with open(f"/proc/{target.pid}/task/{target.pid}/children") as f:
+            assert [int(x) for x in f.read().split()] == [kid]
+        assert _elf_class(kid) == 1 and _elf_class(target.pid) == 2
+        wait_until(lambda: read_counter(kid_out) > at_dump + 20, 10, message="the 32-bit child counts on")
+        assert target.alive()
     finally:
         kill_pids([kid])
         reap_orphans()
 
+
+@VSYSCALL
+def test_a_32_bit_parent_with_a_32_bit_and_a_64_bit_child_all_go_on(spawn, ptckpt, tmp_path, bins32,
+                                                                     fixture_bins):
+    out64 = tmp_path / "kid64.out"
+    target = spawn(bins32["parent32"], fixture_bins["counter"], out64)
+    kids = [int(x) for x in next(line for line in target.preamble if line.startswith("KIDS")).split()[1:]]
+    outs = [target.out_path, Path(f"{target.out_path}.fork"), out64]
+    try:
+        wait_until(lambda: all(o.exists() and o.stat().st_size for o in outs), 5)
+        _dump_kill(ptckpt, target, tmp_path / "img", members=kids)
+        at_dump = [read_counter(o) for o in outs]
+        assert _restore(ptckpt, tmp_path / "img") == target.pid
+        with open(f"/proc/{target.pid}/task/{target.pid}/children") as f:
+            assert sorted(int(x) for x in f.read().split()) == sorted(kids)
+        assert [_elf_class(p) for p in [target.pid] + kids] == [1, 1, 2]
+        wait_until(lambda: all(read_counter(o) > n + 20 for o, n in zip(outs, at_dump)), 10,
+                   message="the 32-bit parent, its 32-bit and its 64-bit child all count on")
+    finally:
+        kill_pids(kids)
+        reap_orphans()

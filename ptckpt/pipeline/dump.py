@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from .. import __version__, appblock, procfs, progress
 from ..state import committed, not_committed
 from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen, capture_sharing_frozen,
-    check_target, freeze_outside_critical, is_32_bit, mark_skipped, plugins_frozen, refuse_compat_parts,
-    running_tree, wait_gone)
+    check_target, freeze_outside_critical, mark_skipped, plugins_frozen, running_tree, wait_gone)
 from .. import plan as restore_plan
 from ..errors import PtckptError, UsageError
 from ..formats.image import ImageWriter
@@ -257,9 +256,6 @@ def _capture_processes(run: DumpRun) -> None:
     lent: dict[int, list] = {}        # a parent's pages its children share: read unpinned
     for m, runs in cow.items():
         lent.setdefault(parents[m], []).extend(r for rs in runs.values() for r in rs)
-    for member in members:
-        if len(members) > 1 and is_32_bit(member):
-            refuse_compat_parts(member, members=len(members))
     for member in members:
         log.info("capture %d", member)
         image, stats, xcr0, xsize = capture_process_frozen(
