@@ -94,6 +94,12 @@ class Host:
     xcr0: int                   # xsave features enabled on this CPU
     xstate_size: int            # bytes of the NT_X86_XSTATE regset here
 
+    @functools.cached_property
+    def maps32(self) -> tuple:
+        """The mappings of this kernel's 32-bit vdso (memory.probe_vdso32), asked for once:
+        only for an image with a 32-bit process."""
+        return tuple(memory.probe_vdso32())
+
     @classmethod
     def probe(cls) -> "Host":
         """XCR0 and xstate size come from a throwaway child's NT_X86_XSTATE."""
@@ -111,8 +117,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
     if inv.page_size != PAGE_SIZE:
         raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
-    # (a 32-bit process's vdso is this kernel's 32-bit one: compared once mapped)
-    why = None if threads.compat_process(proc.threads, proc.task.pid) else memory.vdso_mismatch(proc.vmas, host.maps)
+    compat = threads.compat_process(proc.threads, proc.task.pid)     # its vdso: the 32-bit one
+    why = memory.vdso_mismatch(proc.vmas, host.maps32 if compat else host.maps)
     if why:
         raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
     xcr0, xsize = host.xcr0, host.xstate_size

@@ -9,6 +9,7 @@ was (it was an internal error, exit 10, out of an injected sigaltstack)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,10 +19,11 @@ import pytest
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import GP_REG_NAMES
+from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, VmaKind
 
-from conftest import fixture_build, idle_script, kill_pids, read_counter, reap_orphans, require, wait_until
-from test_restore import _dump_kill, _one_line, _restore
+from conftest import (fixture_build, idle_script, kill_pids, pid_alive, read_counter, reap_orphans, require,
+                      wait_until)
+from test_restore import _dump_kill, _one_line, _restore, _rewrite_image
 
 CS = GP_REG_NAMES.index("cs")
 
@@ -225,6 +227,24 @@ def test_32_bit_posix_timers_fire_again_with_their_ids_values_and_thread(spawn, 
     line = target.wait_for_line(r"^COUNTS ", timeout=15).string
     assert target.wait_exit(10) == 0, target.describe()
     assert all(int(n) > 0 for n in line.split()[1:4]), line
+
+
+def test_a_32_bit_vdso_of_another_size_is_refused_before_anything_runs(spawn, ptckpt, tmp_path, bins32):
+    """The plan compares the image's 32-bit vdso with this kernel's (a throwaway child of
+    ptckpt maps one to look), not with ptckpt's own 64-bit one."""
+    target = spawn(bins32["counter"])
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    res = ptckpt("check", "--image", tmp_path / "img")
+    assert res.returncode == 0 and "vdso layout" in res.stdout, res.stdout + res.stderr
+
+    def smaller_vdso(p):
+        return dataclasses.replace(p, vmas=tuple(dataclasses.replace(v, end=v.end - PAGE_SIZE)
+                                                 if v.kind is VmaKind.VDSO else v for v in p.vmas))
+
+    _rewrite_image(tmp_path / "img", tmp_path / "vdso", smaller_vdso)
+    _one_line(ptckpt("restore", "-D", tmp_path / "vdso"), ExitCode.INCOMPATIBLE, "[vdso]", "bytes")
+    assert not pid_alive(target.pid)
+    assert ptckpt("check", "--image", tmp_path / "vdso").returncode == ExitCode.INCOMPATIBLE
 
 
 def test_a_32_bit_program_with_a_socket_is_refused_by_name_and_runs_on(spawn, ptckpt, tmp_path, bins32):

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 from .. import kinds, procfs, progress
 from ..errors import AccessDenied, Incompatible, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
-from ..tracee import AddressSpace, RemotePtr, page_align
+from ..tracee import AddressSpace, RemotePtr, find_syscall_insn, page_align, probe_task, remote_syscalls
 from . import sysvipc
 from .aio import is_aio_ring
 from .files import ghost_key
@@ -873,6 +873,27 @@ def _map_vdso32_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> 
     if have != want:
         raise Incompatible(f"this kernel's 32-bit vdso is laid out as {_layout_text(have)}, "
                            f"the image's as {_layout_text(want)}: a different kernel made it")
+
+
+def probe_vdso32() -> list:
+    """This kernel's 32-bit vdso, as a throwaway child of ptckpt shows it once it has traded
+    its own vdso for one (ARCH_MAP_VDSO_32 where the kernel likes): [vvar], [vvar_vclock] and
+    [vdso] mappings, for vdso_mismatch.  Empty where the kernel maps none (no ia32 emulation)."""
+    with probe_task() as task, AddressSpace(task.tgid) as mem:
+        own = procfs.read_maps(task.tgid)
+        taken = [(m.start, m.end) for m in own]
+        with remote_syscalls(task, mem, find_syscall_insn(mem, own)) as remote:
+            gadget = find_hole(taken, GADGET_PAGES * PAGE_SIZE)
+            remote.checked("mmap", gadget, GADGET_PAGES * PAGE_SIZE, PROT_READ | PROT_WRITE | PROT_EXEC,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="probe the 32-bit vdso")
+            mem.write(gadget, GADGET_CODE)
+            remote.move_gadget(RemotePtr(gadget), gadget_scratch_top(gadget))
+            for m in own:
+                if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]"):
+                    remote.checked("munmap", m.start, m.end - m.start, step="probe the 32-bit vdso")
+            if remote.syscall("arch_prctl", ARCH_MAP_VDSO_32, 0) < 0:
+                return []
+            return [m for m in procfs.read_maps(task.tgid) if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
 
 
 def _layout_text(layout: dict[str, tuple[int, int]]) -> str:
