@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import struct
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, VmaKind
 
 from conftest import (fixture_build, idle_script, kill_pids, pid_alive, read_counter, reap_orphans, require,
                       wait_until)
-from test_restore import _dump_kill, _one_line, _restore, _rewrite_image
+from test_restore import _dump_kill, _one_line, _restore, _rewrite_image, sleep_dumped_twice
 
 CS = GP_REG_NAMES.index("cs")
 
@@ -155,16 +156,9 @@ def test_a_32_bit_counter_goes_on_from_its_value_twice(spawn, ptckpt, tmp_path, 
 @VSYSCALL
 def test_a_32_bit_sleep_dumped_twice_wakes_after_restore(spawn, ptckpt, tmp_path, bins32):
     """The leave-running dump leaves the sleep in the i386 restart_syscall (0); the second
-    dump finds it there and the restore sleeps on in clock_nanosleep_time64, no EINTR."""
-    target = spawn(bins32["sleeper"], 2.0)
-    res = ptckpt("dump", target.pid, "-D", tmp_path / "first")
-    assert res.returncode == 0, res.stderr
-    wait_until(lambda: open(f"/proc/{target.pid}/syscall").read().split()[0] == "0", timeout=5)
-    _dump_kill(ptckpt, target, tmp_path / "img")
-    _restore(ptckpt, tmp_path / "img")
-    target.wait_for_line(r"WOKE 1", timeout=10)
-    assert target.wait_exit(10) == 0
-    target.assert_ok()
+    dump finds it there and the restore sleeps on in the call restart_syscall restarted (the
+    i386 clock_nanosleep here, told from clock_nanosleep_time64 by its timespec), no EINTR."""
+    sleep_dumped_twice(spawn, ptckpt, tmp_path, bins32["sleeper"], "0")
 
 
 O_LARGEFILE = 0o100000
@@ -300,3 +294,52 @@ def test_a_32_bit_parent_with_a_32_bit_and_a_64_bit_child_all_go_on(spawn, ptckp
     finally:
         kill_pids(kids)
         reap_orphans()
+
+
+class _Memory:
+    """Bytes at an address, read as AddressSpace.read reads them."""
+
+    def __init__(self, addr: int, data: bytes):
+        self.addr, self.data = addr, data
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.data[addr - self.addr:addr - self.addr + size]
+
+
+def _i386_regs(**values):
+    from ptckpt.tracee import Regs
+    regs = Regs.from_values([0] * len(GP_REG_NAMES))
+    regs.cs = 0x23
+    for name, value in values.items():
+        setattr(regs, name, value)
+    return regs
+
+
+@pytest.mark.parametrize("timespec, expected", [
+    (struct.pack("<ii", 1, 500_000_000) + b"\xef\xbe\xad\xde" * 2, "clock_nanosleep"),
+    (struct.pack("<qq", 1, 500_000_000), "clock_nanosleep_time64"),
+    (struct.pack("<qq", 2, 0), "clock_nanosleep_time64"),       # both fit: the 16-byte reading
+    (struct.pack("<ii", 2, 0) + struct.pack("<q", -1), "clock_nanosleep"),
+    (struct.pack("<ii", -1, -1) * 2, "restart_syscall"),         # no timespec at all: EINTR as before
+])
+def test_a_32_bit_sleep_frozen_in_restart_syscall_is_told_by_its_timespec(timespec, expected):
+    """restart_syscall (i386 0) of clock_nanosleep(CLOCK_REALTIME, 0, req, rem): the
+    remaining time the kernel wrote at `rem` says which of the two calls it restarts."""
+    from ptckpt.resources.threads import restarted_syscall_compat
+    from ptckpt.tracee import I386_SYSCALLS
+    regs = _i386_regs(rbx=0, rcx=0, rdx=0xFFE0_0000, rsi=0xFFE0_1000)
+    assert restarted_syscall_compat(regs, _Memory(0xFFE0_1000, timespec)) == I386_SYSCALLS[expected]
+
+
+def test_a_32_bit_sleep_restarts_with_what_was_left():
+    """resume_regs of a 32-bit thread frozen in clock_nanosleep with a restart block: the
+    call again at int $0x80 (rip - 2), eax its number, req = rem (edx = esi), in 32-bit mode."""
+    from ptckpt.formats.model import Restart
+    from ptckpt.resources.threads import resume_regs
+    from test_formats import make_thread
+    regs = _i386_regs(rip=0xF7EE85E9, rax=2**64 - 516, orig_rax=267, rbx=0, rcx=0, rdx=0xFFE0_0000,
+                      rsi=0xFFE0_1000)
+    thread = dataclasses.replace(make_thread(), regs=regs.values(), restart=Restart.RESTART_BLOCK, syscall_nr=267)
+    again = resume_regs(thread)
+    assert (again.rip, again.rax, again.rdx, again.rsi, again.cs) == (0xF7EE85E7, 267, 0xFFE0_1000, 0xFFE0_1000, 0x23)
+    assert again.orig_rax == 2**64 - 1
