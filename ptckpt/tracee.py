@@ -51,6 +51,7 @@ from .formats.model import GP_REG_NAMES, PAGE_SIZE
 
 # --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
 PTRACE_GETREGS = 12
+PTRACE_SETOPTIONS = 0x4200
 PTRACE_SETREGS = 13
 PTRACE_GETREGSET = 0x4204
 PTRACE_SECCOMP_GET_FILTER = 0x420C
@@ -312,7 +313,7 @@ def syscall_restart(regs: Regs) -> tuple[int, int]:
 class Task:
     """One kernel thread we have seized."""
 
-    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "gadget")
+    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "gadget", "options")
 
     def __init__(self, tid: int, tgid: int):
         self.tid = tid
@@ -321,6 +322,8 @@ class Task:
         self.seized = False
         self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
         self.gadget: int | None = None          # a restore stub's syscall gadget, once moved
+        self.options: int | None = None         # the PTRACE_O_* we seized it with (None: not
+                                                # ours to know, a followed clone's inherited ones)
 
     @classmethod
     def followed(cls, tid: int, tgid: int) -> "Task":
@@ -365,6 +368,7 @@ class Task:
             try:
                 _pt.ptrace(PTRACE_SEIZE, self.tid, 0, options | SUSPEND_SECCOMP)
                 self.seized = True
+                self.options = options | SUSPEND_SECCOMP
                 return
             except PtraceError as err:
                 if err.errno not in (errno.EINVAL, errno.EPERM):
@@ -372,6 +376,11 @@ class Task:
                 SUSPEND_SECCOMP = 0          # a kernel without it (or not ours to use): go on without
         _ptrace(PTRACE_SEIZE, self.tid, 0, options, what="PTRACE_SEIZE")
         self.seized = True
+        self.options = options
+
+    def set_options(self, options: int) -> None:
+        """PTRACE_SETOPTIONS: the thread's PTRACE_O_* from now on (all of them)."""
+        _ptrace(PTRACE_SETOPTIONS, self.tid, 0, options, what="PTRACE_SETOPTIONS")
 
     def interrupt(self) -> None:
         _ptrace(PTRACE_INTERRUPT, self.tid, what="PTRACE_INTERRUPT")
@@ -751,6 +760,7 @@ class RemoteSyscalls:
         self.used = False
         self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
         self.compat = False          # the thread runs 32-bit code (its own registers' cs)
+        self._exitkill = False       # PTRACE_O_EXITKILL set for this scope
         self._int80: RemotePtr | None = None
 
     @property
@@ -785,8 +795,15 @@ class RemoteSyscalls:
             self.mem.write(rip, b"\x0f\x05")
             self._gadget = RemotePtr(rip)
         elif self._keep_regs and self._scratch_top is None and not self.compat:
-            # (a compat thread has no way home yet: its frame would be an ia32 one)
             self._prepare_way_home()
+        options = self.task.options
+        if self._keep_regs and self.compat and options is not None and not options & PTRACE_O_EXITKILL:
+            # A compat thread has no way home yet (it would take an ia32 frame and i386
+            # injections): left with our registers, it would run on in 64-bit mode into the
+            # vdso's int $0x80 with our result as the syscall number.  Should ptckpt vanish
+            # meanwhile, the kernel kills it instead (PTRACE_O_EXITKILL while the scope lasts).
+            self.task.set_options(options | PTRACE_O_EXITKILL)
+            self._exitkill = True
 
     def _prepare_way_home(self) -> None:
         """A live thread: should ptckpt vanish mid-injection, the thread must find its own
@@ -823,6 +840,9 @@ class RemoteSyscalls:
                 self.task.resume(0)
                 self.task.wait_frozen()
         self._put_back_under_frame()
+        if self._exitkill and self.task.seized and self.task.options is not None:
+            with contextlib.suppress(TargetVanished):
+                self.task.set_options(self.task.options)     # its own registers again: no kill
 
     def _put_back_under_frame(self) -> None:
         """The stack bytes the way home covered, once the thread's registers are its own."""

@@ -343,3 +343,18 @@ def test_a_32_bit_sleep_restarts_with_what_was_left():
     again = resume_regs(thread)
     assert (again.rip, again.rax, again.rdx, again.rsi, again.cs) == (0xF7EE85E7, 267, 0xFFE0_1000, 0xFFE0_1000, 0x23)
     assert again.orig_rax == 2**64 - 1
+
+
+@pytest.mark.parametrize("point", ["inject-set", "inject-entry", "inject-exit"])
+def test_a_dumper_killed_mid_injection_kills_a_32_bit_target_outright(spawn, ptckpt, tmp_path, bins32, point):
+    """A 32-bit thread has no way home yet (ptckpt.returnframe is x86_64's): while its
+    registers are ours, PTRACE_O_EXITKILL makes the kernel kill it with the dumper, rather
+    than let it run on in 64-bit mode into the vdso's int $0x80 with our syscall's result as
+    its number (exit, fork ...).  Between two scopes it keeps running (tested above)."""
+    target = spawn(bins32["counter"])
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--leave-running",
+                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:9"))
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
+    target.wait_exit(10)
+    assert target.popen.returncode == -signal.SIGKILL, target.describe()
+    assert not (tmp_path / "img").exists()
