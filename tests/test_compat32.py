@@ -22,8 +22,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, VmaKind
 
-from conftest import (fixture_build, idle_script, kill_pids, pid_alive, read_counter, reap_orphans, require,
-                      wait_until)
+from conftest import fixture_build, idle_script, kill_pids, pid_alive, read_counter, reap_orphans, wait_until
 from test_restore import _dump_kill, _one_line, _restore, _rewrite_image, sleep_dumped_twice
 
 CS = GP_REG_NAMES.index("cs")
@@ -77,22 +76,17 @@ int main(void) {
 
 
 @pytest.fixture(scope="module")
-def bins32(tmp_path_factory) -> dict[str, str]:
-    """counter, sleeper, files, threads and timers of fixtures/, built with -m32; holder:
-    a program holding a socket; parent32: a 32-bit parent with a forked 32-bit child and
-    an exec'd 64-bit one."""
-    require("gcc")
+def bins32(tmp_path_factory, fixture_bins32) -> dict[str, str]:
+    """The fixtures built with -m32 (conftest.fixture_bins32), and two programs of these
+    tests: holder (a program holding a socket) and parent32 (a 32-bit parent with a forked
+    32-bit child and an exec'd 64-bit one)."""
     out = tmp_path_factory.mktemp("bins32")
-    (out / "holder.c").write_text(HOLDER32)
-    (out / "parent32.c").write_text(PARENT32)
-    made = {}
-    for name in ("counter", "sleeper", "files", "threads", "timers", "holder", "parent32"):
-        source = out / f"{name}.c" if (out / f"{name}.c").exists() else fixture_build.FIXTURES_DIR / f"{name}.c"
-        argv = fixture_build.compile_command("gcc", source, out / name)
-        res = subprocess.run([argv[0], "-m32", *argv[1:]], capture_output=True, text=True)
-        if res.returncode != 0:
-            pytest.skip(f"needs gcc -m32 (Debian's gcc-multilib): tests/install-debian-packages.sh "
-                        f"installs it ({res.stderr.strip()[:200]})")
+    made = {name: str(path) for name, path in fixture_bins32.items()}
+    for name, text in (("holder", HOLDER32), ("parent32", PARENT32)):
+        (out / f"{name}.c").write_text(text)
+        argv = fixture_build.compile_command("gcc", out / f"{name}.c", out / name, ("-m32",))
+        res = subprocess.run(argv, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
         made[name] = str(out / name)
     return made
 
