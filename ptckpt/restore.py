@@ -98,7 +98,7 @@ class Host:
     def maps32(self) -> tuple:
         """The mappings of this kernel's 32-bit vdso (memory.probe_vdso32), asked for once:
         only for an image with a 32-bit process."""
-        return tuple(memory.probe_vdso32())
+        return tuple(memory.probe_vdso32()[0])
 
     @classmethod
     def probe(cls) -> "Host":

@@ -1092,11 +1092,12 @@ def _wait_end_unreaped(task: Task) -> None:
 
 
 @contextlib.contextmanager
-def probe_task() -> Iterator[Task]:
+def probe_task(*, changed: bool = False) -> Iterator[Task]:
     """A throwaway sleeping child of ptckpt, seized and frozen, killed on exit.
 
     For questions only a tracee answers: this CPU's xstate size and XCR0,
-    whether PTRACE_SEIZE and friends work here.
+    whether PTRACE_SEIZE and friends work here.  `changed`: the caller changes it beyond
+    repair (its vdso): it dies still stopped, never let run again (it would crash).
     """
     pid = os.fork()
     if pid == 0:
@@ -1108,7 +1109,8 @@ def probe_task() -> Iterator[Task]:
         task.interrupt()
         task.wait_frozen()
         yield task
-        task.detach()
+        if not changed:
+            task.detach()
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

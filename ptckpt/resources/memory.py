@@ -875,14 +875,15 @@ def _map_vdso32_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> 
                            f"the image's as {_layout_text(want)}: a different kernel made it")
 
 
-def probe_vdso32() -> list:
+def probe_vdso32() -> tuple[list, bytes]:
     """This kernel's 32-bit vdso, as a throwaway child of ptckpt shows it once it has traded
-    its own vdso for one (ARCH_MAP_VDSO_32 where the kernel likes): [vvar], [vvar_vclock] and
-    [vdso] mappings, for vdso_mismatch.  Empty where the kernel maps none (no ia32 emulation)."""
-    with probe_task() as task, AddressSpace(task.tgid) as mem:
+    its own vdso for one (ARCH_MAP_VDSO_32 where the kernel likes): its [vvar], [vvar_vclock]
+    and [vdso] mappings (for vdso_mismatch) and the [vdso]'s bytes (for a core file).  None
+    and no bytes where the kernel maps none (no ia32 emulation)."""
+    with probe_task(changed=True) as task, AddressSpace(task.tgid) as mem:
         own = procfs.read_maps(task.tgid)
         taken = [(m.start, m.end) for m in own]
-        with remote_syscalls(task, mem, find_syscall_insn(mem, own)) as remote:
+        with remote_syscalls(task, mem, find_syscall_insn(mem, own), keep_regs=False) as remote:
             gadget = find_hole(taken, GADGET_PAGES * PAGE_SIZE)
             remote.checked("mmap", gadget, GADGET_PAGES * PAGE_SIZE, PROT_READ | PROT_WRITE | PROT_EXEC,
                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="probe the 32-bit vdso")
@@ -892,8 +893,10 @@ def probe_vdso32() -> list:
                 if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]"):
                     remote.checked("munmap", m.start, m.end - m.start, step="probe the 32-bit vdso")
             if remote.syscall("arch_prctl", ARCH_MAP_VDSO_32, 0) < 0:
-                return []
-            return [m for m in procfs.read_maps(task.tgid) if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+                return [], b""
+            maps = [m for m in procfs.read_maps(task.tgid) if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+            text = next((mem.read(m.start, m.end - m.start) for m in maps if m.path == "[vdso]"), b"")
+            return maps, text
 
 
 def _layout_text(layout: dict[str, tuple[int, int]]) -> str:
