@@ -116,19 +116,6 @@ def is_32_bit(pid: int) -> bool:
     return head[:4] == b"\x7fELF" and head[4] == 1
 
 
-COMPAT_WHY = ("the 32-bit (ia32) path is not verified with sockets yet (their options and queues "
-              "are read and set with the x86_64 calls)")
-
-
-def refuse_compat_parts(pid: int, fds: Sequence) -> None:
-    """What a 32-bit process holds that the ia32 path does not restore yet, refused by name."""
-    sockets_held = [f.fd for f in fds if f.kind is FdKind.SOCKET]
-    if sockets_held:
-        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit (ia32) program with a "
-                                       f"socket (fd {sockets_held[0]}),", why=COMPAT_WHY,
-                                  way_out="checkpoint its x86_64 build, or a tree without it")
-
-
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
 
 
@@ -354,7 +341,6 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     `lent`: the ranges of this process's pages its children share (read without pinning)."""
     refuse_other_abi(pid)                        # a member of another instruction set, before any injection
     tasks = session.threads_of(pid)
-    compat = is_32_bit(pid)
     leader = next(t for t in tasks if t.tid == pid)
     # While we trace it, /proc says 't'; whether it was stopped by a signal (SIGSTOP & co)
     # shows in how the freeze found it, and by which one in that stop's status
@@ -394,8 +380,6 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     plan.prepare(pid, vpid, remote)
                     aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))
-        if compat:
-            refuse_compat_parts(pid, fds)
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)
         pending = signals.dump_pending_frozen(tasks)
