@@ -228,6 +228,57 @@ def _host_syscall(nr: int, *args: int) -> int:
     return -ctypes.get_errno() if res == -1 else res
 
 
+# ptckpt's own i386 syscalls: 64-bit code may make them with `int $0x80` where the kernel has
+# ia32 emulation.  A thunk (machine code in a page below 4 GiB, read+exec) takes
+# (nr, a1, a2, a3, a4) in the x86_64 calling convention and makes the i386 call with them
+# in eax, ebx, ecx, edx, esi; its pointers must lie below 4 GiB too (a buffer page there).
+_I386_THUNK = bytes.fromhex(
+    "53"            # push %rbx
+    "89f8"          # mov %edi,%eax        nr
+    "89f3"          # mov %esi,%ebx        a1
+    "87ca"          # xchg %ecx,%edx       a2 -> ecx, a3 -> edx
+    "4489c6"        # mov %r8d,%esi        a4
+    "cd80"          # int $0x80
+    "5b"            # pop %rbx
+    "c3"            # ret
+)
+_MAP_32BIT = 0x40
+_i386: tuple | None = None      # (the thunk, the buffer's address, its size), made once
+
+
+def _i386_call() -> tuple:
+    global _i386
+    if _i386 is None:
+        mmap_, mprotect = _libc.mmap, _libc.mprotect
+        mmap_.restype, mmap_.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        code = mmap_(None, 3 * PAGE_SIZE, 3, 0x22 | _MAP_32BIT, -1, 0)     # RW, private anonymous
+        if code in (None, 2**64 - 1):
+            raise OSError(ctypes.get_errno(), "mmap of the i386 thunk")
+        ctypes.memmove(code, _I386_THUNK, len(_I386_THUNK))
+        if mprotect(ctypes.c_void_p(code), PAGE_SIZE, 5) != 0:                  # read+exec
+            raise OSError(ctypes.get_errno(), "mprotect of the i386 thunk")
+        thunk = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                                 ctypes.c_uint32, ctypes.c_uint32)(code)
+        _i386 = (thunk, code + PAGE_SIZE, 2 * PAGE_SIZE)
+    return _i386
+
+
+def compat_openat(path: str, flags: int, mode: int = 0) -> int:
+    """openat(AT_FDCWD, path, flags, mode) made by ptckpt as an i386 syscall: the x86_64 one
+    adds O_LARGEFILE to every open, which a description a 32-bit program opened without it
+    must not have.  Returns the fd; raises OSError."""
+    thunk, buf, size = _i386_call()
+    raw = os.fsencode(path) + b"\0"
+    if len(raw) > size:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+    ctypes.memmove(buf, raw, len(raw))
+    fd = thunk(I386_SYSCALLS["openat"], 0xFFFFFF9C, buf, flags, mode)       # AT_FDCWD
+    if fd < 0:
+        raise OSError(-fd, os.strerror(-fd), path)
+    return fd
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 

@@ -102,6 +102,9 @@ def dump_ok(ptckpt, pid: int, image: Path, *flags: str) -> None:
     assert res.returncode == 0, res.stderr
 
 
+M32 = pytest.mark.proc_differs("maps", reason="a restored 32-bit process shows [vsyscall] (test_compat32)")
+
+
 def _build(request, name: str, build: str) -> str:
     """The fixture `name` as built for `build`: "x86_64" or "-m32" (conftest.fixture_bins32)."""
     return name if build == "x86_64" else str(request.getfixturevalue("fixture_bins32")[name])
@@ -199,8 +202,7 @@ def assert_pair_received(t, facts, count: int = 1, timeout: float = 20) -> None:
     assert child.groups() == (str(n), h, "noeof"), (child.group(0), facts["sent"])
 
 
-@pytest.mark.parametrize("build", ["x86_64", pytest.param("-m32", marks=pytest.mark.proc_differs(
-    "maps", "fds", reason="[vsyscall]; the log both share is opened in ptckpt: O_LARGEFILE (test_compat32)"))])
+@pytest.mark.parametrize("build", ["x86_64", pytest.param("-m32", marks=M32)])
 def test_tcppair_kill_and_restore_established(spawn, ptckpt, tmp_path, own_locks, request, build):
     """dump --kill --tcp-established, restore: both megabytes and the child's FIN arrive;
     the network lock of the dump holds until the restore, then goes (32-bit programs too)."""
@@ -268,9 +270,6 @@ def test_tcppair_leave_running_then_restore_in_netns(spawn, ptckpt, tmp_path, ow
 
 
 # --- udpserver: a hundred datagrams queued, with their senders -----------------------
-
-M32 = pytest.mark.proc_differs("maps", reason="a restored 32-bit process shows [vsyscall] (test_compat32)")
-
 
 @pytest.mark.parametrize("addr, build", [("127.0.0.1", "x86_64"), ("::1", "x86_64"),
                                          pytest.param("127.0.0.1", "-m32", marks=M32)],

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from .. import kinds, procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, ProcessImage, SavedFile, Task, Vma, VmaKind
-from ..tracee import pidfd_getfd, same_open_file
+from ..tracee import compat_openat, pidfd_getfd, same_open_file
 from .fhandles import file_handle, open_file_handle
 from .mqueue import is_mqueue
 from . import filepolicy, nsfs
@@ -563,13 +563,18 @@ def _ghost_fd(key) -> Fd:
               pos=0, cloexec=True, mnt_id=0, dev=key[1], ino=key[2], mode=0, rdev=0, size=0, mtime_ns=0)
 
 
-def open_description(f: Fd, path: str | None = None) -> int:
-    """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset."""
+def open_description(f: Fd, path: str | None = None, *, compat: bool = False) -> int:
+    """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset.
+    `compat`: a 32-bit process holds it: a file it opened without O_LARGEFILE is opened so
+    again (an i386 openat: tracee.compat_openat)."""
     flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
     if f.kind is FdKind.REGULAR:
         flags &= ~os.O_TMPFILE        # made by O_TMPFILE (its O_DIRECTORY bit too): reopened as a file
     try:
-        fd = os.open(path or f.path, flags)
+        if compat and f.kind is FdKind.REGULAR and not f.flags & O_LARGEFILE:
+            fd = compat_openat(path or f.path, flags)
+        else:
+            fd = os.open(path or f.path, flags)
     except OSError as err:
         raise RestoreFailed(f"cannot reopen {f.path} (fd {f.fd}): {err.strerror}") from None
     if f.kind in (FdKind.REGULAR, FdKind.DIRECTORY) and f.pos:
