@@ -277,6 +277,9 @@ class Thread:
     comm: str = ""
     cpus: tuple[int, ...] = ()   # sched_getaffinity; () when every online CPU (since format 8)
     sched: tuple[int, ...] = ()  # (policy, rt_priority, nice) of this thread (since format 8)
+    # GDT TLS entries of a 32-bit (ia32) thread: (entry_number, base_addr, limit, flags) of
+    # struct user_desc, the used ones (since format 15)
+    tls: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

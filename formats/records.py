@@ -144,7 +144,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 14                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 15                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -159,6 +159,7 @@ FORMAT_VERSION = 14                # 2: trees (desc, zombies, pipes, unix socket
                                    #     page data (PAGE_FRAMES), image ids, pre-dumps
                                    # 13: membarrier registrations, the signal of a group stop
                                    # 14: pidfds (PIDFD); ptys: typed input not read yet, hung-up slaves
+                                   # 15: 32-bit (ia32) threads' TLS entries (THREAD tls)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -511,6 +512,9 @@ ThreadRecord = Record(Thread, Struct(
     "comm" / Text,
     "cpus" / Since(8, PrefixedArray(VarInt, Int16ul)),   # CPU affinity, () for all online
     "sched" / Since(8, PrefixedArray(VarInt, Int32sl)),  # policy, rt_priority, nice
+    # struct user_desc (asm/ldt.h) of each used GDT TLS entry, PTRACE_GET_THREAD_AREA:
+    # entry_number, base_addr, limit, flags (seg_32bit .. useable as the kernel packs them)
+    "tls" / Since(15, PrefixedArray(VarInt, Array(4, Int32ul))),
 ))
 
 # --- SIGACTION ---------------------------------------------------------------

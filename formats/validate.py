@@ -191,6 +191,9 @@ def _check_task(name: str, task) -> None:
                     f"of a stopped process")
 
 
+TLS_ENTRY_MIN = 12        # GDT_ENTRY_TLS_MIN on x86_64: the three TLS entries are 12, 13, 14
+
+
 def _check_threads(name: str, pid: int, proc: ProcessImage, xstate_size: int) -> set[int]:
     """The THREAD records: the leader's among them, each in range, and the same tids as the
     TASK's list; the set of tids."""
@@ -217,6 +220,9 @@ def _check_threads(name: str, pid: int, proc: ProcessImage, xstate_size: int) ->
             _fail(name, f"thread {t.tid}: CPU affinity out of range")
         if t.sas_size < 0 or not 0 <= t.sas_flags < 2**32:
             _fail(name, f"thread {t.tid}: alternate signal stack malformed")
+        if len({e[0] for e in t.tls}) != len(t.tls) or any(not TLS_ENTRY_MIN <= e[0] < TLS_ENTRY_MIN + 3
+                                                           for e in t.tls):
+            _fail(name, f"thread {t.tid}: TLS entries {[e[0] for e in t.tls]} are not GDT entries 12-14 once each")
     if set(proc.task.tids) != tids:
         _fail(name, "TASK's thread list and the THREAD entries disagree")
     return tids

@@ -1,7 +1,8 @@
 """ELF core files from an image (`ptckpt core`): one per process, as the kernel would have
 dumped it at the checkpoint, for gdb, eu-stack and other tools that read cores.
 
-Layout (the kernel's, fs/binfmt_elf.c): an ELF64 header, one PT_NOTE segment, then one
+Layout (the kernel's, fs/binfmt_elf.c): an ELF64 header (ELF32 for EM_386 when the
+process is a 32-bit one, as compat_binfmt_elf dumps it), one PT_NOTE segment, then one
 PT_LOAD per mapping.  The notes: per thread NT_PRSTATUS (registers, pids, signals), the
 first thread followed by the process-wide NT_PRPSINFO, NT_AUXV and NT_FILE (the mapped
 files, so a debugger finds the shared libraries), and per thread NT_FPREGSET and
@@ -22,9 +23,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from . import procfs
+from .resources import memory
+from .resources.threads import compat_process
 from .errors import OutputError
 from .formats.image import ImageReader
-from .formats.model import PAGE_SIZE, PageRun, ProcessImage, Vma, VmaKind
+from .formats.model import GP_REG_NAMES, PAGE_SIZE, PageRun, ProcessImage, Vma, VmaKind
 
 EM_X86_64 = 62
 ET_CORE = 4
@@ -45,6 +48,44 @@ _REGS = struct.Struct("<27Q")
 _PRPSINFO = struct.Struct("<cccc4xQII4i16s80s")
 
 
+EM_386 = 3
+NT_PRXFPREG = 0x46E62B7F        # an ia32 thread's FXSAVE area (owner "LINUX")
+_EHDR32 = struct.Struct("<16sHHIIIIIHHHHHH")
+_PHDR32 = struct.Struct("<IIIIIIII")
+_PRSTATUS32_HEAD = struct.Struct("<iiih2xIIiiii")     # struct compat_elf_prstatus (its head)
+_REGS32 = struct.Struct("<17I")
+# i386 struct user_regs_struct, from the x86_64 names ptrace gave them by
+I386_REGS = ("rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rax", "ds", "es", "fs", "gs", "orig_rax", "rip",
+             "cs", "eflags", "rsp", "ss")
+_PRPSINFO32 = struct.Struct("<ccccIHHiiii16s80s")    # 16-bit uid and gid on ia32
+
+
+@dataclass(frozen=True)
+class _Elf:
+    """The ELF class of a core: the process's own (a 32-bit process gets an ELF32 core for
+    EM_386, as the kernel dumps one through compat_binfmt_elf)."""
+
+    elfclass: int
+    machine: int
+    ehdr: struct.Struct
+    word: str                   # "Q" or "I": the size of an address
+
+    def phdr(self, kind: int, flags: int, offset: int, vaddr: int, filesz: int, memsz: int, align: int) -> bytes:
+        if self.elfclass == 2:
+            return _PHDR.pack(kind, flags, offset, vaddr, 0, filesz, memsz, align)
+        return _PHDR32.pack(kind, offset, vaddr, 0, filesz, memsz, flags, align)
+
+    def header(self, phnum: int) -> bytes:
+        ident = b"\x7fELF" + bytes([self.elfclass, 1, 1, 0]) + bytes(8)   # little-endian, SYSV
+        phsize = _PHDR.size if self.elfclass == 2 else _PHDR32.size
+        return self.ehdr.pack(ident, ET_CORE, self.machine, 1, 0, self.ehdr.size, 0, 0, self.ehdr.size,
+                              phsize, phnum, 0, 0, 0)
+
+
+ELF64 = _Elf(2, EM_X86_64, _EHDR, "Q")
+ELF32 = _Elf(1, EM_386, _EHDR32, "I")
+
+
 @dataclass(frozen=True)
 class CoreResult:
     path: str
@@ -60,34 +101,67 @@ def _note(name: bytes, kind: int, desc: bytes) -> bytes:
     return _NHDR.pack(len(name), len(desc), kind) + pad(name) + pad(desc)
 
 
-def _prstatus(proc: ProcessImage, thread, pending: int) -> bytes:
+def _prstatus(proc: ProcessImage, thread, pending: int, elf: _Elf = ELF64) -> bytes:
     t = proc.task
+    if elf is ELF32:
+        head = _PRSTATUS32_HEAD.pack(0, 0, 0, 0, pending & 0xFFFFFFFF, thread.sigmask & 0xFFFFFFFF,
+                                     thread.tid, t.ppid, t.pgid, t.sid)
+        named = dict(zip(GP_REG_NAMES, thread.regs))
+        regs = _REGS32.pack(*(named[n] & 0xFFFFFFFF for n in I386_REGS))
+        return head + bytes(4 * 8) + regs + struct.pack("<i", 1)
     head = _PRSTATUS_HEAD.pack(0, 0, 0, 0, pending, thread.sigmask, thread.tid, t.ppid, t.pgid, t.sid)
     return head + bytes(_TIMEVALS) + _REGS.pack(*thread.regs) + struct.pack("<i4x", 1)
 
 
-def _prpsinfo(proc: ProcessImage) -> bytes:
+def _prpsinfo(proc: ProcessImage, elf: _Elf = ELF64) -> bytes:
     t, creds = proc.task, proc.creds
     args = " ".join(t.cmdline).encode(errors="replace")[:79]
     state = t.state[:1].encode() or b"R"
     number = b"RSDTZW".find(state)
-    return _PRPSINFO.pack(bytes([max(number, 0)]), state, b"\0", bytes([t.nice & 0xFF]), 0,
-                          creds.uids[0], creds.gids[0], t.pid, t.ppid, t.pgid, t.sid,
-                          t.comm.encode(errors="replace")[:15], args)
+    layout, ids = (_PRPSINFO32, (creds.uids[0] & 0xFFFF, creds.gids[0] & 0xFFFF)) if elf is ELF32 else \
+        (_PRPSINFO, (creds.uids[0], creds.gids[0]))
+    return layout.pack(bytes([max(number, 0)]), state, b"\0", bytes([t.nice & 0xFF]), 0,
+                       *ids, t.pid, t.ppid, t.pgid, t.sid, t.comm.encode(errors="replace")[:15], args)
 
 
 def _auxv(proc: ProcessImage) -> bytes:
+    # (a 32-bit process's vector of 4-byte pairs was read two pairs to an entry: the same bytes)
     return b"".join(struct.pack("<QQ", k, v) for k, v in (*proc.mm.auxv, (0, 0)))
+
+
+def fsave_area(fxsave: bytes) -> bytes:
+    """The 108-byte FSAVE area (struct user_i387_struct of ia32, NT_FPREGSET) of an FXSAVE
+    one, as the kernel converts it (convert_from_fxsr): the full tag word from the
+    abridged one and the registers' contents."""
+    fcw, fsw, ftw, fop, fip, fcs, foo, fos = struct.unpack_from("<HHBxHIH2xIH", fxsave)
+    top = (fsw >> 11) & 7
+    tags = 0
+    for phys in range(8):
+        st = (phys - top) & 7
+        mantissa, exponent = struct.unpack_from("<QH", fxsave, 32 + 16 * st)
+        if not ftw & (1 << phys):
+            tag = 3                                          # empty
+        elif exponent & 0x7FFF == 0x7FFF:
+            tag = 2                                          # NaN, infinity
+        elif exponent & 0x7FFF == 0:
+            tag = 1 if mantissa == 0 else 2                  # zero, denormal
+        else:
+            tag = 0 if mantissa >> 63 else 2                 # valid, unnormal
+        tags |= tag << (2 * phys)
+    env = struct.pack("<7I", 0xFFFF0000 | fcw, 0xFFFF0000 | fsw, 0xFFFF0000 | tags, fip,
+                      fcs | (fop << 16), foo, 0xFFFF0000 | fos)
+    return env + b"".join(fxsave[32 + 16 * i:32 + 16 * i + 10] for i in range(8))
 
 
 def _file_backed(v: Vma) -> bool:
     return v.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED) and v.path.startswith("/")
 
 
-def _nt_file(vmas: Sequence[Vma]) -> bytes:
+def _nt_file(vmas: Sequence[Vma], elf: _Elf = ELF64) -> bytes:
     files = [v for v in vmas if _file_backed(v)]
-    out = struct.pack("<QQ", len(files), PAGE_SIZE)
-    out += b"".join(struct.pack("<QQQ", v.start, v.end, v.pgoff // PAGE_SIZE) for v in files)
+    w = elf.word
+    out = struct.pack(f"<{w}{w}", len(files), PAGE_SIZE)
+    out += b"".join(struct.pack(f"<{w}{w}{w}", v.start, v.end, v.pgoff // PAGE_SIZE) for v in files)
     return out + b"".join(v.path.removesuffix(" (deleted)").encode() + b"\0" for v in files)
 
 
@@ -163,15 +237,8 @@ def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
         signo = struct.unpack_from("<i", s.siginfo)[0]
         if 0 < signo <= 64:
             pending |= 1 << (signo - 1)
-    notes = b""
-    for n, thread in enumerate(proc.threads):
-        notes += _note(b"CORE", NT_PRSTATUS, _prstatus(proc, thread, pending))
-        if n == 0:
-            notes += _note(b"CORE", NT_PRPSINFO, _prpsinfo(proc))
-            notes += _note(b"CORE", NT_AUXV, _auxv(proc))
-            notes += _note(b"CORE", NT_FILE, _nt_file(vmas))
-        notes += _note(b"CORE", NT_FPREGSET, thread.xstate[:FXSAVE_SIZE])
-        notes += _note(b"LINUX", NT_X86_XSTATE, thread.xstate)
+    elf = ELF32 if compat_process(proc.threads, pid) else ELF64
+    notes = _notes(proc, vmas, pending, elf)
     layout = xsave_layout(image.inventory.xfeatures, image.inventory.xstate_size)
     if layout:
         notes += _note(b"LINUX", NT_X86_XSAVE_LAYOUT, layout)
@@ -182,17 +249,15 @@ def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
         whole = bool(saved) or not (_file_backed(v) or v.kind is VmaKind.DEVICE)
         loads.append((v, saved, whole and bool(v.prot & 1)))
     phnum = 1 + len(loads)
-    notes_at = _EHDR.size + phnum * _PHDR.size
+    notes_at = elf.ehdr.size + phnum * len(elf.phdr(0, 0, 0, 0, 0, 0, 0))
     data_at = -(-(notes_at + len(notes)) // PAGE_SIZE) * PAGE_SIZE
-    phdrs = [_PHDR.pack(PT_NOTE, 0, notes_at, 0, 0, len(notes), 0, 4)]
+    phdrs = [elf.phdr(PT_NOTE, 0, notes_at, 0, len(notes), 0, 4)]
     offset = data_at
     for v, _saved, dumped in loads:
         size = v.end - v.start if dumped else 0
-        phdrs.append(_PHDR.pack(PT_LOAD, _flags(v.prot), offset, v.start, 0, size, v.end - v.start, PAGE_SIZE))
+        phdrs.append(elf.phdr(PT_LOAD, _flags(v.prot), offset, v.start, size, v.end - v.start, PAGE_SIZE))
         offset += size
-    ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)        # 64-bit, little-endian, SYSV
-    header = _EHDR.pack(ident, ET_CORE, EM_X86_64, 1, 0, _EHDR.size, 0, 0, _EHDR.size, _PHDR.size,
-                        phnum, 0, 0, 0)
+    header = elf.header(phnum)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.pwrite(fd, header + b"".join(phdrs), 0)
@@ -201,7 +266,7 @@ def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
         for v, saved, dumped in loads:
             if not dumped:
                 continue
-            _write_mapping(fd, image, v, saved, offset)
+            _write_mapping(fd, image, v, saved, offset, elf)
             offset += v.end - v.start
         os.ftruncate(fd, offset)                            # trailing holes count too
     finally:
@@ -209,11 +274,30 @@ def write_core(image: ImageReader, pid: int, path: str) -> CoreResult:
     return CoreResult(path, pid, len(proc.threads), phnum, offset)
 
 
-def _write_mapping(fd: int, image: ImageReader, v: Vma, saved, at: int) -> None:
+def _notes(proc: ProcessImage, vmas: Sequence[Vma], pending: int, elf: _Elf) -> bytes:
+    """Per thread its registers and FPU state, after the first the process's notes; an
+    ia32 thread's FPU state as the kernel dumps it too (FSAVE, then FXSAVE in NT_PRXFPREG)."""
+    notes = b""
+    for n, thread in enumerate(proc.threads):
+        notes += _note(b"CORE", NT_PRSTATUS, _prstatus(proc, thread, pending, elf))
+        if n == 0:
+            notes += _note(b"CORE", NT_PRPSINFO, _prpsinfo(proc, elf))
+            notes += _note(b"CORE", NT_AUXV, _auxv(proc))
+            notes += _note(b"CORE", NT_FILE, _nt_file(vmas, elf))
+        if elf is ELF32:
+            notes += _note(b"CORE", NT_FPREGSET, fsave_area(thread.xstate[:FXSAVE_SIZE]))
+            notes += _note(b"LINUX", NT_PRXFPREG, thread.xstate[:FXSAVE_SIZE])
+        else:
+            notes += _note(b"CORE", NT_FPREGSET, thread.xstate[:FXSAVE_SIZE])
+        notes += _note(b"LINUX", NT_X86_XSTATE, thread.xstate)
+    return notes
+
+
+def _write_mapping(fd: int, image: ImageReader, v: Vma, saved, at: int, elf: _Elf = ELF64) -> None:
     """A mapping's bytes at file offset `at`: the mapped file's first (where it has one),
     then the image's pages over them."""
     if v.kind is VmaKind.VDSO:
-        _write_vdso(fd, v, at)
+        _write_vdso(fd, v, at, elf)
     elif _file_backed(v) and not v.file_deleted:
         try:
             src = os.open(v.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -242,9 +326,14 @@ def _copy(src: int, src_at: int, dst: int, dst_at: int, size: int) -> int:
     return done
 
 
-def _write_vdso(fd: int, v: Vma, at: int) -> None:
-    """The vdso is the kernel's: this kernel's own (ptckpt's), when it has the same size (a
-    restore refuses another one too), else a hole."""
+def _write_vdso(fd: int, v: Vma, at: int, elf: _Elf = ELF64) -> None:
+    """The vdso is the kernel's: this kernel's own (ptckpt's; its 32-bit one for an ELF32
+    core), when it has the same size (a restore refuses another one too), else a hole."""
+    if elf is ELF32:
+        text = memory.probe_vdso32()[1]
+        if len(text) == v.end - v.start:
+            os.pwrite(fd, text, at)
+        return
     for m in procfs.read_maps(os.getpid()):
         if m.path == "[vdso]" and m.end - m.start == v.end - v.start:
             with open("/proc/self/mem", "rb", buffering=0) as mem:

@@ -97,18 +97,23 @@ def check_target(pid: int) -> None:
 
 def refuse_other_abi(pid: int) -> None:
     """A program of an instruction set the table of kinds (ptckpt.kinds.ABIS) does not say
-    is restored (a 32-bit one: ELF class 1) is refused by name before anything is injected."""
+    is restored is refused by name before anything is injected."""
+    if not is_32_bit(pid):
+        return
+    row = kinds.ABIS["ia32"]
+    if not row.restored:
+        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit ({row.name}) program",
+                                  why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
+
+
+def is_32_bit(pid: int) -> bool:
+    """The process runs a 32-bit program (ELF class 1 in /proc/PID/exe)."""
     try:
         with open(f"/proc/{pid}/exe", "rb") as f:
             head = f.read(5)
     except OSError:
-        return                                   # no program to read (gone): the freeze says so
-    if head[:4] != b"\x7fELF":
-        return
-    row = kinds.ABIS["ia32" if head[4] == 1 else "x86_64"]
-    if not row.restored:
-        raise UnsupportedResource(pid, f"{procfs.comm_or_unknown(pid)}, a 32-bit ({row.name}) program",
-                                  why=row.refusal, way_out="checkpoint its x86_64 build, or a tree without it")
+        return False                             # no program to read (gone): the freeze says so
+    return head[:4] == b"\x7fELF" and head[4] == 1
 
 
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})

@@ -94,6 +94,12 @@ class Host:
     xcr0: int                   # xsave features enabled on this CPU
     xstate_size: int            # bytes of the NT_X86_XSTATE regset here
 
+    @functools.cached_property
+    def maps32(self) -> tuple:
+        """The mappings of this kernel's 32-bit vdso (memory.probe_vdso32), asked for once:
+        only for an image with a 32-bit process."""
+        return tuple(memory.probe_vdso32()[0])
+
     @classmethod
     def probe(cls) -> "Host":
         """XCR0 and xstate size come from a throwaway child's NT_X86_XSTATE."""
@@ -111,7 +117,8 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
     if inv.page_size != PAGE_SIZE:
         raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
-    why = memory.vdso_mismatch(proc.vmas, host.maps)
+    compat = threads.compat_process(proc.threads, proc.task.pid)     # its vdso: the 32-bit one
+    why = memory.vdso_mismatch(proc.vmas, host.maps32 if compat else host.maps)
     if why:
         raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
     xcr0, xsize = host.xcr0, host.xstate_size
@@ -606,7 +613,8 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
 
 def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
-    memory.prepare_address_space_frozen(remote, mem, proc.vmas)
+    memory.prepare_address_space_frozen(remote, mem, proc.vmas,
+                                        compat=threads.compat_process(proc.threads, proc.task.pid))
     memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed, lazy)
 
 
@@ -725,7 +733,8 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
             registry.install(installing, registry.AFTER_TASK)
             warnings += process.restore_rlimits(leader.tgid, proc.rlimits)
             warnings += process.restore_cgroups(leader.tgid, proc.task.cgroups)
-            signals.restore_sigactions_frozen(remote, proc.sigactions)
+            signals.restore_sigactions_frozen(remote, proc.sigactions,
+                                              compat=threads.compat_process(proc.threads, proc.task.pid))
             log.info("fix up %d: threads", proc.task.pid)
             tasks = _create_threads_frozen(remote, mem, leader, proc)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)

@@ -51,6 +51,7 @@ from .formats.model import GP_REG_NAMES, PAGE_SIZE
 
 # --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
 PTRACE_GETREGS = 12
+PTRACE_SETOPTIONS = 0x4200
 PTRACE_SETREGS = 13
 PTRACE_GETREGSET = 0x4204
 PTRACE_SECCOMP_GET_FILTER = 0x420C
@@ -78,6 +79,23 @@ SUSPEND_SECCOMP = PTRACE_O_SUSPEND_SECCOMP if os.geteuid() == 0 else 0   # needs
 NT_PRSTATUS = 1
 NT_X86_XSTATE = 0x202
 WALL = 0x40000000                     # __WALL: wait for clone children (threads) too
+PTRACE_GET_THREAD_AREA = 25           # a GDT TLS entry (struct user_desc) of the tracee
+PTRACE_SET_THREAD_AREA = 26
+
+# Code segments (arch/x86/include/asm/segment.h): a thread whose cs is __USER32_CS runs
+# 32-bit (ia32, compat) code; a tracer may set cs, and the thread returns to user space
+# in that mode (through IRET).  Injected syscalls in a compat thread run in 64-bit mode
+# (the x86_64 syscalls, at a `syscall` instruction); the few whose compat form differs in
+# what it sets (SA_IA32_ABI of a sigaction, the compat robust list) run as i386 syscalls
+# through `int $0x80`, which works from either mode.
+USER32_CS = 0x23
+USER_CS = 0x33
+TLS_ENTRIES = range(12, 15)           # GDT_ENTRY_TLS_MIN .. +GDT_ENTRY_TLS_ENTRIES (x86_64)
+USER_DESC_SIZE = 16                   # struct user_desc (asm/ldt.h)
+# i386 syscall numbers (arch/x86/entry/syscalls/syscall_32.tbl) of the compat calls we make
+I386_SYSCALLS = {"restart_syscall": 0, "nanosleep": 162, "rt_sigaction": 174, "clock_nanosleep": 267,
+                 "set_robust_list": 311, "get_robust_list": 312, "clock_nanosleep_time64": 407,
+                 "futex": 240, "futex_time64": 422, "openat": 295}
 
 # Kernel-internal restart codes a thread frozen in a syscall shows in rax
 # (include/linux/errno.h).
@@ -210,6 +228,57 @@ def _host_syscall(nr: int, *args: int) -> int:
     return -ctypes.get_errno() if res == -1 else res
 
 
+# ptckpt's own i386 syscalls: 64-bit code may make them with `int $0x80` where the kernel has
+# ia32 emulation.  A thunk (machine code in a page below 4 GiB, read+exec) takes
+# (nr, a1, a2, a3, a4) in the x86_64 calling convention and makes the i386 call with them
+# in eax, ebx, ecx, edx, esi; its pointers must lie below 4 GiB too (a buffer page there).
+_I386_THUNK = bytes.fromhex(
+    "53"            # push %rbx
+    "89f8"          # mov %edi,%eax        nr
+    "89f3"          # mov %esi,%ebx        a1
+    "87ca"          # xchg %ecx,%edx       a2 -> ecx, a3 -> edx
+    "4489c6"        # mov %r8d,%esi        a4
+    "cd80"          # int $0x80
+    "5b"            # pop %rbx
+    "c3"            # ret
+)
+_MAP_32BIT = 0x40
+_i386: tuple | None = None      # (the thunk, the buffer's address, its size), made once
+
+
+def _i386_call() -> tuple:
+    global _i386
+    if _i386 is None:
+        mmap_, mprotect = _libc.mmap, _libc.mprotect
+        mmap_.restype, mmap_.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        code = mmap_(None, 3 * PAGE_SIZE, 3, 0x22 | _MAP_32BIT, -1, 0)     # RW, private anonymous
+        if code in (None, 2**64 - 1):
+            raise OSError(ctypes.get_errno(), "mmap of the i386 thunk")
+        ctypes.memmove(code, _I386_THUNK, len(_I386_THUNK))
+        if mprotect(ctypes.c_void_p(code), PAGE_SIZE, 5) != 0:                  # read+exec
+            raise OSError(ctypes.get_errno(), "mprotect of the i386 thunk")
+        thunk = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                                 ctypes.c_uint32, ctypes.c_uint32)(code)
+        _i386 = (thunk, code + PAGE_SIZE, 2 * PAGE_SIZE)
+    return _i386
+
+
+def compat_openat(path: str, flags: int, mode: int = 0) -> int:
+    """openat(AT_FDCWD, path, flags, mode) made by ptckpt as an i386 syscall: the x86_64 one
+    adds O_LARGEFILE to every open, which a description a 32-bit program opened without it
+    must not have.  Returns the fd; raises OSError."""
+    thunk, buf, size = _i386_call()
+    raw = os.fsencode(path) + b"\0"
+    if len(raw) > size:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+    ctypes.memmove(buf, raw, len(raw))
+    fd = thunk(I386_SYSCALLS["openat"], 0xFFFFFF9C, buf, flags, mode)       # AT_FDCWD
+    if fd < 0:
+        raise OSError(-fd, os.strerror(-fd), path)
+    return fd
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -269,6 +338,11 @@ class Regs:
         return v - 2**64 if v >= 2**63 else v
 
 
+def compat_mode(regs: Regs) -> bool:
+    """The thread runs 32-bit (ia32) code: its code segment is __USER32_CS."""
+    return regs.cs == USER32_CS
+
+
 def syscall_restart(regs: Regs) -> tuple[int, int]:
     """Classify a thread frozen inside a syscall: (restart kind, syscall nr or -1).
 
@@ -290,7 +364,7 @@ def syscall_restart(regs: Regs) -> tuple[int, int]:
 class Task:
     """One kernel thread we have seized."""
 
-    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "gadget")
+    __slots__ = ("tid", "tgid", "stop", "seized", "deferred_signals", "gadget", "options")
 
     def __init__(self, tid: int, tgid: int):
         self.tid = tid
@@ -299,6 +373,8 @@ class Task:
         self.seized = False
         self.deferred_signals: list[tuple[int, bytes]] = []   # (signo, siginfo) held back
         self.gadget: int | None = None          # a restore stub's syscall gadget, once moved
+        self.options: int | None = None         # the PTRACE_O_* we seized it with (None: not
+                                                # ours to know, a followed clone's inherited ones)
 
     @classmethod
     def followed(cls, tid: int, tgid: int) -> "Task":
@@ -343,6 +419,7 @@ class Task:
             try:
                 _pt.ptrace(PTRACE_SEIZE, self.tid, 0, options | SUSPEND_SECCOMP)
                 self.seized = True
+                self.options = options | SUSPEND_SECCOMP
                 return
             except PtraceError as err:
                 if err.errno not in (errno.EINVAL, errno.EPERM):
@@ -350,6 +427,11 @@ class Task:
                 SUSPEND_SECCOMP = 0          # a kernel without it (or not ours to use): go on without
         _ptrace(PTRACE_SEIZE, self.tid, 0, options, what="PTRACE_SEIZE")
         self.seized = True
+        self.options = options
+
+    def set_options(self, options: int) -> None:
+        """PTRACE_SETOPTIONS: the thread's PTRACE_O_* from now on (all of them)."""
+        _ptrace(PTRACE_SETOPTIONS, self.tid, 0, options, what="PTRACE_SETOPTIONS")
 
     def interrupt(self) -> None:
         _ptrace(PTRACE_INTERRUPT, self.tid, what="PTRACE_INTERRUPT")
@@ -537,6 +619,21 @@ class Task:
             if n < batch:
                 return out
 
+    def get_thread_area(self, entry: int) -> bytes:
+        """The GDT TLS entry `entry` (struct user_desc, 16 bytes) of the thread; a 32-bit
+        program's thread pointer (%gs) selects one."""
+        buf = ctypes.create_string_buffer(USER_DESC_SIZE)
+        _ptrace(PTRACE_GET_THREAD_AREA, self.tid, entry, ctypes.addressof(buf),
+                what="PTRACE_GET_THREAD_AREA")
+        return buf.raw
+
+    def set_thread_area(self, desc: bytes) -> None:
+        """Set the GDT TLS entry a struct user_desc names (its first field)."""
+        buf = ctypes.create_string_buffer(desc, USER_DESC_SIZE)
+        entry = struct.unpack_from("<I", desc)[0]
+        _ptrace(PTRACE_SET_THREAD_AREA, self.tid, entry, ctypes.addressof(buf),
+                what="PTRACE_SET_THREAD_AREA")
+
     def get_rseq(self) -> Rseq:
         conf = _RseqConfiguration()
         _ptrace(PTRACE_GET_RSEQ_CONFIGURATION, self.tid, ctypes.sizeof(conf),
@@ -686,6 +783,21 @@ _libc.process_vm_writev.argtypes = _libc.process_vm_readv.argtypes
 
 # --- the injection scope ----------------------------------------------------
 
+def _find_in_vdso(mem: AddressSpace, code: bytes) -> RemotePtr | None:
+    try:
+        with open(f"/proc/{mem.pid}/maps") as f:
+            lines = [line.split() for line in f]
+    except OSError as exc:
+        raise _translate_os_error(exc, mem.pid, "reading maps") from None
+    for fields in lines:
+        if fields[-1] == "[vdso]":
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            at = mem.read(start, end - start).find(code)
+            if at >= 0:
+                return RemotePtr(start + at)
+    return None
+
+
 def find_syscall_insn(mem: AddressSpace, maps: Sequence) -> RemotePtr | None:
     """Address of a `syscall` instruction (0f 05) in the tracee's [vdso], if any.
 
@@ -719,6 +831,9 @@ class RemoteSyscalls:
         self._under_frame: tuple[int, bytes] | None = None
         self.used = False
         self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
+        self.compat = False          # the thread runs 32-bit code (its own registers' cs)
+        self._exitkill = False       # PTRACE_O_EXITKILL set for this scope
+        self._int80: RemotePtr | None = None
 
     @property
     def gadget(self) -> RemotePtr | None:
@@ -739,6 +854,7 @@ class RemoteSyscalls:
         if self.task.stop is None:
             raise TraceeError(self.task.tid, "remote syscalls need a stopped thread")
         self.saved_regs = self.task.get_regs()
+        self.compat = compat_mode(self.saved_regs)
         if self._scratch_top is not None:
             self._sp = self._scratch_top
         else:
@@ -750,8 +866,16 @@ class RemoteSyscalls:
             self._patched = (rip, self.mem.read(rip, 2))
             self.mem.write(rip, b"\x0f\x05")
             self._gadget = RemotePtr(rip)
-        elif self._keep_regs and self._scratch_top is None:
+        elif self._keep_regs and self._scratch_top is None and not self.compat:
             self._prepare_way_home()
+        options = self.task.options
+        if self._keep_regs and self.compat and options is not None and not options & PTRACE_O_EXITKILL:
+            # A compat thread has no way home yet (it would take an ia32 frame and i386
+            # injections): left with our registers, it would run on in 64-bit mode into the
+            # vdso's int $0x80 with our result as the syscall number.  Should ptckpt vanish
+            # meanwhile, the kernel kills it instead (PTRACE_O_EXITKILL while the scope lasts).
+            self.task.set_options(options | PTRACE_O_EXITKILL)
+            self._exitkill = True
 
     def _prepare_way_home(self) -> None:
         """A live thread: should ptckpt vanish mid-injection, the thread must find its own
@@ -788,6 +912,9 @@ class RemoteSyscalls:
                 self.task.resume(0)
                 self.task.wait_frozen()
         self._put_back_under_frame()
+        if self._exitkill and self.task.seized and self.task.options is not None:
+            with contextlib.suppress(TargetVanished):
+                self.task.set_options(self.task.options)     # its own registers again: no kill
 
     def _put_back_under_frame(self) -> None:
         """The stack bytes the way home covered, once the thread's registers are its own."""
@@ -798,20 +925,52 @@ class RemoteSyscalls:
                 self.mem.write(low, old)
 
     def syscall(self, nr: int | str, *args: int) -> int:
-        """Run one syscall in the tracee; returns the raw result (-errno on failure)."""
+        """Run one syscall in the tracee; returns the raw result (-errno on failure).
+        In a compat thread it runs in 64-bit mode (cs __USER_CS), an x86_64 syscall still."""
         if isinstance(nr, str):
             nr = SYSCALL_NUMBERS[nr]
         assert self.saved_regs is not None
         regs = self.saved_regs.copy()
         regs.rip = int(self._gadget)
-        regs.rax = nr
-        regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
+        if self.compat:
+            regs.cs = USER_CS              # 64-bit mode for the x86_64 syscall
         if self._entry is not None:
             regs.rsp = regs.rbp = self._entry     # the epilogue after the syscall leads home
         else:
             regs.rsp = self._sp - 64       # below the scratch data in use
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args):
             setattr(regs, name, value)
+        return self._run(regs, nr).signed("rax")
+
+    def compat_syscall(self, name: str, *args: int) -> int:
+        """Run one i386 syscall (its ia32 form: compat structures, SA_IA32_ABI) through
+        `int $0x80`, in the thread's own mode; pointers must lie below 4 GiB.  Returns the
+        raw result (-errno on failure)."""
+        assert self.saved_regs is not None
+        regs = self.saved_regs.copy()
+        regs.rip = int(self.int80())
+        regs.rsp = self._sp - 64
+        for reg, value in zip(("rbx", "rcx", "rdx", "rsi", "rdi", "rbp"), args):
+            setattr(regs, reg, value & 0xFFFFFFFF)
+        result = self._run(regs, I386_SYSCALLS[name]).rax & 0xFFFFFFFF
+        return result - 2**32 if result >= 2**31 else result
+
+    def int80(self) -> RemotePtr:
+        """An `int $0x80` instruction (cd 80) of the tracee: beside the gadget (a restore's
+        gadget page holds one), else in its [vdso] (a 32-bit vdso's __kernel_vsyscall)."""
+        if self._int80 is None:
+            if self._gadget is not None and self.mem.read(self._gadget + 3, 2) == b"\xcd\x80":
+                self._int80 = RemotePtr(self._gadget + 3)
+            else:
+                self._int80 = _find_in_vdso(self.mem, b"\xcd\x80")
+        if self._int80 is None:
+            raise TraceeError(self.task.tgid, f"no int $0x80 instruction in process {self.task.tgid}")
+        return self._int80
+
+    def _run(self, regs: Regs, nr: int) -> Regs:
+        """Set `regs` with syscall `nr`, run it to its exit stop; the registers there."""
+        regs.rax = nr
+        regs.orig_rax = 2**64 - 1      # keep the kernel's restart logic off our registers
         self.task.set_regs(regs)
         self.used = True
         testhooks.reached("inject-set")
@@ -830,8 +989,7 @@ class RemoteSyscalls:
                                                                PTRACE_EVENT_VFORK):
                     self.last_clone = self.task.get_event_msg()
                 # an interrupt or group stop while injecting: just go on
-        result = self.task.get_regs().signed("rax")
-        return result
+        return self.task.get_regs()
 
     def checked(self, nr: int | str, *args: int, step: str | None = None) -> int:
         """Like :meth:`syscall`, but a failure raises RemoteSyscallError naming everything."""
@@ -839,6 +997,13 @@ class RemoteSyscalls:
         res = self.syscall(nr, *args)
         if -4096 < res < 0:
             raise RemoteSyscallError(self.task.tgid, name, tuple(args), -res, step=step)
+        return res
+
+    def checked_compat(self, name: str, *args: int, step: str | None = None) -> int:
+        """Like :meth:`compat_syscall`, but a failure raises RemoteSyscallError."""
+        res = self.compat_syscall(name, *args)
+        if -4096 < res < 0:
+            raise RemoteSyscallError(self.task.tgid, f"{name} (i386)", tuple(args), -res, step=step)
         return res
 
     @contextlib.contextmanager
@@ -999,11 +1164,12 @@ def _wait_end_unreaped(task: Task) -> None:
 
 
 @contextlib.contextmanager
-def probe_task() -> Iterator[Task]:
+def probe_task(*, changed: bool = False) -> Iterator[Task]:
     """A throwaway sleeping child of ptckpt, seized and frozen, killed on exit.
 
     For questions only a tracee answers: this CPU's xstate size and XCR0,
-    whether PTRACE_SEIZE and friends work here.
+    whether PTRACE_SEIZE and friends work here.  `changed`: the caller changes it beyond
+    repair (its vdso): it dies still stopped, never let run again (it would crash).
     """
     pid = os.fork()
     if pid == 0:
@@ -1015,7 +1181,8 @@ def probe_task() -> Iterator[Task]:
         task.interrupt()
         task.wait_frozen()
         yield task
-        task.detach()
+        if not changed:
+            task.detach()
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -376,6 +376,26 @@ def fixture_bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.fail(str(err), pytrace=False)
 
 
+X86_64_ONLY = ("avx",)            # fixtures that are x86_64 programs by nature
+
+
+@pytest.fixture(scope="session")
+def fixture_bins32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The C fixtures built with ``gcc -m32`` (32-bit, ia32 programs) once per session, but
+    those of X86_64_ONLY: name -> executable path.  Skips where gcc cannot build 32-bit
+    programs (Debian's gcc-multilib: the install script installs it)."""
+    if fixture_build.find_cc() is None:
+        pytest.skip("needs gcc to compile the C fixtures")
+    outdir = tmp_path_factory.mktemp("fixture-bins32")
+    names = [n for n in fixture_build.sources() if n not in X86_64_ONLY]
+    try:
+        return fixture_build.compile_all(outdir, names, extra=("-m32",))
+    except fixture_build.CompileError as err:
+        if "-m32" in err.output or "gnu/stubs-32.h" in err.output or "cannot find" in err.output:
+            pytest.skip(f"needs gcc -m32 (Debian's gcc-multilib): {INSTALL_SCRIPT} installs it")
+        pytest.fail(str(err), pytrace=False)
+
+
 # --- spawned targets -------------------------------------------------------------
 
 class TargetError(AssertionError):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ptckpt.app import LAYOUT, OFF_CRITICAL, OFF_GENERATION, OFF_STATE
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
@@ -40,8 +42,11 @@ def _int(raw: bytes, offset: int = 0, fmt: str = "<i") -> int:
     return struct.unpack_from(fmt, raw, offset)[0]
 
 
-def test_dump_waits_for_the_end_of_a_critical_section(spawn, ptckpt, tmp_path):
-    target = spawn("appctl", "critical", 300)     # inside a 300 ms section most of the time
+@pytest.mark.parametrize("build", ["x86_64", "-m32"])
+def test_dump_waits_for_the_end_of_a_critical_section(spawn, ptckpt, tmp_path, request, build):
+    """(Built with -m32 too: ptckpt.h's block has one layout in both ABIs.)"""
+    appctl = "appctl" if build == "x86_64" else str(request.getfixturevalue("fixture_bins32")["appctl"])
+    target = spawn(appctl, "critical", 300)     # inside a 300 ms section most of the time
     sym = _syms(target)
     for i in range(3):
         res = ptckpt("dump", target.pid, "-D", tmp_path / f"img{i}")

@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 
+import pytest
 from elftools.elf.elffile import ELFFile
 
 from ptckpt.errors import ExitCode
@@ -52,11 +53,17 @@ def _core_bytes(path, loads, addr: int, size: int) -> bytes:
 
 
 @needs("gdb")
-def test_gdb_reads_the_core_of_every_thread(spawn, ptckpt, tmp_path):
-    target = spawn("threads")
+@pytest.mark.parametrize("build", ["x86_64", "-m32"])
+def test_gdb_reads_the_core_of_every_thread(spawn, ptckpt, tmp_path, request, build):
+    """(A 32-bit process's core is an ELF32 one for EM_386, as the kernel would dump it.)"""
+    threads = "threads" if build == "x86_64" else str(request.getfixturevalue("fixture_bins32")["threads"])
+    target = spawn(threads)
     _dump(ptckpt, target.pid, tmp_path / "img")
     lines = _cores(ptckpt, tmp_path / "img", tmp_path / "cores")
     core = tmp_path / "cores" / f"core.{target.pid}"
+    with open(core, "rb") as f:
+        elf = ELFFile(f)
+        assert (elf.elfclass, elf["e_machine"]) == ((64, "EM_X86_64") if build == "x86_64" else (32, "EM_386"))
     assert lines == [f"{core}: process {target.pid}, 5 threads, " + lines[0].rsplit(", ", 1)[1]]
     assert stat.S_IMODE(core.stat().st_mode) == 0o600            # memory secrets
     assert stat.S_IMODE((tmp_path / "cores").stat().st_mode) == 0o700

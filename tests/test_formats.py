@@ -388,10 +388,21 @@ def test_pty_format_14_fields():
     assert old == dataclasses.replace(pty, input=b"", input_lines=(), hung_up=False)
 
 
+def test_thread_format_15_tls_entries():
+    """A THREAD record of format 15 ends with its TLS entries (a 32-bit thread's struct
+    user_desc fields); a format-14 one has none and takes the default ()."""
+    thread = dataclasses.replace(make_thread(5), tls=((12, 0xF7EE1580, 0xFFFFF, 0x51),))
+    payload = build_record(thread)
+    assert payload.endswith(bytes.fromhex("01" "0c000000" "8015eef7" "ffff0f00" "51000000"))
+    assert parse_record(EntryKind.THREAD, payload, version=15) == thread
+    old = parse_record(EntryKind.THREAD, payload[:-17], version=14)
+    assert old == dataclasses.replace(thread, tls=())
+
+
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0e00" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "0f00" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(

@@ -102,6 +102,14 @@ def dump_ok(ptckpt, pid: int, image: Path, *flags: str) -> None:
     assert res.returncode == 0, res.stderr
 
 
+M32 = pytest.mark.proc_differs("maps", reason="a restored 32-bit process shows [vsyscall] (test_compat32)")
+
+
+def _build(request, name: str, build: str) -> str:
+    """The fixture `name` as built for `build`: "x86_64" or "-m32" (conftest.fixture_bins32)."""
+    return name if build == "x86_64" else str(request.getfixturevalue("fixture_bins32")[name])
+
+
 def killed(*targets) -> None:
     """After a dump --kill: the processes are gone and their pids free for the restore."""
     for t in targets:
@@ -194,10 +202,11 @@ def assert_pair_received(t, facts, count: int = 1, timeout: float = 20) -> None:
     assert child.groups() == (str(n), h, "noeof"), (child.group(0), facts["sent"])
 
 
-def test_tcppair_kill_and_restore_established(spawn, ptckpt, tmp_path, own_locks):
+@pytest.mark.parametrize("build", ["x86_64", pytest.param("-m32", marks=M32)])
+def test_tcppair_kill_and_restore_established(spawn, ptckpt, tmp_path, own_locks, request, build):
     """dump --kill --tcp-established, restore: both megabytes and the child's FIN arrive;
-    the network lock of the dump holds until the restore, then goes."""
-    t = spawn("tcppair")
+    the network lock of the dump holds until the restore, then goes (32-bit programs too)."""
+    t = spawn(_build(request, "tcppair", build))
     facts = tcppair_facts(t)
     image = tmp_path / "img"
     dump_ok(ptckpt, t.pid, image, "--kill", "--tcp-established")
@@ -262,12 +271,15 @@ def test_tcppair_leave_running_then_restore_in_netns(spawn, ptckpt, tmp_path, ow
 
 # --- udpserver: a hundred datagrams queued, with their senders -----------------------
 
-@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
-def test_udpserver_queue_with_senders(spawn, ptckpt, tmp_path, own_locks, addr):
+@pytest.mark.parametrize("addr, build", [("127.0.0.1", "x86_64"), ("::1", "x86_64"),
+                                         pytest.param("127.0.0.1", "-m32", marks=M32)],
+                         ids=["ipv4", "ipv6", "ipv4-m32"])
+def test_udpserver_queue_with_senders(spawn, ptckpt, tmp_path, own_locks, request, addr, build):
     """100 datagrams (empty ones too) from 4 sockets of the test, unread at the dump: the
-    restored server reads them in order, each with its sender's address and port."""
+    restored server reads them in order, each with its sender's address and port (a
+    32-bit server too)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    t = spawn("udpserver", addr)
+    t = spawn(_build(request, "udpserver", build), addr)
     port = int(t.wait_for_line(r"^PORT (\d+)$").group(1))
     senders = [socket.socket(family, socket.SOCK_DGRAM) for _ in range(4)]
     try:

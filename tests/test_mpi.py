@@ -5,7 +5,6 @@ program (fixtures/mpi/mpisum.c) checks every message it gets as well."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

@@ -109,11 +109,18 @@ def test_sleeping_process_wakes_at_the_right_time(spawn, ptckpt, tmp_path):
 def test_a_sleep_dumped_twice_goes_on_after_restore(spawn, ptckpt, tmp_path):
     """The first (leave-running) dump leaves the sleep going on in restart_syscall; the
     second dump finds it there, and the restore must not re-run restart_syscall (EINTR)."""
-    target = spawn("sleeper", 3.0)
+    sleep_dumped_twice(spawn, ptckpt, tmp_path, "sleeper", "219")
+
+
+def sleep_dumped_twice(spawn, ptckpt, tmp_path, program: str, restart_syscall: str) -> None:
+    """`program` (a sleeper) dumped leaving it running, then again once /proc/PID/syscall
+    shows it in restart_syscall (`restart_syscall`, that ABI's number), killed, restored: it
+    wakes and exits 0."""
+    target = spawn(program, 3.0)
     time.sleep(0.3)
     res = ptckpt("dump", target.pid, "-D", tmp_path / "first")
     assert res.returncode == 0, res.stderr
-    wait_until(lambda: open(f"/proc/{target.pid}/syscall").read().split()[0] == "219", timeout=5)
+    wait_until(lambda: open(f"/proc/{target.pid}/syscall").read().split()[0] == restart_syscall, timeout=5)
     _dump_kill(ptckpt, target, tmp_path / "img")
     _restore(ptckpt, tmp_path / "img")
     target.wait_for_line(r"WOKE 1", timeout=10)

@@ -38,7 +38,7 @@ struct ptckpt_app {
 	volatile int request;             /* 1: checkpoint me (ptckpt run clears it) */
 	volatile int state;               /* PTCKPT_CONTINUED / PTCKPT_RESTORED (ptckpt writes) */
 	volatile int hold_tid;            /* runs alone after a restore until cleared */
-	volatile unsigned long generation; /* +1 at every dump and restore (ptckpt writes) */
+	volatile unsigned long long generation; /* +1 at every dump and restore (ptckpt writes; 8 bytes at +24 with -m32 too) */
 	char section[64];                 /* outermost critical section's name */
 	char last_image[168];             /* last checkpoint's directory (ptckpt writes) */
 };
@@ -64,7 +64,7 @@ static inline int ptckpt_checkpoint(void)
 {
 	if (!getenv("PTCKPT_CONTROL"))
 		return PTCKPT_NO_SUPERVISOR;
-	unsigned long before = ptckpt_app.generation;
+	unsigned long long before = ptckpt_app.generation;
 	struct timespec ms = { 0, 1000000 };
 	__atomic_store_n(&ptckpt_app.request, 1, __ATOMIC_SEQ_CST);
 	while (ptckpt_app.generation == before)

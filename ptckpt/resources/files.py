@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from .. import kinds, procfs
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
 from ..formats.model import Fd, FdKind, FdOwner, GhostFile, ProcessImage, SavedFile, Task, Vma, VmaKind
-from ..tracee import pidfd_getfd, same_open_file
+from ..tracee import compat_openat, pidfd_getfd, same_open_file
 from .fhandles import file_handle, open_file_handle
 from .mqueue import is_mqueue
 from . import filepolicy, nsfs
@@ -552,13 +552,18 @@ def _ghost_fd(key) -> Fd:
               pos=0, cloexec=True, mnt_id=0, dev=key[1], ino=key[2], mode=0, rdev=0, size=0, mtime_ns=0)
 
 
-def open_description(f: Fd, path: str | None = None) -> int:
-    """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset."""
+def open_description(f: Fd, path: str | None = None, *, compat: bool = False) -> int:
+    """Open, in ptckpt, the file description an fd had: its path (or `path`), flags and offset.
+    `compat`: a 32-bit process holds it: a file it opened without O_LARGEFILE is opened so
+    again (an i386 openat: tracee.compat_openat)."""
     flags = f.flags & ~(O_CREAT | O_EXCL | O_TRUNC) | O_NOCTTY | O_CLOEXEC
     if f.kind is FdKind.REGULAR:
         flags &= ~os.O_TMPFILE        # made by O_TMPFILE (its O_DIRECTORY bit too): reopened as a file
     try:
-        fd = os.open(path or f.path, flags)
+        if compat and f.kind is FdKind.REGULAR and not f.flags & O_LARGEFILE:
+            fd = compat_openat(path or f.path, flags)
+        else:
+            fd = os.open(path or f.path, flags)
     except OSError as err:
         raise RestoreFailed(f"cannot reopen {f.path} (fd {f.fd}): {err.strerror}") from None
     if f.kind in (FdKind.REGULAR, FdKind.DIRECTORY) and f.pos:
@@ -721,6 +726,18 @@ def remove_ghost_files(paths: dict[tuple, str]) -> None:
                 os.unlink(path)
 
 
+O_LARGEFILE = 0o100000
+
+
+def _reopen(remote, f: Fd, path: int, flags: int, step: str) -> int:
+    """openat of `path` with `flags`.  An x86_64 open always adds O_LARGEFILE; a file a
+    32-bit program opened without it is opened again through the compat openat, which
+    does not (where the scratch memory lies below 4 GiB: a 32-bit process's restore)."""
+    if not f.flags & O_LARGEFILE and remote.scratch_top < 2**32:
+        return remote.checked_compat("openat", AT_FDCWD, path, flags, 0, step=step)
+    return remote.checked("openat", AT_FDCWD, path, flags, 0, step=step)
+
+
 def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapping[int, int] = {}, *,
                        extra: list[tuple[int, int]] = (), keep: set[int] = frozenset()) -> None:
     """Install every fd at its number: files by path at their offset, stdio from ptckpt restore.
@@ -768,8 +785,7 @@ def restore_fds_frozen(remote, fds: list[Fd], inherited: list[int], handed: Mapp
         # inside the injected syscall), then gets its own flags back.
         open_flags = flags | O_NONBLOCK if f.kind is FdKind.FIFO else flags
         with remote.scratch(os.fsencode(path) + b"\0") as p:
-            got = remote.checked("openat", AT_FDCWD, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0),
-                                 0, step=step)
+            got = _reopen(remote, f, int(p), open_flags | (O_CLOEXEC if f.cloexec else 0), step)
         if open_flags != flags:
             remote.checked("fcntl", got, F_SETFL, flags, step=step)
         if got != f.fd:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .. import kinds, procfs, progress
-from ..errors import AccessDenied, PtckptError
+from ..errors import AccessDenied, Incompatible, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
-from ..tracee import AddressSpace, RemotePtr, page_align
+from ..tracee import AddressSpace, RemotePtr, find_syscall_insn, page_align, probe_task, remote_syscalls
 from . import sysvipc
 from .aio import is_aio_ring
 from .files import ghost_key
@@ -720,6 +720,9 @@ AT_FDCWD = -100 & (2**64 - 1)
 TASK_SIZE = 0x7FFFFFFFF000
 KERNEL_MAPPED = (VmaKind.VDSO, VmaKind.VVAR, VmaKind.VVAR_VCLOCK)
 GADGET_PAGES = 2      # one page of code (syscall; int3), one of scratch memory
+GADGET_CODE = b"\x0f\x05\xcc\xcd\x80\xcc"    # syscall; int3; int $0x80 (i386 calls); int3
+COMPAT_GADGET = 0x10000000          # where a 32-bit process's gadget is looked for (below 4 GiB)
+COMPAT_LIMIT = 0x100000000
 
 
 def special_layout(vmas: Sequence) -> dict[str, tuple[int, int]]:
@@ -745,8 +748,10 @@ def vdso_mismatch(image_vmas: Sequence[Vma], own_maps: Sequence) -> str | None:
     return None
 
 
-def find_hole(taken: Iterable[tuple[int, int]], size: int, start: int = 0x100000000) -> int:
-    """A page-aligned address where `size` bytes overlap none of the `taken` ranges."""
+def find_hole(taken: Iterable[tuple[int, int]], size: int, start: int = 0x100000000,
+              limit: int = 0) -> int:
+    """A page-aligned address where `size` bytes overlap none of the `taken` ranges
+    (and end below `limit`, TASK_SIZE by default)."""
     ranges = sorted(taken)
     addr = start
     for s, e in ranges:
@@ -755,7 +760,7 @@ def find_hole(taken: Iterable[tuple[int, int]], size: int, start: int = 0x100000
         if s >= addr + size:
             break
         addr = (e + 0xFFFFF) & ~0xFFFFF
-    if addr + size > TASK_SIZE:
+    if addr + size > (limit or TASK_SIZE):
         raise ValueError("no hole in the address space")
     return addr
 
@@ -797,7 +802,7 @@ def inherited_vmas(image_vmas: Sequence[Vma]) -> list[Vma]:
     return [v for v in image_vmas if v.cow]
 
 
-def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> None:
+def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma], compat: bool = False) -> None:
     """Turn the freshly exec'd stub into an empty address space holding only the kernel's pages
     (and the mappings it inherited from its rebuilt parent, which it keeps).
 
@@ -805,27 +810,38 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
     2. unmap everything of the stub but the gadget, [vdso]/[vvar]/[vvar_vclock] and the
        inherited mappings;
     3. move those to the image's addresses (via a free spot, so none lands on another).
+
+    `compat`: a 32-bit (ia32) process's: the gadget lies below 4 GiB (the compat calls'
+    pointers are 32 bits), and the stub's 64-bit vdso gives way to this kernel's 32-bit
+    one, mapped at the image's address (arch_prctl ARCH_MAP_VDSO_32).
     """
     own = procfs.read_maps(mem.pid)
     taken = [(v.start, v.end) for v in image_vmas] + [(m.start, m.end) for m in own]
     size = GADGET_PAGES * PAGE_SIZE
-    gadget = find_hole(taken, size)
+    gadget = find_hole(taken, size, start=COMPAT_GADGET if compat else 0x100000000,
+                       limit=COMPAT_LIMIT if compat else TASK_SIZE)
     remote.checked("mmap", gadget, size, PROT_READ | PROT_WRITE | PROT_EXEC,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="map the gadget")
-    mem.write(gadget, b"\x0f\x05\xcc")          # syscall; int3
+    mem.write(gadget, GADGET_CODE)
     remote.move_gadget(RemotePtr(gadget), gadget_scratch_top(gadget))
     keep = [(gadget, gadget + size)] + [(m.start, m.end) for m in own
-                                        if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+                                        if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]") and not compat]
     keep += [(v.start, v.end) for v in inherited_vmas(image_vmas)]
     cursor = PAGE_SIZE * 16
     for s, e in sorted(keep) + [(TASK_SIZE, TASK_SIZE)]:
         if s > cursor:
             remote.checked("munmap", cursor, s - cursor, step="unmap the stub")
         cursor = max(cursor, e)
-    # Move the kernel's pages: first out of the way, then to the image's addresses.
+    if compat:
+        _map_vdso32_frozen(remote, mem, image_vmas)
+    else:
+        _move_kernel_pages_frozen(remote, image_vmas, own, taken + [(gadget, gadget + size)])
+
+
+def _move_kernel_pages_frozen(remote, image_vmas: Sequence[Vma], own: Sequence, taken: list) -> None:
+    """The stub's vdso pages moved: first out of the way, then to the image's addresses."""
     want = special_layout(image_vmas)
     have = special_layout(own)
-    taken += [(gadget, gadget + size)]
     parked: dict[str, tuple[int, int]] = {}
     for name, (s, e) in have.items():
         if name not in want:
@@ -840,6 +856,51 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
         ws, we = want[name]
         remote.checked("mremap", s, e - s, e - s, MREMAP_MAYMOVE | MREMAP_FIXED, ws,
                        step=f"move {name}")
+
+
+ARCH_MAP_VDSO_32 = 0x2002
+
+
+def _map_vdso32_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma]) -> None:
+    """This kernel's 32-bit vdso (and its data pages) where the image had them; refused when
+    this kernel lays them out otherwise than the one that made the image."""
+    want = special_layout(image_vmas)
+    if not want:
+        return
+    remote.checked("arch_prctl", ARCH_MAP_VDSO_32, min(s for s, _e in want.values()),
+                   step="map the 32-bit vdso")
+    have = special_layout(procfs.read_maps(mem.pid))
+    if have != want:
+        raise Incompatible(f"this kernel's 32-bit vdso is laid out as {_layout_text(have)}, "
+                           f"the image's as {_layout_text(want)}: a different kernel made it")
+
+
+def probe_vdso32() -> tuple[list, bytes]:
+    """This kernel's 32-bit vdso, as a throwaway child of ptckpt shows it once it has traded
+    its own vdso for one (ARCH_MAP_VDSO_32 where the kernel likes): its [vvar], [vvar_vclock]
+    and [vdso] mappings (for vdso_mismatch) and the [vdso]'s bytes (for a core file).  None
+    and no bytes where the kernel maps none (no ia32 emulation)."""
+    with probe_task(changed=True) as task, AddressSpace(task.tgid) as mem:
+        own = procfs.read_maps(task.tgid)
+        taken = [(m.start, m.end) for m in own]
+        with remote_syscalls(task, mem, find_syscall_insn(mem, own), keep_regs=False) as remote:
+            gadget = find_hole(taken, GADGET_PAGES * PAGE_SIZE)
+            remote.checked("mmap", gadget, GADGET_PAGES * PAGE_SIZE, PROT_READ | PROT_WRITE | PROT_EXEC,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, 2**64 - 1, 0, step="probe the 32-bit vdso")
+            mem.write(gadget, GADGET_CODE)
+            remote.move_gadget(RemotePtr(gadget), gadget_scratch_top(gadget))
+            for m in own:
+                if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]"):
+                    remote.checked("munmap", m.start, m.end - m.start, step="probe the 32-bit vdso")
+            if remote.syscall("arch_prctl", ARCH_MAP_VDSO_32, 0) < 0:
+                return [], b""
+            maps = [m for m in procfs.read_maps(task.tgid) if m.path in ("[vdso]", "[vvar]", "[vvar_vclock]")]
+            text = next((mem.read(m.start, m.end - m.start) for m in maps if m.path == "[vdso]"), b"")
+            return maps, text
+
+
+def _layout_text(layout: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{name} {s:#x}-{e:#x}" for name, (s, e) in sorted(layout.items(), key=lambda kv: kv[1]))
 
 
 _libc_mm = ctypes.CDLL(None, use_errno=True)

@@ -64,7 +64,7 @@ from ..formats.model import (EpollState, Fd, FdKind, GhostFile, InFlightFd, Inet
 from ..plan import pty_slaves, root_stdio
 from ..errors import RestoreFailed
 from . import (aio, anonfds, epoll, files, inet, inotify, locks, memory, netlink, nsfs, pidfds, pids, pipes,
-               sharing, sockets, sysvipc, terminals)
+               sharing, sockets, sysvipc, terminals, threads)
 
 # The points of a process's fix-up where rows install (restore.fix_up runs them in this order).
 MEMORY = "memory"            # right after its address space is rebuilt
@@ -283,6 +283,7 @@ def _open_files(ctx: Handoff) -> None:
     image, opened = ctx.image, ctx.opened
     stdio = root_stdio(ctx.procs[image.inventory.root_pid])
     skip = ctx.later | set(ctx.sockets_of({u.ino for u in image.unix_sockets}))
+    compat = {f.desc for p in ctx.procs.values() if threads.compat_process(p.threads, p.task.pid) for f in p.fds}
     for d, f in ctx.plan.items():
         if d in opened or d in skip:
             continue
@@ -298,7 +299,7 @@ def _open_files(ctx: Handoff) -> None:
         elif nsfs.bound_path(f):
             opened[d] = nsfs.open_bound(f)
         else:
-            opened[d] = files.open_description(f, ctx.ghost_paths.get(files.ghost_key(f)))
+            opened[d] = files.open_description(f, ctx.ghost_paths.get(files.ghost_key(f)), compat=d in compat)
 
 
 def _create_unix_sockets(ctx: Handoff) -> None:

@@ -16,6 +16,9 @@ from ..tracee import RemoteSyscalls, Task
 
 NSIG = 64
 KERNEL_SIGACTION = struct.Struct("<QQQQ")   # struct sigaction as rt_sigaction sees it (x86_64)
+# struct compat_sigaction (include/linux/compat.h): handler, flags, restorer as u32, the mask
+# as two u32 words (the same bytes as one little-endian u64)
+COMPAT_SIGACTION = struct.Struct("<IIIQ")
 
 
 def dump_sigactions_frozen(remote: RemoteSyscalls) -> list[Sigaction]:
@@ -51,15 +54,23 @@ SIGKILL, SIGSTOP = 9, 19
 ALL_BLOCKED = (2**64 - 1) & ~(1 << (SIGKILL - 1)) & ~(1 << (SIGSTOP - 1))
 
 
-def restore_sigactions_frozen(remote: RemoteSyscalls, actions: Iterable[Sigaction]) -> None:
-    """rt_sigaction(sig, &act, NULL, 8) for every signal (defaults too: exec kept ignored ones)."""
-    with remote.scratch(KERNEL_SIGACTION.size) as buf:
+def restore_sigactions_frozen(remote: RemoteSyscalls, actions: Iterable[Sigaction], compat: bool = False) -> None:
+    """rt_sigaction(sig, &act, NULL, 8) for every signal (defaults too: exec kept ignored ones).
+
+    `compat`: a 32-bit process's, through the i386 rt_sigaction: only a compat call marks
+    a handler SA_IA32_ABI, which makes the kernel deliver its signals in ia32 frames
+    (the x86_64 call would give a 32-bit handler a 64-bit frame)."""
+    layout = COMPAT_SIGACTION if compat else KERNEL_SIGACTION
+    with remote.scratch(layout.size) as buf:
         for a in actions:
             if a.signo in (SIGKILL, SIGSTOP):
                 continue
-            remote.mem.write(buf, KERNEL_SIGACTION.pack(a.handler, a.flags, a.restorer, a.mask))
-            remote.checked("rt_sigaction", a.signo, int(buf), 0, 8,
-                           step=f"restore the disposition of signal {a.signo}")
+            remote.mem.write(buf, layout.pack(a.handler, a.flags, a.restorer, a.mask))
+            step = f"restore the disposition of signal {a.signo}"
+            if compat:
+                remote.checked_compat("rt_sigaction", a.signo, int(buf), 0, 8, step=step)
+            else:
+                remote.checked("rt_sigaction", a.signo, int(buf), 0, 8, step=step)
 
 
 def restore_pending_frozen(remote: RemoteSyscalls, tgid: int, pending: Iterable[PendingSignal]) -> None:

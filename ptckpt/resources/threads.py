@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import struct
+from typing import Sequence
 
 from .. import procfs
-from ..formats.model import Restart, Thread
+from ..formats.model import GP_REG_NAMES, Restart, Thread
 from ..errors import PtckptError, UnsupportedResource
-from ..tracee import ERESTARTNOHAND, Regs, RemotePtr, RemoteSyscalls, Task, syscall_restart, xstate_header
+from ..tracee import (ERESTARTNOHAND, I386_SYSCALLS as I386, TLS_ENTRIES, USER32_CS, Regs, RemotePtr,
+                      RemoteSyscalls, Task, compat_mode, syscall_restart, xstate_header)
 from .pids import clone_args
 
 PR_GET_TID_ADDRESS = 40
@@ -32,9 +34,12 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
     xstate = task.get_xstate()
     xstate_bv, _xcr0 = xstate_header(xstate)
     rseq = task.get_rseq()
-    robust_head, robust_len = task.get_robust_list()
+    compat = compat_mode(regs)
+    robust_head, robust_len = _compat_robust_list(remote) if compat else task.get_robust_list()
     kind, nr = syscall_restart(regs)
-    if nr == NR_RESTART_SYSCALL:
+    if compat and kind and nr == I386["restart_syscall"]:
+        nr = restarted_syscall_compat(regs, remote.mem)
+    elif not compat and nr == NR_RESTART_SYSCALL:
         nr = restarted_syscall(regs, remote.mem)
     # Readable only from inside: the calling thread's own clear_child_tid and
     # alternate signal stack.
@@ -65,7 +70,41 @@ def dump_thread_frozen(task: Task, remote: RemoteSyscalls, comm: str = "") -> Th
         restart=Restart(kind),
         syscall_nr=nr,
         comm=comm,
+        tls=dump_tls(task) if compat else (),
     )
+
+
+def _compat_robust_list(remote: RemoteSyscalls) -> tuple[int, int]:
+    """A 32-bit thread's robust futex list is the kernel's compat one, which only the
+    compat get_robust_list answers (the x86_64 call shows the native list: none)."""
+    with remote.scratch(8) as buf:
+        remote.checked_compat("get_robust_list", 0, int(buf), int(buf) + 4, step="dump thread")
+        head, length = struct.unpack("<II", remote.mem.read(buf, 8))
+    return head, length
+
+
+EMPTY_TLS_FLAGS = 0x28        # read_exec_only | seg_not_present: how an unused entry reads
+
+
+def dump_tls(task: Task) -> tuple[tuple[int, int, int, int], ...]:
+    """The thread's used GDT TLS entries (set_thread_area: a 32-bit program's %gs points at
+    one), as struct user_desc's (entry_number, base_addr, limit, flags)."""
+    out = []
+    for entry in TLS_ENTRIES:
+        desc = struct.unpack("<IIII", task.get_thread_area(entry))
+        if desc[1:] != (0, 0, EMPTY_TLS_FLAGS):
+            out.append(desc)
+    return tuple(out)
+
+
+def is_compat(thread: Thread) -> bool:
+    """The thread was frozen running 32-bit (ia32) code."""
+    return thread.regs[GP_REG_NAMES.index("cs")] == USER32_CS
+
+
+def compat_process(threads: Sequence[Thread], pid: int) -> bool:
+    """A 32-bit (ia32) process: its leader was frozen running 32-bit code."""
+    return any(is_compat(t) for t in threads if t.tid == pid)
 
 
 NR_RESTART_SYSCALL = 219
@@ -98,6 +137,47 @@ def restarted_syscall(regs, mem) -> int:
     return NR_RESTART_SYSCALL
 
 
+def restarted_syscall_compat(regs, mem) -> int:
+    """restarted_syscall for a 32-bit thread (i386 numbers, arguments in ebx, ecx, edx, esi).
+
+    The sleeps come in two forms, a 32-bit glibc using either: clock_nanosleep with an
+    8-byte timespec, or clock_nanosleep_time64 with a 16-byte one (futex and futex_time64
+    alike).  The registers cannot tell them apart; the timespec can: the remaining time the
+    kernel wrote at the freeze (or the request, without a `rem`) is read both ways
+    (_timespec_is_64).
+    Anything else keeps restart_syscall (and meets EINTR)."""
+    if regs.rbx < 16 and regs.rcx in (0, TIMER_ABSTIME) and regs.rdx >= 0x1000:
+        wide = _timespec_is_64(mem, regs.rsi if regs.rsi and not regs.rcx & TIMER_ABSTIME else regs.rdx)
+        if wide is not None:
+            return I386["clock_nanosleep_time64" if wide else "clock_nanosleep"]
+    if regs.rbx >= 0x1000 and (regs.rcx & ~FUTEX_FLAGS) in (FUTEX_WAIT, FUTEX_WAIT_BITSET) and regs.rcx:
+        wide = _timespec_is_64(mem, regs.rsi) if regs.rsi >= 0x1000 else False
+        if wide is not None:
+            return I386["futex_time64" if wide else "futex"]
+    return I386["restart_syscall"]
+
+
+def _timespec_is_64(mem, addr: int) -> bool | None:
+    """Whether the timespec at `addr` is a 16-byte one (True), an 8-byte one (False) or
+    neither (None).  An 8-byte one with nanoseconds reads as a 16-byte one of more than
+    2**32 seconds; a 16-byte one reads as an 8-byte one with 0 ns (the high half of its
+    seconds), the only case both fit: then the 16-byte reading wins (were it the other,
+    the sleep would differ by the nanoseconds read beyond it: less than a second)."""
+    try:
+        data = mem.read(RemotePtr(addr), 16)
+    except PtckptError:
+        return None
+    sec32, nsec32 = struct.unpack_from("<ii", data)
+    sec64, nsec64 = struct.unpack_from("<qq", data)
+    narrow = sec32 >= 0 and 0 <= nsec32 < 1_000_000_000
+    wide = 0 <= sec64 < 2**32 and (nsec64 & 0xFFFFFFFF) < 1_000_000_000
+    if narrow and nsec32:
+        return False
+    if wide:
+        return True
+    return False if narrow else None
+
+
 # --- restore half ------------------------------------------------------------
 
 NR_NANOSLEEP = 35
@@ -127,7 +207,9 @@ def reexecuted_regs(thread: Thread):
 
 
 def _sleep_what_is_left(thread: Thread, regs) -> None:
-    if thread.restart is Restart.RESTART_BLOCK:
+    if thread.restart is Restart.RESTART_BLOCK and compat_mode(regs):
+        _sleep_what_was_left_compat(regs, thread.syscall_nr)
+    elif thread.restart is Restart.RESTART_BLOCK:
         if thread.syscall_nr == NR_NANOSLEEP and regs.rsi:
             regs.rdi = regs.rsi                      # nanosleep(rem, rem)
         elif thread.syscall_nr == NR_CLOCK_NANOSLEEP and not regs.rsi & TIMER_ABSTIME and regs.r10:
@@ -153,6 +235,16 @@ def resume_regs(thread: Thread):
         regs.rax = 2**64 - ERESTARTNOHAND
         _sleep_what_is_left(thread, regs)
     return regs
+
+
+def _sleep_what_was_left_compat(regs: Regs, nr: int) -> None:
+    """resume_regs' remaining-time rule in i386 registers (req, rem in ebx, ecx; clock,
+    flags, req, rem in ebx, ecx, edx, esi)."""
+    if nr == I386["nanosleep"] and regs.rcx:
+        regs.rbx = regs.rcx                          # nanosleep(rem, rem)
+    elif nr in (I386["clock_nanosleep"], I386["clock_nanosleep_time64"]) and \
+            not regs.rcx & TIMER_ABSTIME and regs.rsi:
+        regs.rdx = regs.rsi                          # clock_nanosleep(clk, 0, rem, rem)
 
 
 def create_thread_frozen(remote: RemoteSyscalls, tid: int):
@@ -195,7 +287,10 @@ def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) ->
     if thread.rseq_addr:
         remote.checked("rseq", thread.rseq_addr, thread.rseq_len, 0, thread.rseq_sig,
                        step=f"register rseq of thread {thread.tid}")
-    if thread.robust_list:
+    if thread.robust_list and is_compat(thread):
+        remote.checked_compat("set_robust_list", thread.robust_list, thread.robust_list_len,
+                              step=f"robust list of thread {thread.tid}")
+    elif thread.robust_list:
         remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len,
                        step=f"robust list of thread {thread.tid}")
     remote.checked("set_tid_address", thread.clear_child_tid, step=f"clear_child_tid of thread {thread.tid}")
@@ -279,6 +374,8 @@ def set_final_state(task: Task, thread: Thread) -> None:
     original thread."""
     task.set_xstate(thread.xstate)
     task.set_sigmask(thread.sigmask)
+    for desc in thread.tls:                      # before the registers: %gs selects one
+        task.set_thread_area(struct.pack("<IIII", *desc))
     task.set_regs(resume_regs(thread))
     if thread.restart is not Restart.NONE:
         task.interrupt()
