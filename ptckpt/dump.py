@@ -109,9 +109,8 @@ def refuse_other_abi(pid: int) -> None:
 def is_32_bit(pid: int) -> bool:
     """The process runs a 32-bit program (ELF class 1 in /proc/PID/exe)."""
     try:
-        with open(f"/proc/{pid}/exe", "rb") as f:
-            head = f.read(5)
-    except OSError:
+        head = procfs.read_exe_head(pid, 5)
+    except (OSError, PtckptError):
         return False                             # no program to read (gone): the freeze says so
     return head[:4] == b"\x7fELF" and head[4] == 1
 

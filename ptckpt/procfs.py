@@ -1476,6 +1476,13 @@ def read_exe(pid: int, *, procfs: str = "/proc") -> str:
 
 
 @_wrap_exceptions
+def read_exe_head(pid: int, size: int, *, procfs: str = "/proc") -> bytes:
+    """The first `size` bytes of the program the process runs (its ELF header)."""
+    with open(f"{procfs}/{pid}/exe", "rb") as f:
+        return f.read(size)
+
+
+@_wrap_exceptions
 def read_cwd(pid: int, *, procfs: str = "/proc") -> str:
     return os.readlink(f"{procfs}/{pid}/cwd")
 
@@ -1768,7 +1775,6 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("ptckpt.tracee", "AddressSpace.__init__"): "/proc/PID/mem: the tracee's memory, read and written",
     # a file opened again through its /proc link (the file's data, not /proc's)
     ("ptckpt.appblock", "locate"): "opens the program through /proc/PID/exe to look for a symbol",
-    ("ptckpt.dump", "refuse_other_abi"): "reads the ELF header of the program through /proc/PID/exe",
     ("ptckpt.resources.files", "dump_fd"): "hashes the head of an O_APPEND file through its fd link",
     ("ptckpt.resources.files", "dump_ghost_files"): "copies a deleted file through its fd, cwd or root link",
     ("ptckpt.resources.files", "_open_linked"): "a /proc/PID/fd path a restore opens a file again by",

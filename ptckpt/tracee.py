@@ -784,17 +784,12 @@ _libc.process_vm_writev.argtypes = _libc.process_vm_readv.argtypes
 # --- the injection scope ----------------------------------------------------
 
 def _find_in_vdso(mem: AddressSpace, code: bytes) -> RemotePtr | None:
-    try:
-        with open(f"/proc/{mem.pid}/maps") as f:
-            lines = [line.split() for line in f]
-    except OSError as exc:
-        raise _translate_os_error(exc, mem.pid, "reading maps") from None
-    for fields in lines:
-        if fields[-1] == "[vdso]":
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            at = mem.read(start, end - start).find(code)
+    from . import procfs
+    for m in procfs.read_maps(mem.pid):
+        if m.path == "[vdso]":
+            at = mem.read(m.start, m.end - m.start).find(code)
             if at >= 0:
-                return RemotePtr(start + at)
+                return RemotePtr(m.start + at)
     return None
 
 
