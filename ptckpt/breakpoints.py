@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 from .errors import PtckptError, TargetVanished
 from .formats.model import GP_REG_NAMES
-from .tracee import AddressSpace, StopKind, Task, TraceEvent, WaitStatus
+from .tracee import USER32_CS, AddressSpace, StopKind, Task, TraceEvent, WaitStatus
 
 log = logging.getLogger("ptckpt.breakpoints")
 
 INT3 = b"\xcc"
 ARG_REGISTERS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")       # the SysV x86-64 calling convention
+# A 32-bit (ia32) thread's calls follow the i386 System V convention: arguments are 4-byte
+# words on the stack above the return address (cdecl), the result comes back in eax.
 
 
 @dataclass
@@ -54,11 +56,39 @@ class Hit:
     changed: dict[str, int] = field(default_factory=dict)
     returns: list[Callable[["Hit"], None]] = field(default_factory=list)
 
+    @property
+    def compat(self) -> bool:
+        """The call is made by 32-bit (ia32) code: its arguments are on the stack."""
+        return self.regs.get("cs") == USER32_CS
+
+    def _stack_arg(self, index: int) -> int:
+        return (self.regs["rsp"] + 4 + 4 * index) & 0xFFFFFFFF
+
     def arg(self, index: int) -> int:
+        """Argument `index` (from 0) of the call, read at its entry: a register, or for a
+        32-bit call the word on the stack (a 4-byte int or pointer; a 64-bit argument is
+        two words)."""
+        if self.compat:
+            with AddressSpace(self.tid) as mem:
+                return int.from_bytes(mem.read(self._stack_arg(index), 4), "little")
         return self.regs[ARG_REGISTERS[index]]
 
     def set_arg(self, index: int, value: int) -> None:
+        if self.compat:
+            with AddressSpace(self.tid) as mem:
+                mem.write(self._stack_arg(index), (value & 0xFFFFFFFF).to_bytes(4, "little"))
+            return
+        if index >= len(ARG_REGISTERS):
+            raise PtckptError(f"argument {index} of a call is not in a register (the first six are)")
         self.set(**{ARG_REGISTERS[index]: value})
+
+    @property
+    def result(self) -> int:
+        """What the call returned (at its return): rax, or eax for a 32-bit call."""
+        return self.regs["rax"] & (0xFFFFFFFF if self.compat else 2**64 - 1)
+
+    def set_result(self, value: int) -> None:
+        self.set(rax=value & (0xFFFFFFFF if self.compat else 2**64 - 1))
 
     def set(self, **values: int) -> None:
         for name, value in values.items():
@@ -170,9 +200,10 @@ class _Session:
             bp.active = bool(bp.callback(hit))
             changed.update(hit.changed)
             if hit.returns:
+                width = 4 if hit.compat else 8           # the return address a call pushed
                 with AddressSpace(self.pid) as mem:
-                    ret_addr = int.from_bytes(mem.read(regs["rsp"], 8), "little")
-                self.returns[(task.tid, ret_addr)] = (regs["rsp"] + 8, hit.returns, hit)
+                    ret_addr = int.from_bytes(mem.read(regs["rsp"], width), "little")
+                self.returns[(task.tid, ret_addr)] = (regs["rsp"] + width, hit.returns, hit)
                 self._insert(ret_addr)
         _set_regs(task, changed)
         # step over: the original byte for one instruction, then the int3 again if wanted

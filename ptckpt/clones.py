@@ -291,7 +291,7 @@ class Template:
     def _own_state(self, task, remote, stdio: list[Fd]) -> None:
         """What the copy must own: session, fds, robust list, clear_child_tid, credentials
         (when the template kept ptckpt's), pdeath signal."""
-        from .resources import creds, files, process
+        from .resources import creds, files, process, threads
         thread = self.proc.threads[0]
         if self.leads == "session":
             remote.checked("setsid", step="a session for a copy")
@@ -299,8 +299,7 @@ class Template:
             remote.checked("setpgid", 0, 0, step="a process group for a copy")
         fds = stdio + [f for f in self.proc.fds if f.fd > 2]
         files.restore_fds_frozen(remote, fds, procfs.list_fds(task.tgid), keep={self.held.channel[1]})
-        if thread.robust_list:
-            remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step="robust list")
+        threads.restore_robust_list_frozen(remote, thread, step="robust list")
         remote.checked("set_tid_address", thread.clear_child_tid, step="clear_child_tid")
         if self.creds_later:                      # the template could not make copies with them
             creds.restore_seccomp_frozen(remote, self.proc.creds)

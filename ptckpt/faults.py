@@ -208,10 +208,10 @@ def at_call(proc, spec: FaultSpec, rng: random.Random, record: Callable[[Fault],
                          f"{hit.arg(spec.arg):#x}"))
         elif spec.ret is not None:
             def returned(ret) -> None:
-                before = ret.regs["rax"]
-                ret.set(rax=spec.ret)
+                before = ret.result
+                ret.set_result(spec.ret)
                 record(Fault(spec.text, proc.vpid, f"{where}: return value", 0, (), f"{before:#x}",
-                             f"{ret.regs['rax']:#x}"))
+                             f"{ret.result:#x}"))
             hit.on_return(returned)
         else:
             flip = FaultSpec(spec.text, "flip", symbol=spec.flip, bits=spec.bits, size=spec.size)

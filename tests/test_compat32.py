@@ -11,6 +11,7 @@ core files: tests/test_core.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import struct
@@ -328,3 +329,53 @@ def test_a_dumper_killed_mid_injection_kills_a_32_bit_target_outright(spawn, ptc
     target.wait_exit(10)
     assert target.popen.returncode == -signal.SIGKILL, target.describe()
     assert not (tmp_path / "img").exists()
+
+
+def test_a_32_bit_campaign_gives_the_table_of_the_64_bit_build(spawn, ptckpt, tmp_path, fixture_bins, bins32):
+    """fixtures/campaigner, built for x86_64 and with -m32 (its `table` of 8-byte words in
+    both; `stop` is an unsigned long, 4 bytes in one, 8 in the other), dumped at the same point and run as campaigns with the same seeds and faults
+    by symbol: the same bits flip, with the same outcomes (a flip in a word's upper half
+    masked, in its lower half detected), in runs that are copies of a template (a 32-bit
+    template forks its copies) and in runs restored one by one."""
+    tables = {}
+    try:
+        for build, program in (("x86_64", str(fixture_bins["campaigner"])), ("-m32", bins32["campaigner"])):
+            source = tmp_path / f"input{build}"
+            source.write_text("HEADHEAD the rest\n")
+            target = spawn(program, source, 1500, out=False)
+            image = tmp_path / f"img{build}"
+            _dump_kill(ptckpt, target, image)
+            for clones in ("--clones", "--no-clones"):
+                res = ptckpt("campaign", "-D", image, "--runs", "8", "--jobs", "2", "--seed", "40",
+                             "--timeout", "30s", "--inject", "set:symbol=stop,value=1",
+                             "--inject", "flip:symbol=table,bits=1", clones,
+                             "-o", tmp_path / f"out{build}{clones}", "--json")
+                assert res.returncode == 0, res.stderr
+                result = json.loads(res.stdout)
+                assert result["runs_as"] == ("copies of a template" if clones == "--clones" else "restores")
+                tables[build, clones] = [
+                    (r["seed"], r["outcome"], r["status"],
+                     [(f["bits"], f["before"], f["after"]) for f in r["faults"] if f["target"] == "table"])
+                    for r in result["runs"]]
+                for r in result["runs"]:           # each read its input on from the dumped offset
+                    out = (tmp_path / f"out{build}{clones}" / r["output"]["stdout"]).read_text()
+                    assert out.startswith("rest  the rest\n"), (build, clones, out)
+    finally:
+        kill_pids(_running(str(fixture_bins["campaigner"])) + _running(bins32["campaigner"]))
+        reap_orphans()
+    first = tables["x86_64", "--clones"]
+    assert {o for _s, o, _st, _f in first} == {"masked", "detected"}, first
+    assert tables["-m32", "--clones"] == first
+    assert tables["-m32", "--no-clones"] == tables["x86_64", "--no-clones"] == first
+
+
+def _running(program: str) -> list[int]:
+    """The pids running `program` (a campaign's copies left behind by a failed test)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/exe") == program:
+                pids.append(int(pid))
+        except OSError:
+            pass
+    return pids

@@ -114,15 +114,23 @@ def test_bad_injections_are_refused_cleanly(spawn, ptckpt, tmp_path):
         kill_pids([target.pid])
 
 
-def _appctl_image(spawn, ptckpt, tmp_path):
-    target = spawn("appctl", "count", 1000)
+def _appctl_image(spawn, ptckpt, tmp_path, request=None, build="x86_64"):
+    """appctl counting, dumped with --kill; `build` "-m32": its 32-bit build (a call's
+    arguments on the stack, its result in eax)."""
+    appctl = "appctl" if build == "x86_64" else str(request.getfixturevalue("fixture_bins32")["appctl"])
+    target = spawn(appctl, "count", 1000)
     _dump_kill(ptckpt, target, tmp_path / "img")
     return target
 
 
-def test_call_fault_changes_an_argument_at_the_nth_call_then_runs_untraced(spawn, ptckpt, tmp_path):
+BUILDS = pytest.mark.parametrize("build", ["x86_64", "-m32"])
+
+
+@BUILDS
+def test_call_fault_changes_an_argument_at_the_nth_call_then_runs_untraced(spawn, ptckpt, tmp_path, request,
+                                                                           build):
     """pause_us(us) runs once per step of appctl: its 5th call after the restore sleeps 1.5 s."""
-    target = _appctl_image(spawn, ptckpt, tmp_path)
+    target = _appctl_image(spawn, ptckpt, tmp_path, request, build)
     try:
         res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--seed", "1", "--faults-log",
                      tmp_path / "faults.json", "--inject", "call:function=pause_us,n=5,arg=0,value=1500000")
@@ -140,8 +148,9 @@ def test_call_fault_changes_an_argument_at_the_nth_call_then_runs_untraced(spawn
         kill_pids([target.pid])
 
 
-def test_call_fault_on_a_return_value(spawn, ptckpt, tmp_path):
-    target = _appctl_image(spawn, ptckpt, tmp_path)
+@BUILDS
+def test_call_fault_on_a_return_value(spawn, ptckpt, tmp_path, request, build):
+    target = _appctl_image(spawn, ptckpt, tmp_path, request, build)
     try:
         res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--inject",
                      "call:function=next_value,n=3,ret=1000000")

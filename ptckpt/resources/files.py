@@ -560,7 +560,7 @@ def open_description(f: Fd, path: str | None = None, *, compat: bool = False) ->
     if f.kind is FdKind.REGULAR:
         flags &= ~os.O_TMPFILE        # made by O_TMPFILE (its O_DIRECTORY bit too): reopened as a file
     try:
-        if compat and f.kind is FdKind.REGULAR and not f.flags & O_LARGEFILE:
+        if compat and not f.flags & O_LARGEFILE:
             fd = compat_openat(path or f.path, flags)
         else:
             fd = os.open(path or f.path, flags)

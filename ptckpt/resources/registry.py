@@ -251,8 +251,10 @@ def _create_ptys(ctx: Handoff) -> None:
         mine = [d for d, n in slaves.items() if n == rec.index and d in ctx.plan]
         if rec.sid > 0:                          # one more slave: the session leader's TIOCSCTTY
             mine.append(terminals.ctty_key(rec))  # (it may hold none: opened and closed it)
-        master, slave_fds = terminals.create_pty(rec, [ctx.plan[d].flags if d in ctx.plan else os.O_RDWR
-                                                       for d in mine])
+        master_flags = ctx.plan[rec.desc].flags if rec.desc in ctx.plan else os.O_RDWR | terminals.O_LARGEFILE
+        master, slave_fds = terminals.create_pty(rec, [ctx.plan[d].flags if d in ctx.plan
+                                                       else os.O_RDWR | terminals.O_LARGEFILE for d in mine],
+                                                 master_flags)
         if master >= 0:
             ctx.opened[rec.desc] = master
         ctx.opened.update(zip(mine, slave_fds))

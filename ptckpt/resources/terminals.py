@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from .. import procfs
 from ..formats.model import Fd, FdKind, Pty, Terminal
 from ..errors import PtckptError, RestoreFailed, UnsupportedResource
-from ..tracee import RemoteSyscalls, pidfd_getfd
+from ..tracee import RemoteSyscalls, compat_openat, pidfd_getfd
 
 # --- ioctls (include/uapi/asm-generic/ioctls.h) ---------------------------------
 TCGETS = 0x5401
@@ -569,21 +569,26 @@ def _write_raw(slave: int, tio: Termios, data: bytes) -> None:
         _set_termios(slave, tio)
 
 
-def create_pty(rec: Pty, slaves: Sequence[int]) -> tuple[int, list[int]]:
+def create_pty(rec: Pty, slaves: Sequence[int], master_flags: int = os.O_RDWR | O_LARGEFILE) -> tuple[int, list[int]]:
     """A new pty pair for image record `rec`: (its master, an open of its slave for each of
     the open flags `slaves`), all O_NOCTTY and close-on-exec (FD_CLOEXEC: TIOCGPTPEER would
     keep an O_CLOEXEC among the file's own flags), with the recorded termios, window size, packet mode and lock,
     the recorded output waiting in the master and the recorded input in the slave side.
     The same index when it is free (devpts gives the lowest free one: lower free ones are
     held meanwhile).  A hung-up pty (the tree had closed its master): its slaves are
-    opened, then the master is closed, which hangs them up; the master returned is -1."""
+    opened, then the master is closed, which hangs them up; the master returned is -1.
+    Each slave has O_LARGEFILE as its recorded flags say, the master as `master_flags` say
+    (a 32-bit program's opens are without it: the master is then opened by the i386 call)."""
     held: list[int] = []
     master = -1
     opened: list[int] = []
     step = "set it up"
     try:
         while True:
-            fd = os.open("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
+            if master_flags & O_LARGEFILE:
+                fd = os.open("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
+            else:
+                fd = compat_openat("/dev/ptmx", os.O_RDWR | O_NOCTTY | O_CLOEXEC)
             index = struct.unpack("<I", fcntl.ioctl(fd, TIOCGPTN, bytes(4)))[0]
             if index == rec.index or index > rec.index or len(held) > 4096:
                 master = fd
@@ -591,7 +596,7 @@ def create_pty(rec: Pty, slaves: Sequence[int]) -> tuple[int, list[int]]:
             held.append(fd)
         fcntl.ioctl(master, TIOCSPTLCK, PID_T.pack(0))
         for flags in slaves or [os.O_RDWR]:
-            flags = flags & ~(O_CLOEXEC | os.O_NONBLOCK) | O_NOCTTY | O_LARGEFILE
+            flags = flags & ~(O_CLOEXEC | os.O_NONBLOCK) | O_NOCTTY
             opened.append(fcntl.ioctl(master, TIOCGPTPEER, flags))
             fcntl.fcntl(opened[-1], fcntl.F_SETFD, fcntl.FD_CLOEXEC)
         if rec.hung_up:

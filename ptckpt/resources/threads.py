@@ -282,17 +282,21 @@ def _clone_frozen(remote: RemoteSyscalls, tid: int, flags: int, exit_signal: int
     return task
 
 
+def restore_robust_list_frozen(remote: RemoteSyscalls, thread: Thread, *, step: str) -> None:
+    """The thread's robust futex list again (a 32-bit thread's by the compat call: its
+    list head has 4-byte pointers, 12 bytes, which the x86_64 call refuses)."""
+    if thread.robust_list and is_compat(thread):
+        remote.checked_compat("set_robust_list", thread.robust_list, thread.robust_list_len, step=step)
+    elif thread.robust_list:
+        remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len, step=step)
+
+
 def restore_thread_frozen(task: Task, remote: RemoteSyscalls, thread: Thread) -> None:
     """Per-thread kernel state, set from inside the thread itself; registers last."""
     if thread.rseq_addr:
         remote.checked("rseq", thread.rseq_addr, thread.rseq_len, 0, thread.rseq_sig,
                        step=f"register rseq of thread {thread.tid}")
-    if thread.robust_list and is_compat(thread):
-        remote.checked_compat("set_robust_list", thread.robust_list, thread.robust_list_len,
-                              step=f"robust list of thread {thread.tid}")
-    elif thread.robust_list:
-        remote.checked("set_robust_list", thread.robust_list, thread.robust_list_len,
-                       step=f"robust list of thread {thread.tid}")
+    restore_robust_list_frozen(remote, thread, step=f"robust list of thread {thread.tid}")
     remote.checked("set_tid_address", thread.clear_child_tid, step=f"clear_child_tid of thread {thread.tid}")
     flags = thread.sas_flags & ~SS_ONSTACK
     if not flags & SS_DISABLE:
