@@ -36,6 +36,7 @@ sets them all.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -54,6 +55,7 @@ from .tracee import AddressSpace, RemoteSyscalls, page_align
 # <sys/mman.h>
 MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
+MAP_32BIT = 0x40                 # below 2 GiB: where a 32-bit process can point
 _NO_FD = 2**64 - 1            # fd -1 for an injected mmap
 
 AT_PHDR = 3                   # auxv: where the main program's program headers are
@@ -368,6 +370,12 @@ class SymbolTable:
             objects = [main] + [o for o in objects if o is not main]
         return _ImageSymbols(pid, objects)
 
+    @functools.cached_property
+    def pointer_size(self) -> int:
+        """4 in a 32-bit (ia32) process, whose pointers are 4 bytes, else 8."""
+        head = procfs.read_exe_head(self.pid, 5)
+        return 4 if head[:4] == b"\x7fELF" and head[4] == 1 else 8
+
     def _open(self, obj: MappedObject) -> int:
         return _open_mapped(self.pid, obj)
 
@@ -480,14 +488,17 @@ def read_cstring(mem: AddressSpace, addr: int, limit: int = MAX_ENV_STRING) -> b
     raise EnvironUnreadable(mem.pid, f"no NUL in the {limit} bytes of the string at {addr:#x}")
 
 
-def read_pointer_array(mem: AddressSpace, addr: int, limit: int = MAX_ENV_ENTRIES) -> list[int]:
-    """The pointers of the NULL-terminated array at `addr`."""
+_POINTERS = {8: _POINTER, 4: struct.Struct("<I")}     # by pointer size: x86_64, ia32
+
+
+def read_pointer_array(mem: AddressSpace, addr: int, limit: int = MAX_ENV_ENTRIES, width: int = 8) -> list[int]:
+    """The pointers (`width` bytes each) of the NULL-terminated array at `addr`."""
     out: list[int] = []
     at = addr
     while len(out) < limit:
         # whole pointers up to the page end (one pointer across it when misaligned)
-        chunk = mem.read(at, max(8, (PAGE_SIZE - at % PAGE_SIZE) // 8 * 8))
-        for (ptr,) in _POINTER.iter_unpack(chunk):
+        chunk = mem.read(at, max(width, (PAGE_SIZE - at % PAGE_SIZE) // width * width))
+        for (ptr,) in _POINTERS[width].iter_unpack(chunk):
             if ptr == 0:
                 return out
             out.append(ptr)
@@ -497,22 +508,24 @@ def read_pointer_array(mem: AddressSpace, addr: int, limit: int = MAX_ENV_ENTRIE
 
 def read_environ(mem: AddressSpace, table: SymbolTable) -> list[bytes]:
     """The process's environment as getenv() sees it now ("NAME=value" each)."""
-    (array,) = _POINTER.unpack(mem.read(environ_slots(table)[0], 8))
+    width = table.pointer_size
+    (array,) = _POINTERS[width].unpack(mem.read(environ_slots(table)[0], width))
     if array == 0:
         return []
-    return [read_cstring(mem, p) for p in read_pointer_array(mem, array)]
+    return [read_cstring(mem, p) for p in read_pointer_array(mem, array, width=width)]
 
 
-def pack_environ(env: Sequence[bytes], base: int) -> bytes:
-    """The NULL-terminated char *[] followed by its strings, for placing at `base`."""
-    strings_at = base + 8 * (len(env) + 1)
+def pack_environ(env: Sequence[bytes], base: int, width: int = 8) -> bytes:
+    """The NULL-terminated char *[] (of `width`-byte pointers) followed by its strings, for
+    placing at `base`."""
+    strings_at = base + width * (len(env) + 1)
     pointers, strings = [], bytearray()
     for entry in env:
         if b"\0" in entry:
             raise SymbolError(f"environment entry {entry[:40]!r} contains a NUL byte")
         pointers.append(strings_at + len(strings))
         strings += entry + b"\0"
-    return b"".join(_POINTER.pack(p) for p in pointers + [0]) + bytes(strings)
+    return b"".join(_POINTERS[width].pack(p) for p in pointers + [0]) + bytes(strings)
 
 
 def write_environ(remote: RemoteSyscalls, mem: AddressSpace, table: SymbolTable,
@@ -524,12 +537,14 @@ def write_environ(remote: RemoteSyscalls, mem: AddressSpace, table: SymbolTable,
     before remain valid); glibc's setenv() copies a foreign array before growing it.
     """
     slots = environ_slots(table)
-    size = page_align(8 * (len(env) + 1) + sum(len(e) + 1 for e in env))
-    base = remote.checked("mmap", 0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+    width = table.pointer_size
+    size = page_align(width * (len(env) + 1) + sum(len(e) + 1 for e in env))
+    low = MAP_32BIT if width == 4 else 0            # a 32-bit program's pointers reach 4 GiB
+    base = remote.checked("mmap", 0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | low,
                           _NO_FD, 0, step="map a new environment")
-    mem.write(base, pack_environ(env, base))
+    mem.write(base, pack_environ(env, base, width))
     for slot in slots:
-        mem.write(slot, _POINTER.pack(base))
+        mem.write(slot, _POINTERS[width].pack(base))
 
 
 def _env_key(name: bytes | str) -> bytes:

@@ -63,15 +63,77 @@ int main(int argc, char **argv) {             /* parent32 OUT PROGRAM64 OUT64 */
 }
 """
 
+EXECER = r"""
+#include <signal.h>
+#include <stdio.h>
+#include <unistd.h>
+static volatile sig_atomic_t go;
+static void on_usr1(int sig) { (void)sig; go = 1; }
+int main(int argc, char **argv) {             /* execer PROGRAM ARG: exec PROGRAM ARG at SIGUSR1 */
+    signal(SIGUSR1, on_usr1);
+    printf("READY %d\n", (int)getpid());
+    fflush(stdout);
+    while (!go)
+        usleep(1000);
+    execl(argv[1], argv[1], argv[2], (char *)0);
+    return 127;
+}
+"""
+
+
+ENVSHOW = r"""
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+static volatile sig_atomic_t asked;
+static void on_usr1(int sig) { (void)sig; asked++; }
+int main(int argc, char **argv) {             /* envshow NAME...: getenv(NAME) of each at SIGUSR1 */
+    signal(SIGUSR1, on_usr1);
+    printf("READY %d\n", (int)getpid());
+    fflush(stdout);
+    for (int seen = 0;; usleep(1000))
+        for (; seen < asked; seen++) {
+            for (int i = 1; i < argc; i++)
+                printf("ENV %s=%s\n", argv[i], getenv(argv[i]) ? getenv(argv[i]) : "(unset)");
+            fflush(stdout);
+        }
+}
+"""
+
+PLUGIN32 = r"""
+import json, os
+from ptckpt.plugins import Plugin
+
+class Probe(Plugin):
+    name = "probe32"
+
+    def _log(self, event, proc, **more):
+        with open(os.environ["PTCKPT_TEST_LOG"], "a") as f:
+            f.write(json.dumps(dict(event=event, pid=proc.vpid, **more)) + "\n")
+
+    def frozen(self, proc, ctx):
+        self._log("frozen", proc, counter=int.from_bytes(proc.read_symbol("counter", 4), "little"),
+                  getpid=proc.syscall("getpid"), cs=proc.registers()["cs"])
+
+    def restored(self, proc, ctx):
+        proc.write_symbol("poke", (5_000_000).to_bytes(4, "little"))
+        self._log("restored", proc, getpid=proc.syscall("getpid"), env=[e.decode() for e in proc.environ()
+                                                                        if e.startswith(b"PTCKPT_")])
+"""
+
+
 @pytest.fixture(scope="module")
 def bins32(tmp_path_factory, fixture_bins32) -> dict[str, str]:
-    """The fixtures built with -m32 (conftest.fixture_bins32), and parent32 of these tests
-    (a 32-bit parent with a forked 32-bit child and an exec'd 64-bit one)."""
+    """The fixtures built with -m32 (conftest.fixture_bins32), parent32 of these tests (a
+    32-bit parent with a forked 32-bit child and an exec'd 64-bit one), and execer, which
+    execs a program when told, as "execer" (-m32) and "execer64"."""
     out = tmp_path_factory.mktemp("bins32")
     made = {name: str(path) for name, path in fixture_bins32.items()}
-    for name, text in (("parent32", PARENT32),):
+    for name, text, flags in (("parent32", PARENT32, ("-m32",)), ("execer", EXECER, ("-m32",)),
+                              ("execer64", EXECER, ()), ("envshow", ENVSHOW, ("-m32",))):
         (out / f"{name}.c").write_text(text)
-        argv = fixture_build.compile_command("gcc", out / f"{name}.c", out / name, ("-m32",))
+        argv = fixture_build.compile_command("gcc", out / f"{name}.c", out / name, flags)
         res = subprocess.run(argv, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         made[name] = str(out / name)
@@ -379,3 +441,56 @@ def _running(program: str) -> list[int]:
         except OSError:
             pass
     return pids
+
+
+@pytest.mark.parametrize("execer, program, elf_class", [("execer", "counter64", 2), ("execer64", "counter32", 1)],
+                         ids=["32-execs-64", "64-execs-32"])
+@VSYSCALL
+def test_a_restored_process_execs_a_program_of_the_other_abi(spawn, ptckpt, tmp_path, bins32, fixture_bins,
+                                                             execer, program, elf_class):
+    """A restored 32-bit process that execs a 64-bit program, and the reverse: the exec
+    after the restore gives the new program its own ABI (mode, vdso, auxv) and it runs."""
+    counter = str(fixture_bins["counter"]) if program == "counter64" else bins32["counter"]
+    out = tmp_path / "counter.out"
+    target = spawn(bins32[execer], counter, out, out=False)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    assert _restore(ptckpt, tmp_path / "img") == target.pid
+    assert _elf_class(target.pid) == 3 - elf_class, "the restored program before its exec"
+    target.signal(signal.SIGUSR1)
+    wait_until(lambda: out.exists() and out.stat().st_size and read_counter(out) > 20, 10,
+               message="the program it execs counts")
+    assert _elf_class(target.pid) == elf_class
+
+
+@VSYSCALL
+def test_plugins_and_the_environment_of_a_32_bit_process(spawn, ptckpt, tmp_path, bins32):
+    """A plugin reads and writes a 32-bit program's variables by symbol, makes syscalls in it
+    and reads its environment (4-byte pointers); --set-env and --unset-env give getenv() in
+    a 32-bit program its new environment (the array mapped below 4 GiB)."""
+    plugin = tmp_path / "probe32.py"
+    plugin.write_text(PLUGIN32)
+    log = tmp_path / "events.log"
+    env = dict(os.environ, PTCKPT_TEST_LOG=str(log), PTCKPT_A="old", PTCKPT_B="gone")
+    target = spawn(bins32["counter"], 10, 1000, env=env)
+    target.wait_progress()
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--plugin", plugin, env=env)
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--plugin", plugin, "--set-env", "PTCKPT_A=new",
+                 "--unset-env", "PTCKPT_B", env=env)
+    assert res.returncode == 0, res.stderr
+    frozen, restored = [json.loads(line) for line in log.read_text().splitlines()]
+    assert frozen["cs"] == 0x23 and frozen["getpid"] == frozen["pid"] == target.pid and frozen["counter"] > 0
+    assert restored["getpid"] == target.pid
+    assert "PTCKPT_A=old" in restored["env"] or "PTCKPT_A=new" in restored["env"], restored
+    wait_until(lambda: target.read_counter() > 5_000_000, 10, message="the counter goes on from the poked value")
+
+    shown = spawn(bins32["envshow"], "PTCKPT_A", "PTCKPT_B", out=False, env=env)
+    _dump_kill(ptckpt, shown, tmp_path / "img2")
+    res = ptckpt("restore", "-D", tmp_path / "img2", "--detach", "--set-env", "PTCKPT_A=new",
+                 "--unset-env", "PTCKPT_B")
+    assert res.returncode == 0, res.stderr
+    shown.signal(signal.SIGUSR1)
+    shown.wait_for_line("ENV PTCKPT_B=")
+    assert [line for line in shown.stdout_lines() if line.startswith("ENV")] == \
+        ["ENV PTCKPT_A=new", "ENV PTCKPT_B=(unset)"]
