@@ -210,6 +210,18 @@ def test_no_function_over_80_lines():
     assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
 
 
+LONGEST_STAGE = 60
+
+
+def test_no_function_of_the_pipelines_over_60_lines():
+    """The stages of ptckpt/pipeline/ (and their helpers) are shorter still: 60 lines."""
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for module, (path, _init) in MODULES.items() if module.startswith("ptckpt.pipeline")
+            for node in _functions(path) if node.end_lineno - node.lineno + 1 > LONGEST_STAGE]
+    assert any(m.startswith("ptckpt.pipeline.") for m in MODULES), "the pipeline modules are read"
+    assert not long, f"functions of the pipelines over {LONGEST_STAGE} lines:\n" + "\n".join(long)
+
+
 TRACEE_LAYER = "ptckpt.tracee"
 
 

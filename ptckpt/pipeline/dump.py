@@ -115,43 +115,19 @@ def dump(pid: int, directory: str | None = None, *,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
          compress: tuple[str, int] | None = None, background: bool | None = False,
          before_release=None, after_freeze=None, before_freeze=None, group=None) -> DumpResult:
-    """Checkpoint process `pid` (all its threads) into `directory` (default ./ckpt-PID).
+    """Checkpoint process `pid` and its descendants into `directory` (default ./ckpt-PID)
+    through the stages check, freeze, capture, write, commit, release.  The options are
+    ptckpt.api.dump's (which documents them), parsed: `mode` (ptckpt.dump.DumpMode), plugin
+    objects, `compress` as ("zstd", LEVEL), and `pre_dump` (memory only, the tree running,
+    as a parent for the real dump).
 
-    Established TCP connections are dumped with `tcp_established` (TCP_REPAIR, under a
-    network lock: ptckpt.resources.inet), come back closed with `tcp_close`, and refuse
-    the dump otherwise (ConnectionNotAllowed, naming the connection and the ways out).
-
-    With `ext_unix_sk` (CRIU's --ext-unix-sk) a unix datagram socket connected to a socket
-    outside the tree that is bound to a path is recorded with that path, and connected to
-    it again at restore (the socket there must be bound then); otherwise it is refused.
-
-    `plugins` get the dump events (ptckpt.plugins): pre_dump, shared, frozen, post_dump.
-
-    `save_files` are path patterns (resources.filepolicy.path_matches) of files whose
-    contents go into the image, to be put back by the restore; fds of files matching
-    `skip_files` are recorded but not reopened by a restore.
-
-    A program that marks critical sections (ptckpt.app, ptckpt.h) is not frozen inside
-    one: the dump waits up to `critical_timeout` seconds, then fails (CriticalSection,
-    naming it) and the program runs on.  After a leave-running dump such a program
-    reads CONTINUED in its app block.
-
-    Memory (ptckpt.increment): `track_mem` leaves the memory write-protected so that a
-    later dump with `prev` (a parent image directory) writes only the pages changed
-    since; `pre_dump` writes memory only, while the tree runs, as a parent for the real
-    dump; `background` copies the memory while the tree runs and freezes it only for
-    the pages written meanwhile (None: when it has more than increment.BACKGROUND_MIN
-    bytes of memory).  `compress` = ("zstd", LEVEL) compresses the page data.
-
-    `before_release(result)` runs once the image is committed, the tree still frozen
-    (ptckpt.migrate sends the image and has it restored elsewhere then); if it raises,
-    the tree resumes where it was, whatever `mode`, and the error goes on.
-    `after_freeze(result)` runs once the tree is frozen, before anything is captured
-    (result.pids: its processes); if it raises, the tree resumes and the error goes on.
-    `before_freeze(result)` runs just before the freeze; if it raises, nothing was frozen.
-
-    `group` (ptckpt.group.Barrier) is the group this dump is a member of: the plugins'
-    ctx.barrier(name) waits there for every member; without one it returns at once.
+    Hooks for ptckpt's own callers: `before_freeze(result)` runs just before the freeze
+    (raising: nothing was frozen); `after_freeze(result)` once the tree is frozen, before
+    anything is captured (result.pids: its processes); `before_release(result)` once the
+    image is committed, the tree still frozen (ptckpt.migrate sends the image and has it
+    restored elsewhere then).  If either of the last two raises, the tree resumes where it
+    was, whatever `mode`, and the error goes on.  `group` (ptckpt.group.Barrier): the group
+    this dump is a member of, where the plugins' ctx.barrier(name) waits for every member.
     """
     opts = DumpOptions(mode, tuple(save_files), tuple(skip_files), tuple(plugins), critical_timeout,
                        tcp_established, tcp_close, ext_unix_sk, prev, track_mem, pre_dump, compress,
