@@ -380,7 +380,12 @@ def campaign(
                             timeout=parse_duration(timeout), check=check or "", restore_args=extra,
                             backend=backend, clones=clones)
         with _runs_bar("campaign", runs, "runs" if check else "reference", as_json) as bar:
-            result = run_campaign(spec, progress=bar)
+            if bar is None:
+                result = run_campaign(spec, progress=bar)
+            else:
+                from .progress import showing
+                with showing(bar.building("template")):      # the template's restore, in bytes
+                    result = run_campaign(spec, progress=bar)
     except PtckptError as err:
         raise _fail(err) from None
     if as_json:

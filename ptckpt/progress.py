@@ -216,6 +216,13 @@ class RunsBar(_Transient):
         self.outcomes = outcomes
         self.counts: dict[str, int] = {}
         self.eta: float | None = None
+        self.bytes: tuple[int, int] | None = None     # (moved, expected) while a template is built
+
+    def building(self, name: str = "template") -> "_Building":
+        """A progress sink (for :func:`showing`) for the restore of the campaign's template:
+        while it moves memory the bar is in phase `name` and counts bytes, then it goes back
+        to the phase it was in."""
+        return _Building(self, name)
 
     def phase(self, name: str) -> None:
         with self._lock:
@@ -238,13 +245,51 @@ class RunsBar(_Transient):
         if self._bar is None:
             if not (due or self._late()):
                 return
-            self._start(_Column(lambda t: f"{100 * self.done / max(self.total, 1):3.0f}%"),
-                        _Column(lambda t: f"{self.done}/{self.total} runs"),
+            self._start(_Column(lambda t: f"{100 * t.completed / max(t.total or 1, 1):3.0f}%"),
+                        _Column(lambda t: self._amount()),
                         _Column(lambda t: self.tally()),
                         _Column(lambda t: clock(self.eta if self.done else None)))
         # drawn at once: a campaign's runs end seldom, and each count is worth seeing
-        self._bar.update(self._task, total=self.total, completed=self.done, description=self._description(),
+        done, total = self.bytes if self.bytes is not None else (self.done, self.total)
+        self._bar.update(self._task, total=max(total, 1), completed=done, description=self._description(),
                          refresh=True)
+
+    def _amount(self) -> str:
+        return amounts(*self.bytes) if self.bytes is not None else f"{self.done}/{self.total} runs"
+
+
+class _Building:
+    """RunsBar.building's sink: the template's restore shown in the campaign's bar."""
+
+    def __init__(self, bar: RunsBar, name: str):
+        self.bar, self.name, self.before = bar, name, None
+
+    def phase(self, _name: str) -> None:
+        with self.bar._lock:
+            if self.bar.bytes is None:
+                self.before, self.bar.name, self.bar.bytes = self.bar.name, self.name, (0, 0)
+            self.bar._show()
+
+    def expect(self, nbytes: int) -> None:
+        self._add(0, nbytes)
+
+    def moved(self, nbytes: int) -> None:
+        self._add(nbytes, 0)
+
+    def _add(self, moved: int, expected: int) -> None:
+        with self.bar._lock:
+            if self.bar.bytes is None:
+                self.before, self.bar.name, self.bar.bytes = self.bar.name, self.name, (0, 0)
+            done, total = self.bar.bytes
+            self.bar.bytes = (done + moved, total + expected)
+            self.bar._show()
+
+    def close(self) -> None:
+        """The template is built (or the restore gave up): back to the campaign's phase."""
+        with self.bar._lock:
+            if self.bar.bytes is not None:
+                self.bar.name, self.bar.bytes = self.before, None
+                self.bar._show()
 
 
 def _Column(text):                                  # noqa: N802 - a column class, made on first use

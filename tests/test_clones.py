@@ -8,6 +8,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,10 +46,10 @@ def campaigner_image(spawn, ptckpt, fixture_bins, tmp_path):
     its wait left (about), and the pid it had; copies still running are killed at the end."""
     made = []
 
-    def make(wait_ms: int = 1500) -> tuple[Path, int]:
+    def make(wait_ms: int = 1500, heap_kib: int = 1024) -> tuple[Path, int]:
         source = tmp_path / f"input{len(made)}"
         source.write_text("HEADHEAD" + REST)
-        target = spawn("campaigner", source, wait_ms, out=False)
+        target = spawn("campaigner", source, wait_ms, heap_kib, out=False)
         image = tmp_path / f"img{len(made)}"
         _dump_kill(ptckpt, target, image)
         made.append(image)
@@ -226,3 +227,26 @@ def test_the_bar_names_the_reference_run_then_the_runs(campaigner_image, ptckpt_
     assert "reference" in phases and "runs" in phases, shown
     assert phases.index("runs") > phases.index("reference") and "reference" not in phases[phases.index("runs"):]
     assert any(f["phase"] == "runs" and f["pct"] == "100" and f["done"] == "4" for f in frames), shown
+
+
+_TEMPLATE_FRAME = re.compile(r"campaign template [━╸╺ ]*\s+(?P<pct>\d+)% (?P<done>[\d.]+)/(?P<total>[\d.]+) "
+                             r"(?P<unit>MiB|GiB)")
+
+
+def test_the_bar_shows_the_template_restore_in_bytes(campaigner_image, ptckpt_cmd, tmp_path):
+    """Issue 37: a campaign whose template takes a while to restore shows it in its bar: the
+    template phase counting the bytes of its memory up to 100%, then the reference run and
+    the runs."""
+    from test_campaign import _on_terminal, _runs_frames
+    image, _pid = campaigner_image(heap_kib=384 * 1024)
+    shown = _on_terminal(ptckpt_cmd + ["campaign", "-D", str(image), "-o", str(tmp_path / "out"), "--runs", "2",
+                                       "--inject", "set:symbol=stop,value=1"],
+                         env=dict(os.environ, PTCKPT_PROGRESS_AFTER="0"))
+    plain = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f) for f in re.split(r"\x1b\[2K|\r|\n", shown)]
+    template = [m for f in plain if (m := _TEMPLATE_FRAME.search(f))]
+    assert template, shown
+    assert {m["unit"] for m in template} == {"MiB"} and float(template[-1]["total"]) >= 384, template[-1].group(0)
+    assert any(m["pct"] == "100" and m["done"] == m["total"] for m in template), [m.group(0) for m in template]
+    assert len({m["done"] for m in template}) > 2, "the bytes move in steps, not in one jump"
+    phases = [f["phase"] for f in _runs_frames(shown)]
+    assert "reference" in phases and "runs" in phases, shown

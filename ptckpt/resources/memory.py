@@ -1022,10 +1022,9 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         sources = lazy.register_frozen(remote, mem.pid, vmas, sources)
     sizes = [sum(r.npages for r in part) * PAGE_SIZE for _fd, _offset, part in sources]
     progress.expect(sum(sizes))
-    for (pages_fd, data_offset, part), size in zip(sources, sizes):
+    for pages_fd, data_offset, part in sources:      # each says what it moved as it goes
         if not fill_pages_in_target(remote, part, pages_fd, data_offset):
             fill_pages(mem, part, pages_fd, data_offset)
-        progress.moved(size)
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
@@ -1069,7 +1068,7 @@ def _vmas_with_pages(vmas: Sequence[Vma], runs: Sequence[PageRun]) -> set[int]:
 
 FILL_BUFFER = 32 * 1024 * 1024
 _IOV_BATCH = 256                      # iovecs per injected preadv (the tracee's scratch holds 4 KiB)
-_READ_MAX = 0x7FFFF000                # what one read may move (fs/read_write.c MAX_RW_COUNT)
+_GROUP_MAX = 64 << 20                 # what one injected preadv moves: a progress step (~0.2 ms each)
 
 
 def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> bool:
@@ -1082,8 +1081,8 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
     if not runs:
         return True
     groups = _file_groups(runs)
-    if len(groups) > _INJECT_MAX_CALLS:
-        return False
+    if len(groups) > _INJECT_MAX_CALLS + sum(r.npages for r in runs) * PAGE_SIZE // _GROUP_MAX:
+        return False                          # (the groups a size cut adds are not pieces)
     path = os.readlink(f"/proc/self/fd/{pages_fd}")
     if not path.startswith("/") or path.endswith(" (deleted)"):
         path = f"/proc/{os.getpid()}/fd/{pages_fd}"     # a memfd (decompressed page data)
@@ -1101,6 +1100,7 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
             if got != want:                # short: the page file ends early (or a fault)
                 from ..errors import CorruptImage
                 raise CorruptImage(path, f"page data ends early at offset {offset + got}")
+            progress.moved(got)
     finally:
         remote.syscall("close", fd)
     return True
@@ -1116,10 +1116,10 @@ def _file_groups(runs: Sequence[PageRun]) -> list[list[tuple[int, int, int]]]:
     for r in sorted(runs, key=lambda r: r.offset):
         pos, left, vaddr = r.offset, r.npages * PAGE_SIZE, r.vaddr
         while left:
-            take = min(left, _READ_MAX // PAGE_SIZE * PAGE_SIZE)
+            take = min(left, _GROUP_MAX)
             g = groups[-1] if groups else None
             if (g is None or len(g) == _IOV_BATCH or g[-1][0] + g[-1][2] != pos
-                    or size + take > _READ_MAX):
+                    or size + take > _GROUP_MAX):
                 g = []
                 groups.append(g)
                 size = 0
@@ -1177,3 +1177,4 @@ def _fill_batch(mem: AddressSpace, fd: int, offset: int, view: memoryview, size:
             raise CorruptImage(f"fd {fd}", f"page data ends early at offset {offset + got}")
         got += n
     mem.write_from(view[:size], batch)
+    progress.moved(size)
