@@ -93,7 +93,11 @@ def test_a_dumper_killed_mid_injection_leaves_the_target_as_it_was(fixture, poin
 def test_dumpers_killed_at_random_moments_leave_the_target_running(spawn, ptckpt_cmd, tmp_path):
     """SIGKILL at a random moment of the first 30 ms after the dumper seized the target (its
     injections fill most of that time here), 8 times."""
-    target = spawn("threads")
+    kill_at_random_moments(spawn("threads"), ptckpt_cmd, tmp_path)
+
+
+def kill_at_random_moments(target, ptckpt_cmd, tmp_path) -> None:
+    """Dumps of `target` SIGKILLed at random moments of their first 30 ms; it runs on."""
     before = _view(target.pid)
     rng = random.Random(19)
     for trial in range(trials(8)):

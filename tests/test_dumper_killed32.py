@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from conftest import cpu_has, fixture_build
-from test_dumper_killed import POINTS, _check_unharmed, _view
+from test_dumper_killed import POINTS, _check_unharmed, _view, kill_at_random_moments
 
 REGS32 = r"""/* regs32 OUTFILE: a 32-bit program's registers that must survive a dumper killed mid-injection.
  * cflags: -mavx -no-pie -fno-pie
@@ -135,8 +135,8 @@ ARRIVALS = (1, 9, 45)
 
 @pytest.fixture(scope="module")
 def bins(tmp_path_factory, fixture_bins32) -> dict[str, str]:
-    """counter built with -m32, and regs32 (needs AVX: ymm0-7)."""
-    made = {"counter": str(fixture_bins32["counter"])}
+    """counter and threads built with -m32, and regs32 (needs AVX: ymm0-7)."""
+    made = {name: str(fixture_bins32[name]) for name in ("counter", "threads")}
     if cpu_has("avx"):
         out = tmp_path_factory.mktemp("regs32")
         (out / "regs32.c").write_text(REGS32)
@@ -153,7 +153,7 @@ def _program(bins, fixture: str) -> str:
     return bins[fixture]
 
 
-@pytest.mark.parametrize("fixture", ["counter", "regs32"])
+@pytest.mark.parametrize("fixture", ["counter", "threads", "regs32"])
 @pytest.mark.parametrize("point", POINTS)
 def test_a_dumper_killed_mid_injection_leaves_a_32_bit_target_as_it_was(fixture, point, spawn, ptckpt,
                                                                         tmp_path, bins):
@@ -173,6 +173,11 @@ def test_a_dumper_killed_mid_injection_leaves_a_32_bit_target_as_it_was(fixture,
     target.wait_progress()
     target.assert_ok()
     assert _vdso(target.pid) == vdso
+
+
+def test_32_bit_dumpers_killed_at_random_moments_leave_the_target_running(spawn, ptckpt_cmd, tmp_path, bins):
+    """The threads fixture built with -m32: a scope per thread, SIGKILL anywhere in them."""
+    kill_at_random_moments(spawn(bins["threads"]), ptckpt_cmd, tmp_path)
 
 
 INJECT = """
