@@ -23,10 +23,12 @@ ptckpt leaves the four bytes there (harmless padding, found and used again by th
 dump).  Both paths keep esp below the frame, so a signal delivered on the way runs its
 handler below it, and rt_sigreturn comes back to the path.
 
-The i386 rt_sigreturn puts back the eight 32-bit registers, eip, eflags, cs, ss and the
-FPU/SSE/AVX state, the signal mask, and leaves the alternate signal stack alone (invalid
-stack flags); like after any signal handler of a 32-bit program, a null %fs comes back as
-the null selector 3, and r8-r15 (out of reach of 32-bit code) keep what the injection left.
+The i386 rt_sigreturn puts back the eight 32-bit registers, eip, eflags, the segment
+registers (cs, ss, and ds, es, fs, gs where they differ), the FPU/SSE/AVX state (the i387
+environment folded into the XSAVE area) and the signal mask, and leaves the alternate
+signal stack alone (invalid stack flags).  A syscall the thread was frozen in is made
+again (returnframe.home_regs: int $0x80 and the vdso's sysenter/syscall landing are two
+bytes before the restart point too).
 """
 
 from __future__ import annotations

@@ -924,8 +924,7 @@ class RemoteSyscalls:
             return
         assert self.saved_regs is not None
         frame = returnframe.build(path, self.saved_regs, self.task.get_sigmask(), fpstate)
-        self._under_frame = (frame.low, self.mem.read(frame.low, len(frame.data)))
-        self.mem.write(frame.low, frame.data)
+        self._write_frame(frame.low, frame.data)
         self._gadget = RemotePtr(path.syscall)
         self._entry = frame.entry
         self._sp = frame.scratch_top
@@ -943,8 +942,7 @@ class RemoteSyscalls:
             return
         assert self.saved_regs is not None
         frame = returnframe32.build(path, self.saved_regs, self.task.get_sigmask(), fpstate)
-        self._under_frame = (frame.low, self.mem.read(frame.low, len(frame.data)))
-        self.mem.write(frame.low, frame.data)
+        self._write_frame(frame.low, frame.data)
         _plant(self.mem, path)
         self._planted = path
         self._gadget = RemotePtr(path.gadget)
@@ -976,6 +974,11 @@ class RemoteSyscalls:
         if self._exitkill and self.task.seized and self.task.options is not None:
             with contextlib.suppress(TargetVanished):
                 self.task.set_options(self.task.options)     # its own registers again: no kill
+
+    def _write_frame(self, low: int, data: bytes) -> None:
+        """The way home's bytes at `low`, what they cover kept for _put_back_under_frame."""
+        self._under_frame = (low, self.mem.read(low, len(data)))
+        self.mem.write(low, data)
 
     def _put_back_under_frame(self) -> None:
         """The stack bytes the way home covered, once the thread's registers are its own."""

@@ -66,6 +66,14 @@ def _check_unharmed(target, before: dict, image) -> None:
     assert not image.exists(), "a killed dump left an image"
 
 
+def dump_killed_at(point: str, n: int, target, before: dict, ptckpt, image) -> None:
+    """A dump of `target` SIGKILLed at its n-th arrival at `point`; the target is unharmed."""
+    res = ptckpt("dump", target.pid, "-D", image, "--leave-running",
+                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:{n}"))
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
+    _check_unharmed(target, before, image)
+
+
 @pytest.mark.parametrize("fixture", ["counter", "threads", "avx"])
 @pytest.mark.parametrize("point", POINTS)
 def test_a_dumper_killed_mid_injection_leaves_the_target_as_it_was(fixture, point, spawn, ptckpt, tmp_path):
@@ -73,10 +81,7 @@ def test_a_dumper_killed_mid_injection_leaves_the_target_as_it_was(fixture, poin
     before = _view(target.pid)
     for n in ARRIVALS:
         image = tmp_path / f"img-{n}"
-        res = ptckpt("dump", target.pid, "-D", image, "--leave-running",
-                     env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:{n}"))
-        assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
-        _check_unharmed(target, before, image)
+        dump_killed_at(point, n, target, before, ptckpt, image)
         if n == ARRIVALS[0]:
             res = ptckpt("restore", "-D", image, "--detach")
             assert res.returncode == 16 and "Traceback" not in res.stderr, res.stderr   # not an image

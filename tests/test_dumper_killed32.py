@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from conftest import cpu_has, fixture_build
-from test_dumper_killed import POINTS, _check_unharmed, _view, kill_at_random_moments
+from test_dumper_killed import POINTS, _check_unharmed, _view, dump_killed_at, kill_at_random_moments
 
 REGS32 = r"""/* regs32 OUTFILE: a 32-bit program's registers that must survive a dumper killed mid-injection.
  * cflags: -mavx -no-pie -fno-pie
@@ -160,11 +160,7 @@ def test_a_dumper_killed_mid_injection_leaves_a_32_bit_target_as_it_was(fixture,
     target = spawn(_program(bins, fixture))
     before, vdso = _view(target.pid), _vdso(target.pid)
     for n in ARRIVALS:
-        image = tmp_path / f"img-{n}"
-        res = ptckpt("dump", target.pid, "-D", image, "--leave-running",
-                     env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:{n}"))
-        assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
-        _check_unharmed(target, before, image)
+        dump_killed_at(point, n, target, before, ptckpt, tmp_path / f"img-{n}")
     # the killed dumpers left their gadget in the vdso's padding; a dump after them works and
     # puts the padding back
     assert _vdso(target.pid) != vdso
