@@ -135,8 +135,8 @@ ARRIVALS = (1, 9, 45)
 
 @pytest.fixture(scope="module")
 def bins(tmp_path_factory, fixture_bins32) -> dict[str, str]:
-    """counter and threads built with -m32, and regs32 (needs AVX: ymm0-7)."""
-    made = {name: str(fixture_bins32[name]) for name in ("counter", "threads")}
+    """counter, threads and timers built with -m32, and regs32 (needs AVX: ymm0-7)."""
+    made = {name: str(fixture_bins32[name]) for name in ("counter", "threads", "timers")}
     if cpu_has("avx"):
         out = tmp_path_factory.mktemp("regs32")
         (out / "regs32.c").write_text(REGS32)
@@ -171,21 +171,39 @@ def test_a_dumper_killed_mid_injection_leaves_a_32_bit_target_as_it_was(fixture,
     assert _vdso(target.pid) == vdso
 
 
+@pytest.mark.parametrize("point", POINTS)
+def test_a_32_bit_target_taking_timer_signals_survives_killed_dumpers(point, spawn, ptckpt, tmp_path, bins):
+    """timers -m32: three timers' signals for ia32 handlers every 10 to 20 ms, the dumpers
+    killed at an i386 call and at x86_64 ones; every timer fires on, to the right thread
+    with its value (a handler that ran on the way home would run below the frame)."""
+    target = spawn(bins["timers"])
+    before = _view(target.pid)
+    for n in ARRIVALS:
+        dump_killed_at(point, n, target, before, ptckpt, tmp_path / f"img-{n}", progress=False)
+    target.signal()
+    line = target.wait_for_line(r"^COUNTS ", timeout=15).string
+    assert target.wait_exit(10) == 0, target.describe()
+    assert all(int(n) > 0 for n in line.split()[1:4]), line
+
+
 def test_32_bit_dumpers_killed_at_random_moments_leave_the_target_running(spawn, ptckpt_cmd, tmp_path, bins):
     """The threads fixture built with -m32: a scope per thread, SIGKILL anywhere in them."""
     kill_at_random_moments(spawn(bins["threads"]), ptckpt_cmd, tmp_path)
 
 
 INJECT = """
+import os
 import sys
-from ptckpt import procfs
+from ptckpt import procfs, tracee
 from ptckpt.tracee import AddressSpace, Session, find_syscall_insn, remote_syscalls
-pid, kind = int(sys.argv[1]), sys.argv[2]
+pid, kind, signo = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 session = Session()
 task = session.freeze_process(pid)[0]
 with AddressSpace(pid) as mem, remote_syscalls(task, mem, find_syscall_insn(mem, procfs.read_maps(pid))) as remote:
     assert remote.compat
-    for _ in range(3):
+    for i in range(3):
+        if i == 1 and signo:      # pending for the thread while it runs our second call
+            assert tracee._host_syscall(tracee.SYSCALL_NUMBERS["tgkill"], pid, task.tid, signo) == 0
         if kind == "i386":
             with remote.scratch(8) as buf:
                 remote.checked_compat("get_robust_list", 0, int(buf), int(buf) + 4)
@@ -203,17 +221,39 @@ def test_both_kinds_of_injected_calls_find_their_way_home(kind, point, spawn, tm
     target = spawn(_program(bins, "regs32") if cpu_has("avx") else bins["counter"])
     before = _view(target.pid)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PTCKPT_TEST_DIE_AT=f"{point}:2")
-    res = subprocess.run([sys.executable, "-c", INJECT, str(target.pid), kind], env=env,
-                         capture_output=True, text=True, timeout=60)
+    res = _inject(target.pid, kind, env)
     assert res.returncode == -signal.SIGKILL, (res.returncode, res.stdout, res.stderr)
     _check_unharmed(target, before, tmp_path / "no-image")
     # unharmed, not killed: the same script without the hook runs its three calls through
     env.pop("PTCKPT_TEST_DIE_AT")
-    res = subprocess.run([sys.executable, "-c", INJECT, str(target.pid), kind], env=env,
-                         capture_output=True, text=True, timeout=60)
+    res = _inject(target.pid, kind, env)
     assert res.returncode == 0 and "DONE" in res.stdout, res.stderr
     target.wait_progress()
     target.assert_ok()
+
+
+@pytest.mark.parametrize("kind", ["i386", "x86_64"])
+def test_a_handler_that_runs_on_the_way_home_returns_to_it(kind, spawn, tmp_path, bins):
+    """A SIGALRM pending for the thread when the injector dies at its second call's
+    inject-set: the kernel runs the (ia32) handler first, from the injected state (64-bit
+    mode for an x86_64 call); the handler's frame goes below ours, its sigreturn comes
+    back to the call, and the call goes home.  timers quiet: no timer fires, so the count
+    of alarms is ours: exactly 1."""
+    target = spawn(bins["timers"], "quiet")
+    before = _view(target.pid)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PTCKPT_TEST_DIE_AT="inject-set:2")
+    res = _inject(target.pid, kind, env, signal.SIGALRM)
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stdout, res.stderr)
+    _check_unharmed(target, before, tmp_path / "no-image", progress=False)
+    target.signal()
+    line = target.wait_for_line(r"^COUNTS ", timeout=15).string
+    assert target.wait_exit(10) == 0, target.describe()
+    assert line.split()[3] == "1", line
+
+
+def _inject(pid: int, kind: str, env: dict, signo: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", INJECT, str(pid), kind, str(int(signo))], env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_without_a_return_path_the_32_bit_target_dies_with_the_dumper(spawn, ptckpt, tmp_path, bins):
