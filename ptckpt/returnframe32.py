@@ -20,8 +20,9 @@ number), nor has any 32-bit library a 64-bit rt_sigreturn; hence the gadget: fou
 (`0f 05 eb rel8`) over the nop padding that follows __kernel_rt_sigreturn, code nothing
 runs but an injection.  ptckpt puts the nops back when its injections end; a vanished
 ptckpt leaves the four bytes there (harmless padding, found and used again by the next
-dump).  Both paths keep esp below the frame, so a signal delivered on the way runs its
-handler below it, and rt_sigreturn comes back to the path.
+dump).  Both paths keep esp below what rt_sigreturn reads of the frame (the x86_64 one at
+F + 4, over the pretcode it has no use for), so a signal delivered on the way runs its
+handler below it, and the handler's rt_sigreturn comes back to the path.
 
 The i386 rt_sigreturn puts back the eight 32-bit registers, eip, eflags, the segment
 registers (cs, ss, and ds, es, fs, gs where they differ), the FPU/SSE/AVX state (the i387
