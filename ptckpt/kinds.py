@@ -145,7 +145,7 @@ MAPPINGS: dict[VmaKind, Kind] = _fds("mapping", {
 ABIS: dict[str, Kind] = {n: Kind("abi", n, *v) for n, v in {
     "x86_64": ("ptckpt.tracee, the restorer stub (64-bit registers, syscalls and signal frames)",),
     "ia32": ("ptckpt.tracee (x86_64 syscalls injected in 64-bit mode, the compat ones through "
-             "int $0x80), resources.threads (TLS entries, the compat robust list), resources.memory "
+             "int $0x80; returnframe32: their way home), resources.threads (TLS entries, the compat robust list), resources.memory "
              "(this kernel's 32-bit vdso), resources.signals (ia32 handlers), resources.files (the "
              "compat openat: no O_LARGEFILE): 32-bit processes in any tree (64-bit parents and "
              "children too), with everything a 64-bit one may hold",),

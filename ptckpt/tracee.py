@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import enum
 import errno
+import logging
 import os
 import signal
 import struct
@@ -46,7 +47,7 @@ from .errors import (
     TargetVanished,
     TraceeError,
 )
-from . import returnframe, testhooks
+from . import returnframe, returnframe32, testhooks
 from .formats.model import GP_REG_NAMES, PAGE_SIZE
 
 # --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
@@ -87,7 +88,8 @@ PTRACE_SET_THREAD_AREA = 26
 # in that mode (through IRET).  Injected syscalls in a compat thread run in 64-bit mode
 # (the x86_64 syscalls, at a `syscall` instruction); the few whose compat form differs in
 # what it sets (SA_IA32_ABI of a sigaction, the compat robust list) run as i386 syscalls
-# through `int $0x80`, which works from either mode.
+# through `int $0x80`, which works from either mode.  In a live compat thread both lead home
+# should ptckpt vanish meanwhile (ptckpt.returnframe32).
 USER32_CS = 0x23
 USER_CS = 0x33
 TLS_ENTRIES = range(12, 15)           # GDT_ENTRY_TLS_MIN .. +GDT_ENTRY_TLS_ENTRIES (x86_64)
@@ -110,6 +112,8 @@ SYSCALL_NUMBERS.update({"clone3": 435, "pidfd_open": 434, "pidfd_getfd": 438,
                         "rseq": 334, "mseal": 462})
 
 XSTATE_BUFFER_SIZE = 64 * 1024        # far above any XSAVE area a CPU has today
+
+log = logging.getLogger("ptckpt.tracee")
 
 
 class TraceEvent(enum.IntEnum):
@@ -656,6 +660,8 @@ class AddressSpace:
     def __init__(self, pid: int):
         self.pid = pid
         self._return_path: returnframe.ReturnPath | None | bool = False
+        self._compat_path: returnframe32.ReturnPath | None | bool = False
+        self.told_no_way_home = False     # a 32-bit process's EXITKILL fallback logged
         try:
             self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -671,6 +677,12 @@ class AddressSpace:
         if self._return_path is False:
             self._return_path = returnframe.find_return_path(self)
         return self._return_path      # type: ignore[return-value]
+
+    def compat_return_path(self) -> returnframe32.ReturnPath | None:
+        """How a 32-bit thread of this group gets home from injected syscalls (looked up once)."""
+        if self._compat_path is False:
+            self._compat_path = returnframe32.find_return_path(self)
+        return self._compat_path      # type: ignore[return-value]
 
     def __enter__(self) -> "AddressSpace":
         return self
@@ -809,6 +821,24 @@ def find_syscall_insn(mem: AddressSpace, maps: Sequence) -> RemotePtr | None:
     return None
 
 
+_planted: dict[int, int] = {}          # tgid -> scopes using the compat gadget in its vdso
+
+
+def _plant(mem: AddressSpace, path: returnframe32.ReturnPath) -> None:
+    """The compat way home's x86_64 gadget in place (once for all scopes of a process)."""
+    if not _planted.get(mem.pid):
+        mem.write(path.gadget, path.code)
+    _planted[mem.pid] = _planted.get(mem.pid, 0) + 1
+
+
+def _unplant(mem: AddressSpace, path: returnframe32.ReturnPath) -> None:
+    """The vdso's padding back, when the last scope that used the gadget ends."""
+    _planted[mem.pid] -= 1
+    if not _planted[mem.pid]:
+        del _planted[mem.pid]
+        mem.write(path.gadget, path.padding)
+
+
 class RemoteSyscalls:
     """Runs syscalls inside a stopped tracee thread.  Use through :func:`remote_syscalls`."""
 
@@ -823,6 +853,8 @@ class RemoteSyscalls:
         self.saved_regs: Regs | None = None
         self._sp: int = 0
         self._entry: int | None = None            # rsp and rbp while injecting: the way home
+        self._entry32: int | None = None          # esp of i386 calls on a compat thread's way home
+        self._planted: returnframe32.ReturnPath | None = None   # its x86_64 gadget, in the vdso
         self._under_frame: tuple[int, bytes] | None = None
         self.used = False
         self.last_clone = 0          # tid (tracer's namespace) of the last thread cloned
@@ -855,6 +887,8 @@ class RemoteSyscalls:
         else:
             # Scratch memory grows down from below the red zone of the current stack.
             self._sp = (self.saved_regs.rsp - 128) & ~0xF
+        if self._keep_regs and self._scratch_top is None and self.compat:
+            self._prepare_way_home_compat()
         if self._gadget is None:
             # No vdso: patch a syscall instruction over the bytes at rip, put back on exit.
             rip = self.saved_regs.rip
@@ -864,11 +898,17 @@ class RemoteSyscalls:
         elif self._keep_regs and self._scratch_top is None and not self.compat:
             self._prepare_way_home()
         options = self.task.options
-        if self._keep_regs and self.compat and options is not None and not options & PTRACE_O_EXITKILL:
-            # A compat thread has no way home yet (it would take an ia32 frame and i386
-            # injections): left with our registers, it would run on in 64-bit mode into the
-            # vdso's int $0x80 with our result as the syscall number.  Should ptckpt vanish
-            # meanwhile, the kernel kills it instead (PTRACE_O_EXITKILL while the scope lasts).
+        if self._keep_regs and self.compat and self._entry is None and options is not None \
+                and not options & PTRACE_O_EXITKILL:
+            # A compat thread without a way home (no usable return path in its vdso), left
+            # with our registers, would run on in 64-bit mode into the vdso's int $0x80 with
+            # our result as the syscall number.  Should ptckpt vanish meanwhile, the kernel
+            # kills it instead (PTRACE_O_EXITKILL while the scope lasts).
+            if not self.mem.told_no_way_home:
+                self.mem.told_no_way_home = True
+                log.warning("32-bit process %d: no way home for injected syscalls (no usable "
+                            "return path in its vdso): should ptckpt be killed meanwhile, it "
+                            "dies with it", self.task.tgid)
             self.task.set_options(options | PTRACE_O_EXITKILL)
             self._exitkill = True
 
@@ -884,10 +924,30 @@ class RemoteSyscalls:
             return
         assert self.saved_regs is not None
         frame = returnframe.build(path, self.saved_regs, self.task.get_sigmask(), fpstate)
-        self._under_frame = (frame.low, self.mem.read(frame.low, len(frame.data)))
-        self.mem.write(frame.low, frame.data)
+        self._write_frame(frame.low, frame.data)
         self._gadget = RemotePtr(path.syscall)
         self._entry = frame.entry
+        self._sp = frame.scratch_top
+
+    def _prepare_way_home_compat(self) -> None:
+        """A live 32-bit thread: its way home (ptckpt.returnframe32), an ia32 frame both
+        kinds of injected syscalls lead into; the x86_64 ones from a gadget written into
+        the vdso's padding for the time of the scope.  Without a return path it goes
+        as before."""
+        path = self.mem.compat_return_path()
+        if path is None:
+            return
+        fpstate = returnframe32.fpstate(self.task.get_xstate())
+        if fpstate is None:
+            return
+        assert self.saved_regs is not None
+        frame = returnframe32.build(path, self.saved_regs, self.task.get_sigmask(), fpstate)
+        self._write_frame(frame.low, frame.data)
+        _plant(self.mem, path)
+        self._planted = path
+        self._gadget = RemotePtr(path.gadget)
+        self._int80 = RemotePtr(path.int80)
+        self._entry, self._entry32 = frame.entry64, frame.entry32
         self._sp = frame.scratch_top
 
     def _exit(self) -> None:
@@ -907,9 +967,18 @@ class RemoteSyscalls:
                 self.task.resume(0)
                 self.task.wait_frozen()
         self._put_back_under_frame()
+        if self._planted is not None:
+            path, self._planted = self._planted, None
+            with contextlib.suppress(Exception):
+                _unplant(self.mem, path)
         if self._exitkill and self.task.seized and self.task.options is not None:
             with contextlib.suppress(TargetVanished):
                 self.task.set_options(self.task.options)     # its own registers again: no kill
+
+    def _write_frame(self, low: int, data: bytes) -> None:
+        """The way home's bytes at `low`, what they cover kept for _put_back_under_frame."""
+        self._under_frame = (low, self.mem.read(low, len(data)))
+        self.mem.write(low, data)
 
     def _put_back_under_frame(self) -> None:
         """The stack bytes the way home covered, once the thread's registers are its own."""
@@ -944,7 +1013,7 @@ class RemoteSyscalls:
         assert self.saved_regs is not None
         regs = self.saved_regs.copy()
         regs.rip = int(self.int80())
-        regs.rsp = self._sp - 64
+        regs.rsp = self._entry32 if self._entry32 is not None else self._sp - 64
         for reg, value in zip(("rbx", "rcx", "rdx", "rsi", "rdi", "rbp"), args):
             setattr(regs, reg, value & 0xFFFFFFFF)
         result = self._run(regs, I386_SYSCALLS[name]).rax & 0xFFFFFFFF

@@ -6,7 +6,7 @@ frame) are all there again, threads count on with their tids, POSIX timers fire 
 mixed trees (a 64-bit parent with a 32-bit child, and the other way round) go on.  (The
 dump was an internal error, exit 10, out of an injected sigaltstack; then a refusal.)
 Sockets: tests/test_inet.py with the -m32 builds; critical sections: tests/test_app.py;
-core files: tests/test_core.py."""
+core files: tests/test_core.py; a dumper killed mid-injection: tests/test_dumper_killed32.py."""
 
 from __future__ import annotations
 
@@ -376,21 +376,6 @@ def test_a_32_bit_sleep_restarts_with_what_was_left():
     again = reexecuted_regs(thread)
     assert (again.rip, again.rax, again.rdx, again.rsi, again.cs) == (0xF7EE85E7, 267, 0xFFE0_1000, 0xFFE0_1000, 0x23)
     assert again.orig_rax == 2**64 - 1
-
-
-@pytest.mark.parametrize("point", ["inject-set", "inject-entry", "inject-exit"])
-def test_a_dumper_killed_mid_injection_kills_a_32_bit_target_outright(spawn, ptckpt, tmp_path, bins32, point):
-    """A 32-bit thread has no way home yet (ptckpt.returnframe is x86_64's): while its
-    registers are ours, PTRACE_O_EXITKILL makes the kernel kill it with the dumper, rather
-    than let it run on in 64-bit mode into the vdso's int $0x80 with our syscall's result as
-    its number (exit, fork ...).  Between two scopes it keeps running (tested above)."""
-    target = spawn(bins32["counter"])
-    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--leave-running",
-                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:9"))
-    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
-    target.wait_exit(10)
-    assert target.popen.returncode == -signal.SIGKILL, target.describe()
-    assert not (tmp_path / "img").exists()
 
 
 def test_a_32_bit_campaign_gives_the_table_of_the_64_bit_build(spawn, ptckpt, tmp_path, fixture_bins, bins32):

@@ -56,14 +56,24 @@ def _running_untraced(pid: int) -> bool:
     return True
 
 
-def _check_unharmed(target, before: dict, image) -> None:
+def _check_unharmed(target, before: dict, image, progress: bool = True) -> None:
+    """`progress`: the target keeps a counter-style state file (not timers: it reports at the end)."""
     assert target.alive(), f"the target died\n{target.describe()}"
     wait_until(lambda: _running_untraced(target.pid), 5,
                message=lambda: f"{target.pid} running and untraced\n{target.describe()}")
     assert _view(target.pid) == before
-    target.wait_progress()
+    if progress:
+        target.wait_progress()
     assert target.failure() is None, target.failure()
     assert not image.exists(), "a killed dump left an image"
+
+
+def dump_killed_at(point: str, n: int, target, before: dict, ptckpt, image, progress: bool = True) -> None:
+    """A dump of `target` SIGKILLed at its n-th arrival at `point`; the target is unharmed."""
+    res = ptckpt("dump", target.pid, "-D", image, "--leave-running",
+                 env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:{n}"))
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
+    _check_unharmed(target, before, image, progress)
 
 
 @pytest.mark.parametrize("fixture", ["counter", "threads", "avx"])
@@ -73,10 +83,7 @@ def test_a_dumper_killed_mid_injection_leaves_the_target_as_it_was(fixture, poin
     before = _view(target.pid)
     for n in ARRIVALS:
         image = tmp_path / f"img-{n}"
-        res = ptckpt("dump", target.pid, "-D", image, "--leave-running",
-                     env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"{point}:{n}"))
-        assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr)
-        _check_unharmed(target, before, image)
+        dump_killed_at(point, n, target, before, ptckpt, image)
         if n == ARRIVALS[0]:
             res = ptckpt("restore", "-D", image, "--detach")
             assert res.returncode == 16 and "Traceback" not in res.stderr, res.stderr   # not an image
@@ -93,7 +100,11 @@ def test_a_dumper_killed_mid_injection_leaves_the_target_as_it_was(fixture, poin
 def test_dumpers_killed_at_random_moments_leave_the_target_running(spawn, ptckpt_cmd, tmp_path):
     """SIGKILL at a random moment of the first 30 ms after the dumper seized the target (its
     injections fill most of that time here), 8 times."""
-    target = spawn("threads")
+    kill_at_random_moments(spawn("threads"), ptckpt_cmd, tmp_path)
+
+
+def kill_at_random_moments(target, ptckpt_cmd, tmp_path) -> None:
+    """Dumps of `target` SIGKILLed at random moments of their first 30 ms; it runs on."""
     before = _view(target.pid)
     rng = random.Random(19)
     for trial in range(trials(8)):
