@@ -428,8 +428,10 @@ def test_newer_format_version(counter_image, ptckpt):
     assert not pid_alive(target.pid)
 
 
-def _rewrite_image(src: Path, dst: Path, change) -> None:
-    """A copy of image `src` whose process record went through change(ProcessImage)."""
+def _rewrite_image(src: Path, dst: Path, change, pages_change=None) -> None:
+    """A copy of image `src` whose process record went through change(ProcessImage), and
+    each run of its saved pages through pages_change(vaddr, bytes) -> bytes (same length;
+    None leaves the run out)."""
     with ImageReader(src) as image:
         pid = image.inventory.root_pid
         proc = change(image.process(pid))
@@ -437,7 +439,13 @@ def _rewrite_image(src: Path, dst: Path, change) -> None:
             out.write_process(proc)
             pages = out.pages_writer(pid)
             for run in image.page_runs(pid):
-                offset = pages.write(image.read_pages(pid, run))
+                data = image.read_pages(pid, run)
+                if pages_change is not None:
+                    data = pages_change(run.vaddr, data)
+                    if data is None:
+                        continue
+                    assert len(data) == run.npages * PAGE_SIZE
+                offset = pages.write(data)
                 pages.add_run(run.vaddr, run.npages, offset)
             pages.close()
             out.write_inventory(image.inventory)
