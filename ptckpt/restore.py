@@ -147,7 +147,7 @@ def vdso_verdict(image: ImageReader, proc: ProcessImage, host: Host) -> vdso.Ver
         if why:
             raise Incompatible(f"cannot restore on this kernel: {why}; a 32-bit vdso has no proxy")
         return vdso.Verdict(False, "this kernel's 32-bit vdso, laid out as the image's")
-    return vdso.judge(proc.vmas, image.page_sources(proc.task.pid), host.maps, host.vdso)
+    return vdso.judge(proc.vmas, image.page_sources(proc.task.pid), host.maps, host.vdso, proc.threads)
 
 
 @dataclass
@@ -630,7 +630,8 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
 def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
     compat = threads.compat_process(proc.threads, proc.task.pid)
-    proxy = None if compat else vdso.judge(proc.vmas, sources, procfs.read_maps(os.getpid()), vdso.own_text())
+    proxy = None if compat else vdso.judge(proc.vmas, sources, procfs.read_maps(os.getpid()), vdso.own_text(),
+                                           proc.threads)
     if proxy is not None and proxy.proxy:
         log.info("fix up %d: vdso proxy: %s", proc.task.pid, proxy.detail)
     else:

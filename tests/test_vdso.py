@@ -10,6 +10,7 @@ value: every 8-byte word of the saved memory equal to the address of a vdso func
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -157,6 +158,13 @@ def test_clocks_go_on_through_the_proxy_of_another_kernels_vdso(clocks_image, pt
     assert proxy[entry:entry + 12] == b"\x48\xb8" + struct.pack("<Q", host_base + host["__vdso_clock_gettime"]) \
         + b"\xff\xe0"
 
+    # Dumped again and restored here, the proxy is plain memory and this kernel's vdso its own.
+    _dump_kill(ptckpt, target, tmp_path / "again")
+    at_dump = _clocks(target)
+    assert _restore(ptckpt, tmp_path / "again") == target.pid
+    wait_until(lambda: _clocks(target)[0] > at_dump[0] + 100, 10, message="the clocks loop goes on again")
+    target.assert_ok()
+
 
 def test_a_vdso_exporting_what_this_kernels_lacks_is_refused_by_name(clocks_image, ptckpt, tmp_path):
     """A function the image's vdso exports and this kernel's does not has nowhere to lead:
@@ -170,6 +178,30 @@ def test_a_vdso_exporting_what_this_kernels_lacks_is_refused_by_name(clocks_imag
     assert any(line.startswith("vdso") and "NO" in line and "__vdso_getcpX" in line
                for line in res.stdout.splitlines()), res.stdout
     _one_line(ptckpt("restore", "-D", tmp_path / "odd"), ExitCode.INCOMPATIBLE, "__vdso_getcpX", "vdso")
+    assert not pid_alive(target.pid)
+
+
+def test_a_thread_stopped_inside_a_vdso_that_needs_the_proxy_is_refused(clocks_image, ptckpt, tmp_path):
+    """The rest of a vdso function would read the other kernel's data pages, which the proxy
+    does not bring: a thread stopped there is named, exit 15, before anything runs."""
+    from ptckpt.formats.model import GP_REG_NAMES
+    target, image = clocks_image
+    _as_made_elsewhere(image, tmp_path / "elsewhere", FOREIGN.read_bytes())
+    vma, _text = _vdso_of(tmp_path / "elsewhere")
+    inside = vma.start + _functions(FOREIGN.read_bytes())["__vdso_clock_gettime"] + 4
+    rip = GP_REG_NAMES.index("rip")
+
+    def stopped_inside(p):
+        t = p.threads[0]
+        regs = t.regs[:rip] + (inside,) + t.regs[rip + 1:]
+        return dataclasses.replace(p, threads=(dataclasses.replace(t, regs=regs),) + p.threads[1:])
+
+    _rewrite_image(tmp_path / "elsewhere", tmp_path / "inside", stopped_inside)
+    res = ptckpt("check", "--image", tmp_path / "inside")
+    assert res.returncode == ExitCode.INCOMPATIBLE, res.stdout + res.stderr
+    assert any(line.startswith("vdso") and "NO" in line and f"thread {target.pid}" in line and f"{inside:#x}" in line
+               for line in res.stdout.splitlines()), res.stdout
+    _one_line(ptckpt("restore", "-D", tmp_path / "inside"), ExitCode.INCOMPATIBLE, "inside the image's vdso")
     assert not pid_alive(target.pid)
 
 

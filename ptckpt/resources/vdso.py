@@ -43,9 +43,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import Incompatible
-from ..formats.model import PAGE_SIZE, Vma, VmaKind
 from .. import procfs
+from ..errors import Incompatible
+from ..formats.model import GP_REG_NAMES, PAGE_SIZE, Thread, Vma, VmaKind
+from .memory import vdso_mismatch
+
+_RIP = GP_REG_NAMES.index("rip")
 
 JUMP_SIZE = 12                 # 48 b8 imm64 (movabs $imm64, %rax); ff e0 (jmp *%rax)
 
@@ -169,11 +172,13 @@ def _image_vdso(image_vmas: Sequence[Vma]) -> Vma | None:
     return next((v for v in image_vmas if v.kind is VmaKind.VDSO), None)
 
 
-def judge(image_vmas: Sequence[Vma], sources, host_maps: Sequence, host_text: bytes) -> Verdict:
+def judge(image_vmas: Sequence[Vma], sources, host_maps: Sequence, host_text: bytes,
+          threads: Sequence[Thread] = ()) -> Verdict:
     """Whether this kernel's vdso (`host_maps` its layout, `host_text` its bytes) stands in
     for the image's as it is, or through the proxy; Incompatible (naming what) when neither
-    works.  `sources`: the process's page sources, where its vdso's saved bytes are."""
-    from .memory import vdso_mismatch
+    works.  `sources`: the process's page sources, where its vdso's saved bytes are;
+    `threads`: its threads, none of which may have been stopped inside a vdso that needs
+    the proxy (the rest of that function would read the other kernel's data pages)."""
     vma = _image_vdso(image_vmas)
     if vma is None:
         return Verdict(False, "the image has no vdso")
@@ -204,6 +209,13 @@ def judge(image_vmas: Sequence[Vma], sources, host_maps: Sequence, host_text: by
     if short:
         raise Incompatible(f"cannot restore on this kernel: in the image's vdso {', '.join(short)} "
                            f"has fewer than the {JUMP_SIZE} bytes a proxy's jump takes")
+    entries = {vma.start + off for n, (off, _size) in image.functions.items() if n not in kept}
+    for t in threads:
+        rip = t.regs[_RIP]
+        if vma.start <= rip < vma.end and rip not in entries:
+            raise Incompatible(f"cannot restore on this kernel: thread {t.tid} was stopped inside the image's "
+                               f"vdso (rip {rip:#x}), in code that reads the other kernel's data: restore it "
+                               "where it was made, or dump it again (a thread leaves the vdso in microseconds)")
     names = sorted(n for n in image.functions if n.startswith("__vdso_") and n not in kept)
     return Verdict(True, f"another kernel build (image's vdso {image.build_id[:12] or '?'}, {image.size} bytes; "
                          f"this kernel's {host.build_id[:12] or '?'}, {host.size} bytes): a vdso proxy leads "
