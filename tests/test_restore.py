@@ -429,26 +429,25 @@ def test_newer_format_version(counter_image, ptckpt):
 
 
 def _rewrite_image(src: Path, dst: Path, change, pages_change=None) -> None:
-    """A copy of image `src` whose process record went through change(ProcessImage), and
-    each run of its saved pages through pages_change(vaddr, bytes) -> bytes (same length;
-    None leaves the run out)."""
+    """A copy of image `src` (not incremental) whose process records went through
+    change(ProcessImage), and each run of their saved pages through pages_change(vaddr,
+    bytes) -> bytes (same length; None leaves the run out)."""
     with ImageReader(src) as image:
-        pid = image.inventory.root_pid
-        proc = change(image.process(pid))
         with ImageWriter(dst) as out:
-            out.write_process(proc)
-            pages = out.pages_writer(pid)
-            for run in image.page_runs(pid):
-                data = image.read_pages(pid, run)
-                if pages_change is not None:
-                    data = pages_change(run.vaddr, data)
-                    if data is None:
-                        continue
-                    assert len(data) == run.npages * PAGE_SIZE
-                offset = pages.write(data)
-                pages.add_run(run.vaddr, run.npages, offset)
-            pages.close()
-            out.write_inventory(image.inventory)
+            for pid in image.pids:
+                out.write_process(change(image.process(pid)))
+                pages = out.pages_writer(pid)
+                for run in image.page_runs(pid):
+                    data = image.read_pages(pid, run)
+                    if pages_change is not None:
+                        data = pages_change(run.vaddr, data)
+                        if data is None:
+                            continue
+                        assert len(data) == run.npages * PAGE_SIZE
+                    offset = pages.write(data)
+                    pages.add_run(run.vaddr, run.npages, offset)
+                pages.close()
+            out.write_inventory(image.inventory, image.shared_records())
 
 
 def test_cpu_without_an_xstate_feature(counter_image, ptckpt, tmp_path):

@@ -14,6 +14,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import struct
 import time
 from array import array
@@ -25,7 +26,7 @@ from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import PAGE_SIZE, VmaKind
 
-from conftest import pid_alive, wait_until
+from conftest import kill_pids, pid_alive, reap_orphans, wait_until
 from test_restore import _dump_kill, _one_line, _restore, _rewrite_image
 
 FOREIGN = Path(__file__).resolve().parent.parent / "fixtures" / "vdso" / "vdso64-6.1.0-50-cloud-amd64.so"
@@ -164,6 +165,36 @@ def test_clocks_go_on_through_the_proxy_of_another_kernels_vdso(clocks_image, pt
     assert _restore(ptckpt, tmp_path / "again") == target.pid
     wait_until(lambda: _clocks(target)[0] > at_dump[0] + 100, 10, message="the clocks loop goes on again")
     target.assert_ok()
+
+
+def test_a_forked_child_goes_on_through_the_proxy_too(spawn, ptckpt, tmp_path):
+    """In a tree each process gets its own proxy: a child is cloned from its parent's rebuilt
+    address space (proxy and parked vdso included) and rebuilds its own the same way."""
+    target = spawn("clocks", 1000, "fork")
+    child = int(re.search(r"^CHILD (\d+)$", target.stdout_text(), re.M).group(1))
+    child_out = Path(f"{target.out_path}.child")
+
+    def child_clocks() -> tuple[int, ...]:
+        fields = child_out.read_text().split() if child_out.exists() else []
+        return tuple(int(f) for f in fields) if len(fields) == 4 else (0, 0, 0, 0)
+
+    try:
+        wait_until(lambda: _clocks(target)[0] > 50 and child_clocks()[0] > 50, 10, message="both run")
+        _dump_kill(ptckpt, target, tmp_path / "img", members=[child])
+        assert _as_made_elsewhere(tmp_path / "img", tmp_path / "elsewhere", FOREIGN.read_bytes()) >= 4
+        res = ptckpt("check", "--image", tmp_path / "elsewhere", "--json")
+        lines = [f for f in json.loads(res.stdout) if f["what"] == "vdso"]
+        assert res.returncode == 0 and len(lines) == 2, res.stdout + res.stderr
+        assert all(f["ok"] and "vdso proxy" in f["detail"] for f in lines), lines
+        at_dump = _clocks(target), child_clocks()
+        assert _restore(ptckpt, tmp_path / "elsewhere") == target.pid
+        wait_until(lambda: _clocks(target)[0] > at_dump[0][0] + 100 and child_clocks()[0] > at_dump[1][0] + 100,
+                   10, message="both clocks loops go on")
+        assert os.path.exists(f"/proc/{child}") and target.stdout_text().count("READY") == 1
+        target.assert_ok()
+    finally:
+        kill_pids([child])
+        reap_orphans()
 
 
 def test_a_vdso_exporting_what_this_kernels_lacks_is_refused_by_name(clocks_image, ptckpt, tmp_path):
