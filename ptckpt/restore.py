@@ -630,6 +630,9 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
 def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
     compat = threads.compat_process(proc.threads, proc.task.pid)
+    kernel = next((v for v in proc.vmas if v.kind is VmaKind.VDSO), None)
+    if lazy is not None and kernel is not None:
+        lazy.unpack(sources, (kernel.start, kernel.end))      # the vdso's saved bytes, for vdso.judge
     proxy = None if compat else vdso.judge(proc.vmas, sources, procfs.read_maps(os.getpid()), vdso.own_text(),
                                            proc.threads)
     if proxy is not None and proxy.proxy:

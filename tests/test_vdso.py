@@ -27,6 +27,7 @@ from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import PAGE_SIZE, VmaKind
 
 from conftest import kill_pids, pid_alive, reap_orphans, wait_until
+from test_lazy import lazy  # noqa: F401 (a fixture)
 from test_restore import _dump_kill, _one_line, _restore, _rewrite_image
 
 FOREIGN = Path(__file__).resolve().parent.parent / "fixtures" / "vdso" / "vdso64-6.1.0-50-cloud-amd64.so"
@@ -195,6 +196,22 @@ def test_a_forked_child_goes_on_through_the_proxy_too(spawn, ptckpt, tmp_path):
     finally:
         kill_pids([child])
         reap_orphans()
+
+
+def test_a_lazy_restore_of_a_compressed_image_makes_the_proxy_too(clocks_image, ptckpt, tmp_path, lazy):
+    """With --lazy, compressed frames are decompressed as they are needed: the vdso's are
+    decompressed before the restore looks at its bytes."""
+    target, image = clocks_image
+    _as_made_elsewhere(image, tmp_path / "elsewhere", FOREIGN.read_bytes())
+    res = ptckpt("compact", "-D", tmp_path / "elsewhere", "-o", tmp_path / "zstd", "--compress", "zstd:1")
+    assert res.returncode == 0, res.stderr
+    with ImageReader(tmp_path / "zstd") as compressed:
+        assert compressed.compression(target.pid).startswith("zstd")
+    at_dump = _clocks(target)
+    pid, _info = lazy(tmp_path / "zstd")
+    assert pid == target.pid
+    wait_until(lambda: _clocks(target)[0] > at_dump[0] + 100, 10, message="the clocks loop goes on")
+    target.assert_ok()
 
 
 def test_a_vdso_exporting_what_this_kernels_lacks_is_refused_by_name(clocks_image, ptckpt, tmp_path):
