@@ -147,7 +147,8 @@ def vdso_verdict(image: ImageReader, proc: ProcessImage, host: Host) -> vdso.Ver
         if why:
             raise Incompatible(f"cannot restore on this kernel: {why}; a 32-bit vdso has no proxy")
         return vdso.Verdict(False, "this kernel's 32-bit vdso, laid out as the image's")
-    return vdso.judge(proc.vmas, image.page_sources(proc.task.pid), host.maps, host.vdso, proc.threads)
+    return vdso.judge(proc.vmas, functools.partial(image.read_memory, proc.task.pid), host.maps, host.vdso,
+                      proc.threads)
 
 
 @dataclass
@@ -633,8 +634,8 @@ def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, hande
     kernel = next((v for v in proc.vmas if v.kind is VmaKind.VDSO), None)
     if lazy is not None and kernel is not None:
         lazy.unpack(sources, (kernel.start, kernel.end))      # the vdso's saved bytes, for vdso.judge
-    proxy = None if compat else vdso.judge(proc.vmas, sources, procfs.read_maps(os.getpid()), vdso.own_text(),
-                                           proc.threads)
+    proxy = None if compat else vdso.judge(proc.vmas, functools.partial(vdso.image_text, sources=sources),
+                                           procfs.read_maps(os.getpid()), vdso.own_text(), proc.threads)
     if proxy is not None and proxy.proxy:
         log.info("fix up %d: vdso proxy: %s", proc.task.pid, proxy.detail)
     else:

@@ -207,6 +207,9 @@ def test_a_lazy_restore_of_a_compressed_image_makes_the_proxy_too(clocks_image, 
     assert res.returncode == 0, res.stderr
     with ImageReader(tmp_path / "zstd") as compressed:
         assert compressed.compression(target.pid).startswith("zstd")
+    res = ptckpt("check", "--image", tmp_path / "zstd", "--json")      # its frames read one by one
+    found = {f["what"]: f for f in json.loads(res.stdout)}
+    assert res.returncode == 0 and "704e99b53cb5" in found["vdso"]["detail"], res.stdout + res.stderr
     at_dump = _clocks(target)
     pid, _info = lazy(tmp_path / "zstd")
     assert pid == target.pid

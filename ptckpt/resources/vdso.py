@@ -122,28 +122,27 @@ def own_text() -> bytes:
     return b""
 
 
-def image_text(vma: Vma, sources) -> bytes | None:
-    """The saved bytes of mapping `vma` from a process's page sources ((fd, base, runs) as
-    ImageReader.page_sources gives them; the fd may be O_DIRECT: read into page-aligned
-    memory), or None where a page of it was not saved or its data is not at hand (a lazy
-    restore's compressed frames, decompressed on demand: no ELF there yet)."""
-    size = vma.end - vma.start
+def image_text(start: int, end: int, sources) -> bytes | None:
+    """The saved bytes of memory [start, end) from a process's page sources ((fd, base, runs)
+    as ImageReader.page_sources gives them; the fd may be O_DIRECT: read into page-aligned
+    memory), or None where a page of it was not saved."""
+    size = end - start
     buf = mmap.mmap(-1, size)
     view = memoryview(buf)
     try:
         have = 0
         for fd, base, runs in sources:
             for r in runs:
-                s, e = max(r.vaddr, vma.start), min(r.vaddr + r.npages * PAGE_SIZE, vma.end)
+                s, e = max(r.vaddr, start), min(r.vaddr + r.npages * PAGE_SIZE, end)
                 if s < e:
-                    if os.preadv(fd, [view[s - vma.start:e - vma.start]], base + r.offset + (s - r.vaddr)) != e - s:
+                    if os.preadv(fd, [view[s - start:e - start]], base + r.offset + (s - r.vaddr)) != e - s:
                         return None
                     have += e - s
         text = bytes(view)
     finally:
         view.release()
         buf.close()
-    return text if have == size and text.startswith(b"\x7fELF") else None
+    return text if have == size else None
 
 
 @dataclass(frozen=True)
@@ -172,17 +171,18 @@ def _image_vdso(image_vmas: Sequence[Vma]) -> Vma | None:
     return next((v for v in image_vmas if v.kind is VmaKind.VDSO), None)
 
 
-def judge(image_vmas: Sequence[Vma], sources, host_maps: Sequence, host_text: bytes,
+def judge(image_vmas: Sequence[Vma], saved, host_maps: Sequence, host_text: bytes,
           threads: Sequence[Thread] = ()) -> Verdict:
     """Whether this kernel's vdso (`host_maps` its layout, `host_text` its bytes) stands in
     for the image's as it is, or through the proxy; Incompatible (naming what) when neither
-    works.  `sources`: the process's page sources, where its vdso's saved bytes are;
+    works.  `saved(start, end)`: the process's saved memory there, or None where it was not
+    saved (ImageReader.read_memory, or image_text over its page sources);
     `threads`: its threads, none of which may have been stopped inside a vdso that needs
     the proxy (the rest of that function would read the other kernel's data pages)."""
     vma = _image_vdso(image_vmas)
     if vma is None:
         return Verdict(False, "the image has no vdso")
-    text = image_text(vma, sources)
+    text = saved(vma.start, vma.end)
     why = vdso_mismatch(image_vmas, host_maps)
     if text is None:
         if why:
@@ -194,6 +194,8 @@ def judge(image_vmas: Sequence[Vma], sources, host_maps: Sequence, host_text: by
     except NotAVdso as err:
         raise Incompatible(f"cannot restore on this kernel: the image's [vdso] ({len(text)} bytes) "
                            f"is not a whole vdso: {err}") from None
+    if not host_text:
+        raise Incompatible("cannot restore on this kernel: it maps no vdso, and the image's program has one")
     host = parse(host_text)
     same = all(host.functions.get(n, (None,))[0] == off for n, (off, _s) in image.functions.items())
     if same and not why:
