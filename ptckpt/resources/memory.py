@@ -37,7 +37,8 @@ _SPECIAL = {
     "[vsyscall]": VmaKind.VSYSCALL,
 }
 
-# Kinds whose contents come from the kernel or from a file that stays on disk.
+# Kinds whose contents come from the kernel or from a file that stays on disk (the vdso's
+# bytes are saved all the same, for a restore on another kernel build: ranges_to_save).
 _NO_PAGES = {VmaKind.FILE_SHARED, VmaKind.VDSO, VmaKind.VVAR, VmaKind.VVAR_VCLOCK,
              VmaKind.VSYSCALL, VmaKind.DEVICE}
 
