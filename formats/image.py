@@ -1013,6 +1013,40 @@ class ImageReader:
             raise CorruptImage(self._file(pages_name(pid)), f"truncated page data at offset {run.offset}")
         return data
 
+    def read_memory(self, pid: int, start: int, end: int) -> bytes | None:
+        """The saved bytes of the process's memory [start, end), along the chain; None where
+        a page of it was not saved.  Compressed data not unpacked yet stays so: only the
+        frames holding these bytes are decompressed."""
+        out = bytearray(end - start)
+        have = 0
+        for vbase, image, mine in self._source_images(pid):
+            for r in mine:
+                s, e = max(r.vaddr, start), min(r.vaddr + r.npages * PAGE_SIZE, end)
+                if s < e:
+                    out[s - start:e - start] = image._raw_bytes(pid, r.offset - vbase + (s - r.vaddr), e - s)
+                    have += e - s
+        return bytes(out) if have == end - start else None
+
+    def _raw_bytes(self, pid: int, offset: int, length: int) -> bytes:
+        """`length` bytes of this image's own raw page data from `offset`."""
+        path = self._file(pages_name(pid))
+        if pid not in self._frames or pid in self._unpacked and pid not in self._deferred:
+            fd, data_offset = self._raw_data(pid)
+            data = _pread_exact(fd, length, data_offset + offset)
+        else:
+            parts, raw_pos, stored_pos = [], 0, PAGES_DATA_OFFSET
+            for raw, stored in self._frames[pid]:
+                if raw_pos < offset + length and offset < raw_pos + raw:
+                    frame = compression.decompress_frame(compression.decompressor(),
+                                                         _pread_exact(self._pages[pid][0], stored, stored_pos),
+                                                         raw, path, stored_pos)
+                    parts.append(frame[max(offset - raw_pos, 0):offset + length - raw_pos])
+                raw_pos, stored_pos = raw_pos + raw, stored_pos + stored
+            data = b"".join(parts)
+        if len(data) != length:
+            raise CorruptImage(path, f"page data ends early at offset {offset}")
+        return data
+
     def pages_crc_ok(self, pid: int) -> bool:  # (this image's own file)
         """Whether the page data matches the crc32 its PAGES header records."""
         fd, header = self._pages[pid]

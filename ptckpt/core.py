@@ -22,8 +22,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from . import procfs
-from .resources import memory
+from .resources import memory, vdso
 from .resources.threads import compat_process
 from .errors import OutputError
 from .formats.image import ImageReader
@@ -328,17 +327,16 @@ def _copy(src: int, src_at: int, dst: int, dst_at: int, size: int) -> int:
 
 def _write_vdso(fd: int, v: Vma, at: int, elf: _Elf = ELF64) -> None:
     """The vdso is the kernel's: this kernel's own (ptckpt's; its 32-bit one for an ELF32
-    core), when it has the same size (a restore refuses another one too), else a hole."""
+    core), when it has the same size, else a hole; the image's saved vdso pages, where it
+    has them (resources.vdso), are written over it."""
     if elf is ELF32:
         text = memory.probe_vdso32()[1]
         if len(text) == v.end - v.start:
             os.pwrite(fd, text, at)
         return
-    for m in procfs.read_maps(os.getpid()):
-        if m.path == "[vdso]" and m.end - m.start == v.end - v.start:
-            with open("/proc/self/mem", "rb", buffering=0) as mem:
-                mem.seek(m.start)
-                os.pwrite(fd, mem.read(m.end - m.start), at)
+    text = vdso.own_text()
+    if len(text) == v.end - v.start:
+        os.pwrite(fd, text, at)
 
 
 def write_cores(directory: str, out: str) -> list[CoreResult]:

@@ -20,6 +20,20 @@ _CODE = bytes.fromhex("53" "4989d0" "89f8" "89f1" "0fa2"
 XFEATURE_XTILEDATA = 18         # AMX tile data: the one feature a process must ask for first
                                 # (arch_prctl ARCH_REQ_XCOMP_PERM): "dynamic" in the kernel's words
 
+# The XSAVE feature bits by name (the kernel's xfeature_names[], arch/x86/kernel/fpu/xstate.c).
+XFEATURE_NAMES = {
+    0: "x87 floating point", 1: "SSE", 2: "AVX", 3: "MPX bounds registers", 4: "MPX CSR",
+    5: "AVX-512 opmask", 6: "AVX-512 Hi256", 7: "AVX-512 ZMM_Hi256", 8: "Processor Trace",
+    9: "Protection Keys (PKRU)", 10: "PASID", 11: "CET user", 12: "CET supervisor",
+    13: "HDC", 14: "UINTR", 15: "LBR", 16: "HWP", 17: "AMX tile config", 18: "AMX tile data",
+    19: "APX",
+}
+
+
+def xfeature_names(mask: int) -> list[str]:
+    """The names of the XSAVE features in `mask` ("bit N" for one without a name)."""
+    return [XFEATURE_NAMES.get(b, f"bit {b}") for b in range(64) if mask >> b & 1]
+
 
 @functools.cache
 def _function():

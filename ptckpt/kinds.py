@@ -134,7 +134,9 @@ MAPPINGS: dict[VmaKind, Kind] = _fds("mapping", {
     VmaKind.FILE_SHARED: ("resources.memory (the file by path; deleted: a ghost file in the image)",),
     VmaKind.SHMEM: ("resources.memory, resources.sysvipc (memfd, /dev/shm and SysV segments, "
                     "with their data)",),
-    VmaKind.VDSO: ("resources.memory (this kernel's vdso moved to its address: the same kernel build)",),
+    VmaKind.VDSO: ("resources.vdso, resources.memory (its bytes saved; this kernel's vdso moved to its "
+                   "address, or, for another kernel build's, the image's bytes with each function's entry "
+                   "leading into this kernel's vdso: the vdso proxy)",),
     VmaKind.VVAR: ("resources.memory (with the vdso)",), VmaKind.VVAR_VCLOCK: ("resources.memory (with the vdso)",),
     VmaKind.VSYSCALL: ("the kernel's own (the same in every process)",),
     VmaKind.DEVICE: ("resources.memory (the device node mapped again by path)",),

@@ -294,12 +294,18 @@ class Server:
         (fd, base, runs) sources with only the pages still to fill eagerly (their frames
         decompressed, where the data is compressed)."""
         eager = self._register(remote, pid, vmas, sources)
-        for fd, base, runs in eager:
+        self.unpack(eager)
+        return eager
+
+    def unpack(self, sources, within: tuple[int, int] | None = None) -> None:
+        """The compressed frames holding the pages of `sources` ((fd, base, runs); those
+        `within` (start, end) only) decompressed now, ahead of their use."""
+        for fd, base, runs in sources:
             src = self.sources.get(fd)
             if src is not None and src.frames is not None:
                 for r in runs:
-                    src.verify(base + r.offset, r.npages * PAGE)
-        return eager
+                    if within is None or r.vaddr < within[1] and r.vaddr + r.npages * PAGE > within[0]:
+                        src.verify(base + r.offset, r.npages * PAGE)
 
     def _register(self, remote, pid: int, vmas: Sequence[Vma], sources) -> list:
         spans = sorted((v.start, v.end) for v in vmas if lazy_candidate(v))

@@ -1771,7 +1771,7 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("ptckpt.resources.process", "expendable"): "writes oom_score_adj of a process being made",
     ("ptckpt.resources.sysvipc", "IpcKind.next_id_path"): "the *_next_id sysctl written to choose an id, "
                                                           "named in messages",
-    ("ptckpt.core", "_write_vdso"): "reads ptckpt's own vdso through /proc/self/mem (memory, not a report)",
+    ("ptckpt.resources.vdso", "own_text"): "reads ptckpt's own vdso through /proc/self/mem (memory, not a report)",
     ("ptckpt.tracee", "AddressSpace.__init__"): "/proc/PID/mem: the tracee's memory, read and written",
     # a file opened again through its /proc link (the file's data, not /proc's)
     ("ptckpt.appblock", "locate"): "opens the program through /proc/PID/exe to look for a symbol",

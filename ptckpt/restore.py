@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import appblock, procfs
+from . import appblock, cpuid, procfs
 from . import plugins as plugin_mod
 from .errors import ExitCode, Incompatible, PluginError, PtckptError, UnsupportedResource
 from .plan import image_problems, memory_objects, plan_handoff, queue_refusal
@@ -47,7 +47,7 @@ from .formats.image import ImageReader
 from .formats.model import (GP_REG_NAMES, PAGE_SIZE, EpollState, FanotifyState, Fd, FdKind,
                             InotifyState, MsgImage, ProcessImage, SemImage, ShmImage, VmaKind)
 from .resources import (anonfds, creds, filepolicy, files, inet, membarrier, memory, pids, process, registry,
-                        signals, sockets, sysvipc, terminals, threads, timers)
+                        signals, sockets, sysvipc, terminals, threads, timers, vdso)
 from .restorer.stub import gadget_address
 from .tracee import AddressSpace, RemotePtr, probe_task, remote_syscalls, xstate_header
 
@@ -93,6 +93,7 @@ class Host:
     maps: tuple                 # ptckpt's own mappings (this kernel's vdso layout)
     xcr0: int                   # xsave features enabled on this CPU
     xstate_size: int            # bytes of the NT_X86_XSTATE regset here
+    vdso: bytes = b""           # this kernel's 64-bit vdso (ptckpt's own)
 
     @functools.cached_property
     def maps32(self) -> tuple:
@@ -105,7 +106,7 @@ class Host:
         """XCR0 and xstate size come from a throwaway child's NT_X86_XSTATE."""
         with probe_task() as task:
             xs = task.get_xstate()
-        return cls(tuple(procfs.read_maps(os.getpid())), xstate_header(xs)[1], len(xs))
+        return cls(tuple(procfs.read_maps(os.getpid())), xstate_header(xs)[1], len(xs), vdso.own_text())
 
 
 def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: bool,
@@ -117,15 +118,13 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible(f"the image is for {inv.arch}, this machine is {os.uname().machine}")
     if inv.page_size != PAGE_SIZE:
         raise Incompatible(f"the image has {inv.page_size}-byte pages, this machine {PAGE_SIZE}")
-    compat = threads.compat_process(proc.threads, proc.task.pid)     # its vdso: the 32-bit one
-    why = memory.vdso_mismatch(proc.vmas, host.maps32 if compat else host.maps)
-    if why:
-        raise Incompatible(f"cannot restore on this kernel: {why}; a vdso proxy is not implemented yet")
+    vdso_verdict(image, proc, host)
     xcr0, xsize = host.xcr0, host.xstate_size
     for t in proc.threads:
         missing = t.xfeatures & ~xcr0
         if missing:
-            raise Incompatible(f"thread {t.tid} uses xsave features {missing:#x} this CPU does not "
+            raise Incompatible(f"thread {t.tid} uses xsave features {missing:#x} "
+                               f"({', '.join(cpuid.xfeature_names(missing))}) this CPU does not "
                                f"have (image {t.xfeatures:#x}, CPU {xcr0:#x})")
         if len(t.xstate) != xsize:
             raise Incompatible(f"thread {t.tid} has a {len(t.xstate)}-byte xstate area, this CPU "
@@ -138,6 +137,18 @@ def plan_problems(image: ImageReader, proc: ProcessImage, host: Host, *, pidns: 
         raise Incompatible(f"process {proc.task.pid}: " + "; ".join(gone))
     if not pidns:
         pids.check_pids_free(list(proc.task.tids))
+
+
+def vdso_verdict(image: ImageReader, proc: ProcessImage, host: Host) -> vdso.Verdict:
+    """How the image's vdso is made here (resources.vdso), or Incompatible naming why not.
+    A 32-bit process's: this kernel's 32-bit vdso, only where it is laid out as the image's."""
+    if threads.compat_process(proc.threads, proc.task.pid):
+        why = memory.vdso_mismatch(proc.vmas, host.maps32)
+        if why:
+            raise Incompatible(f"cannot restore on this kernel: {why}; a 32-bit vdso has no proxy")
+        return vdso.Verdict(False, "this kernel's 32-bit vdso, laid out as the image's")
+    return vdso.judge(proc.vmas, functools.partial(image.read_memory, proc.task.pid), host.maps, host.vdso,
+                      proc.threads)
 
 
 @dataclass
@@ -179,6 +190,12 @@ def preflight(directory: str) -> list[Finding]:
         unsent = queue_refusal(image, procs)
         if unsent is not None:
             bad.append(unsent)
+        for p, proc in procs.items():
+            try:
+                verdict = vdso_verdict(image, proc, host)
+                out.append(Finding("vdso", True, (f"process {p}: " if len(procs) > 1 else "") + verdict.detail))
+            except PtckptError as err:
+                out.append(Finding("vdso", False, str(err), err.exit_code))
         out.append(Finding("this host", not bad, "; ".join(str(e) for e in bad) or
                            f"{os.uname().machine}, this kernel's vdso layout, the xsave features used "
                            f"(CPU {host.xcr0:#x})", bad[0].exit_code if bad else 0))
@@ -613,9 +630,18 @@ def rebuild_memory(task, proc: ProcessImage, runs, sources, handed: dict) -> Non
 
 def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, handed: dict, lazy=None) -> None:
     log.info("fix up %d: address space", proc.task.pid)
-    memory.prepare_address_space_frozen(remote, mem, proc.vmas,
-                                        compat=threads.compat_process(proc.threads, proc.task.pid))
-    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed, lazy)
+    compat = threads.compat_process(proc.threads, proc.task.pid)
+    kernel = next((v for v in proc.vmas if v.kind is VmaKind.VDSO), None)
+    if lazy is not None and kernel is not None:
+        lazy.unpack(sources, (kernel.start, kernel.end))      # the vdso's saved bytes, for vdso.judge
+    proxy = None if compat else vdso.judge(proc.vmas, functools.partial(vdso.image_text, sources=sources),
+                                           procfs.read_maps(os.getpid()), vdso.own_text(), proc.threads)
+    if proxy is not None and proxy.proxy:
+        log.info("fix up %d: vdso proxy: %s", proc.task.pid, proxy.detail)
+    else:
+        proxy = None
+    memory.prepare_address_space_frozen(remote, mem, proc.vmas, compat=compat, proxy=proxy is not None)
+    memory.restore_vmas_frozen(remote, mem, proc.vmas, runs, sources, handed, lazy, proxy)
 
 
 def _restore_session(task, record) -> None:

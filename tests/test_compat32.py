@@ -22,10 +22,10 @@ import pytest
 
 from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
-from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, VmaKind
+from ptckpt.formats.model import GP_REG_NAMES
 
 from conftest import fixture_build, idle_script, kill_pids, pid_alive, read_counter, reap_orphans, wait_until
-from test_restore import _dump_kill, _one_line, _restore, _rewrite_image, sleep_dumped_twice
+from test_restore import _dump_kill, _older_image_with_a_smaller_vdso, _one_line, _restore, sleep_dumped_twice
 
 CS = GP_REG_NAMES.index("cs")
 
@@ -267,11 +267,7 @@ def test_a_32_bit_vdso_of_another_size_is_refused_before_anything_runs(spawn, pt
     res = ptckpt("check", "--image", tmp_path / "img")
     assert res.returncode == 0 and "vdso layout" in res.stdout, res.stdout + res.stderr
 
-    def smaller_vdso(p):
-        return dataclasses.replace(p, vmas=tuple(dataclasses.replace(v, end=v.end - PAGE_SIZE)
-                                                 if v.kind is VmaKind.VDSO else v for v in p.vmas))
-
-    _rewrite_image(tmp_path / "img", tmp_path / "vdso", smaller_vdso)
+    _older_image_with_a_smaller_vdso(tmp_path / "img", tmp_path / "vdso")
     _one_line(ptckpt("restore", "-D", tmp_path / "vdso"), ExitCode.INCOMPATIBLE, "[vdso]", "bytes")
     assert not pid_alive(target.pid)
     assert ptckpt("check", "--image", tmp_path / "vdso").returncode == ExitCode.INCOMPATIBLE

@@ -37,7 +37,8 @@ _SPECIAL = {
     "[vsyscall]": VmaKind.VSYSCALL,
 }
 
-# Kinds whose contents come from the kernel or from a file that stays on disk.
+# Kinds whose contents come from the kernel or from a file that stays on disk (the vdso's
+# bytes are saved all the same, for a restore on another kernel build: ranges_to_save).
 _NO_PAGES = {VmaKind.FILE_SHARED, VmaKind.VDSO, VmaKind.VVAR, VmaKind.VVAR_VCLOCK,
              VmaKind.VSYSCALL, VmaKind.DEVICE}
 
@@ -328,6 +329,8 @@ def ranges_to_save(pid: int, vma: Vma) -> list[tuple[int, int]]:
     not (another process may have written it).  Never-touched pages are
     absent from the page tables and so are never saved.
     """
+    if vma.kind is VmaKind.VDSO:
+        return [(vma.start, vma.end)]  # whole: a restore on another kernel build needs it (resources.vdso)
     if vma.kind in _NO_PAGES or not vma.prot & 1 and vma.kind is VmaKind.OTHER:
         return []
     if "dp" in vma.vmflags.split():
@@ -802,7 +805,8 @@ def inherited_vmas(image_vmas: Sequence[Vma]) -> list[Vma]:
     return [v for v in image_vmas if v.cow]
 
 
-def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma], compat: bool = False) -> None:
+def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence[Vma], compat: bool = False,
+                                 proxy: bool = False) -> None:
     """Turn the freshly exec'd stub into an empty address space holding only the kernel's pages
     (and the mappings it inherited from its rebuilt parent, which it keeps).
 
@@ -814,6 +818,9 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
     `compat`: a 32-bit (ia32) process's: the gadget lies below 4 GiB (the compat calls'
     pointers are 32 bits), and the stub's 64-bit vdso gives way to this kernel's 32-bit
     one, mapped at the image's address (arch_prctl ARCH_MAP_VDSO_32).
+
+    `proxy` (resources.vdso): the image's vdso is another kernel build's; this kernel's
+    vdso pages are parked together at a free address instead, for its proxy to lead to.
     """
     own = procfs.read_maps(mem.pid)
     taken = [(v.start, v.end) for v in image_vmas] + [(m.start, m.end) for m in own]
@@ -834,6 +841,8 @@ def prepare_address_space_frozen(remote, mem: AddressSpace, image_vmas: Sequence
         cursor = max(cursor, e)
     if compat:
         _map_vdso32_frozen(remote, mem, image_vmas)
+    elif proxy:
+        _park_kernel_pages_frozen(remote, own, taken + [(gadget, gadget + size)])
     else:
         _move_kernel_pages_frozen(remote, image_vmas, own, taken + [(gadget, gadget + size)])
 
@@ -856,6 +865,19 @@ def _move_kernel_pages_frozen(remote, image_vmas: Sequence[Vma], own: Sequence, 
         ws, we = want[name]
         remote.checked("mremap", s, e - s, e - s, MREMAP_MAYMOVE | MREMAP_FIXED, ws,
                        step=f"move {name}")
+
+
+def _park_kernel_pages_frozen(remote, own: Sequence, taken: list) -> None:
+    """This kernel's vdso pages moved together (as laid out) to a spot free in the image's
+    layout and in the stub's own."""
+    have = special_layout(own)
+    if not have:
+        return
+    low, high = min(s for s, _e in have.values()), max(e for _s, e in have.values())
+    spot = find_hole(taken, high - low, start=0x200000000)
+    for name, (s, e) in have.items():
+        remote.checked("mremap", s, e - s, e - s, MREMAP_MAYMOVE | MREMAP_FIXED, spot + s - low,
+                       step=f"park {name}")
 
 
 ARCH_MAP_VDSO_32 = 0x2002
@@ -966,20 +988,29 @@ def _new_object(path: str, size: int) -> int:
 
 
 def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Sequence[PageRun],
-                        sources, shared: dict | None = None, lazy=None) -> None:
+                        sources, shared: dict | None = None, lazy=None, proxy=None) -> None:
     """Map every VMA at its address, fill the saved pages in bulk, then set the protections.
 
     `runs` are all the saved pages; `sources` says where they are: (fd, base, runs) per
     file (ImageReader.page_sources: an incremental image's pages are in several).
     `shared` maps shared_object_key()s to the fd (in the tracee) of the object to map.
     `lazy` (a lazypages.Server): the pages it registers are left to it, not filled.
+    `proxy` (a resources.vdso.Verdict): the image's vdso is made of its saved bytes, its
+    entries patched to lead into this kernel's (parked by prepare_address_space_frozen);
+    without it the saved vdso bytes are not used (this kernel's vdso is in place).
     """
     shared = shared or {}
+    made_here = [(v.start, v.end) for v in vmas if proxy is not None and v.kind is VmaKind.VDSO]
+    kernel = [(v.start, v.end) for v in vmas if v.kind in KERNEL_MAPPED and (v.start, v.end) not in made_here]
+    if kernel:
+        sources = [(fd, base, _runs_outside(part, kernel)) for fd, base, part in sources]
+        runs = _runs_outside(runs, kernel)
     attached: set[tuple[int, int]] = set()
     with_pages = _vmas_with_pages(vmas, runs)
     files = _FileCache(remote)
     for vma in vmas:
-        if vma.kind in KERNEL_MAPPED or vma.kind is VmaKind.VSYSCALL or is_aio_ring(vma):
+        if (vma.kind in KERNEL_MAPPED and (vma.start, vma.end) not in made_here
+                or vma.kind is VmaKind.VSYSCALL or is_aio_ring(vma)):
             continue                              # an AIO ring: made by resources/aio.py
         if vma.cow:                               # inherited from the parent: in place already
             if id(vma) in with_pages and not vma.prot & PROT_WRITE:
@@ -1009,7 +1040,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
         elif _made_object(vma, shared) is not None:  # a shared object or deleted file ptckpt made
             remote.checked("mmap", vma.start, length, prot, flags, _made_object(vma, shared), vma.pgoff,
                            step=step)
-        elif vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED):
+        elif vma.kind in (VmaKind.ANON_PRIVATE, VmaKind.HEAP, VmaKind.STACK, VmaKind.ANON_SHARED, VmaKind.VDSO):
             remote.checked("mmap", vma.start, length, prot, flags | MAP_ANONYMOUS, 2**64 - 1, 0,
                            step=step)
         elif vma.kind in (VmaKind.FILE_PRIVATE, VmaKind.FILE_SHARED, VmaKind.SHMEM, VmaKind.DEVICE):
@@ -1025,11 +1056,31 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     for pages_fd, data_offset, part in sources:      # each says what it moved as it goes
         if not fill_pages_in_target(remote, part, pages_fd, data_offset):
             fill_pages(mem, part, pages_fd, data_offset)
+    if made_here:
+        _write_proxy(mem, proxy, made_here[0][0])
     for vma in vmas:
         if id(vma) in with_pages and not vma.prot & PROT_WRITE:
             remote.checked("mprotect", vma.start, vma.end - vma.start, vma.prot,
                            step=f"protect {vma.start:#x}-{vma.end:#x}")
-    restore_advice_frozen(remote, vmas)
+    # with the proxy, the image's [vvar] areas stay empty: no advice for them
+    restore_advice_frozen(remote, [v for v in vmas if not made_here or v.kind not in KERNEL_MAPPED
+                                   or v.kind is VmaKind.VDSO])
+
+
+def _runs_outside(runs: Sequence[PageRun], spans: Sequence[tuple[int, int]]) -> list[PageRun]:
+    """`runs` without their pages inside `spans` (offsets moved with what is cut off)."""
+    out = []
+    for r in runs:
+        for s, e in _without([(r.vaddr, r.vaddr + r.npages * PAGE_SIZE)], spans):
+            out.append(PageRun(s, (e - s) // PAGE_SIZE, r.offset + s - r.vaddr))
+    return out
+
+
+def _write_proxy(mem: AddressSpace, proxy, image_base: int) -> None:
+    """The jumps of the vdso proxy over the image's vdso bytes, into this kernel's vdso."""
+    host_base = next(m.start for m in procfs.read_maps(mem.pid) if m.path == "[vdso]")
+    for address, code in proxy.patches(image_base, host_base):
+        mem.write(address, code)
 
 
 MADV_DONTNEED = 4
