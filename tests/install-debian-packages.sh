@@ -19,7 +19,7 @@
 #   mpich, libmpich-dev  mpicc and mpiexec, the MPI job tests/test_mpi.py checkpoints
 #   iverilog        iverilog and vvp, the simulator tests/test_simulators.py checkpoints
 #   iproute2        ip and ss (named network namespaces, connection listings)
-#   gcc-multilib    gcc -m32: the 32-bit program tests/test_compat32.py shows refused by name
+#   gcc-multilib    gcc -m32: the 32-bit builds of the C fixtures (tests/test_compat32.py, the -m32 cases)
 # A Debian install starts the packaged redis service; the tests start their own, so the
 # service is stopped.
 set -euo pipefail
