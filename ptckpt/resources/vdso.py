@@ -189,6 +189,8 @@ def judge(image_vmas: Sequence[Vma], saved, host_maps: Sequence, host_text: byte
             raise Incompatible(f"cannot restore on this kernel: {why}, and the image holds no copy of its "
                                "vdso to make a proxy of (made by an older ptckpt)")
         return Verdict(False, "laid out as this kernel's (the image holds no copy of its vdso to compare)")
+    if text == host_text and not why:           # the common case, decided without parsing an ELF
+        return Verdict(False, "the same build as this kernel's")
     try:
         image = parse(text)
     except NotAVdso as err:
