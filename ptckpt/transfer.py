@@ -125,6 +125,37 @@ class Channel:
             buf += chunk
         return bytes(buf)
 
+    def recv_some(self, most: int) -> bytes:
+        """Up to `most` bytes (at least one) as they come."""
+        chunk = self._recv(min(most, BLOCK))
+        if not chunk:
+            raise TransferError(f"{self.peer}: the connection broke")
+        return chunk
+
+    def recv_into(self, view: memoryview) -> None:
+        """Exactly len(view) bytes, straight into `view`."""
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as err:
+                raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
+            if not n:
+                raise TransferError(f"{self.peer}: the connection broke")
+            got += n
+
+    def sendfile(self, fd: int, offset: int, size: int) -> None:
+        """`size` bytes of file `fd` from `offset`, raw."""
+        try:
+            while size:
+                n = os.sendfile(self.sock.fileno(), fd, offset, size)
+                if not n:
+                    raise TransferError(f"{self.peer}: the file ended early")
+                offset += n
+                size -= n
+        except OSError as err:
+            raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
+
     def recv_into_file(self, fd: int, size: int) -> None:
         left = size
         while left:
@@ -310,8 +341,10 @@ class PageServer:
                 return
 
     def _session(self, conn: socket.socket) -> None:
+        from . import pagestream
         peer = self.address
         chan = Channel(conn, peer)
+        streams = pagestream.StreamSession(self.directory, self._path)
         try:
             challenge = secrets.token_hex(32).encode()
             conn.sendall(GREETING + b" " + challenge + b"\n")
@@ -326,7 +359,9 @@ class PageServer:
             while True:
                 msg = chan.recv()
                 op = msg.get("op")
-                if op == "file":
+                if op in pagestream.OPS:
+                    streams.handle(chan, msg)
+                elif op == "file":
                     self._receive_file(chan, msg)
                 elif op == "commit":
                     chan.send(self._commit(msg.get("image", "")))
@@ -337,9 +372,10 @@ class PageServer:
                 else:
                     chan.send({"ok": False, "error": f"unknown request {op!r}"})
                     return
-        except (PtckptError, OSError) as err:
+        except (PtckptError, OSError, KeyError, ValueError) as err:
             log.warning("page server: %s", err)
         finally:
+            streams.end()
             chan.close()
 
     def _path(self, rel: str) -> str:

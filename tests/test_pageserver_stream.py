@@ -1,0 +1,221 @@
+"""dump --page-server and restore [--lazy] --page-server: the memory pages go to a
+`ptckpt page-server` (on loopback TCP here) as they are read, never to the local disk, and
+come back from it, all before the rebuild or block by block as the process touches them.
+
+Every page server a test starts, every process it restores and every lazy page server
+process (with its watchdog) is killed in a finaliser, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import kill_pids, kill_process_groups, pid_alive, reap_orphans, wait_pid_free, wait_until
+from ptckpt.errors import ExitCode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def page_server(ptckpt_cmd, tmp_path):
+    """start(extra_env=None) -> (address, token file, directory): `ptckpt page-server` on a
+    loopback TCP port; killed at the end."""
+    started: list[subprocess.Popen] = []
+    token = tmp_path / "token"
+    token.write_text(os.urandom(24).hex() + "\n")
+    token.chmod(0o600)
+
+    def start(extra_env: dict | None = None) -> tuple[str, Path, Path, subprocess.Popen]:
+        n = len(started)
+        port, directory = _free_port(), tmp_path / f"server{n}"
+        with open(tmp_path / f"page-server{n}.log", "wb") as log:
+            p = subprocess.Popen([*ptckpt_cmd, "page-server", "--listen", f"127.0.0.1:{port}", "-D", directory,
+                                  "--token-file", token], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True, env={**os.environ, **(extra_env or {})})
+        started.append(p)
+
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_until(listening, 20, message="the page server listens")
+        return f"127.0.0.1:{port}", token, directory, p
+
+    yield start
+    kill_process_groups(started)
+    reap_orphans()
+
+
+@pytest.fixture
+def lazy_servers():
+    """The lazy page server processes (and watchdogs) restores made: killed at the end."""
+    pids: list[int] = []
+    logs: list[str] = []
+    yield pids, logs
+    kill_pids(pids)
+    reap_orphans()
+    for path in logs:
+        Path(path).unlink(missing_ok=True)
+
+
+def _streamed_dump(ptckpt, target, image: Path, address: str, token: Path, *extra) -> dict:
+    res = ptckpt("dump", target.pid, "-D", image, "--kill", "--page-server", address, "--token-file", token,
+                 "--json", *extra)
+    assert res.returncode == 0, res.stderr
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    return json.loads(res.stdout)
+
+
+def _no_page_data_here(image: Path, pid: int) -> None:
+    names = sorted(p.name for p in image.iterdir())
+    assert f"pagemap-{pid}.img" in names and f"core-{pid}.img" in names, names
+    assert not [n for n in names if n.startswith("pages-")], names
+
+
+def _lazy_restore(ptckpt, image: Path, address: str, token: Path, servers, env: dict | None = None):
+    pids, logs = servers
+    res = ptckpt("restore", "-D", image, "--detach", "--lazy", "--json", "--page-server", address,
+                 "--token-file", token, env={**os.environ, **(env or {})})
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    info = out["lazy"]
+    assert info, f"nothing was left to a page server: {res.stderr}"
+    pids.extend([info["server"], info["watchdog"]])
+    logs.append(info["log"])
+    return out["pid"], info
+
+
+def _gone(pid: int, timeout: float = 60.0) -> None:
+    wait_until(lambda: (reap_orphans(), not pid_alive(pid))[1], timeout, message=f"process {pid} ends")
+
+
+def test_streamed_counter_is_restored_from_the_page_server_and_counts_on(spawn, ptckpt, page_server, tmp_path):
+    """The dump writes no page data here (the page server holds it, a PAGES file like any
+    image's); a restore without --page-server is refused naming the server; with it, the
+    counter goes on from its value."""
+    address, token, received, _p = page_server()
+    target = spawn("counter")
+    target.wait_progress()
+    image = tmp_path / "img"
+    out = _streamed_dump(ptckpt, target, image, address, token)
+    at_dump = target.read_counter()
+    _no_page_data_here(image, target.pid)
+    assert out["page_server"]["address"] == address
+    there = received / out["page_server"]["pages"] / f"pages-{target.pid}.img"
+    assert there.stat().st_size > 4096 and there.read_bytes()[:4] == b"PTCK"
+    assert there.stat().st_mode & 0o077 == 0
+
+    res = ptckpt("restore", "-D", image, "--detach")
+    assert res.returncode == ExitCode.USAGE, res.stderr
+    assert address in res.stderr and "--page-server" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+    res = ptckpt("restore", "-D", image, "--detach", "--page-server", address, "--token-file", token)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.strip().splitlines()[-1]) == target.pid
+    wait_until(lambda: target.read_counter() > at_dump + 20, 10, message="the counter goes on")
+    assert target.read_counter() > at_dump
+    target.assert_ok()
+    _no_page_data_here(image, target.pid)
+
+
+def test_counter_lazily_restored_over_the_network(spawn, ptckpt, page_server, tmp_path, lazy_servers):
+    address, token, _received, _p = page_server()
+    target = spawn("counter")
+    target.wait_progress()
+    image = tmp_path / "img"
+    _streamed_dump(ptckpt, target, image, address, token)
+    at_dump = target.read_counter()
+    pid, info = _lazy_restore(ptckpt, image, address, token, lazy_servers)
+    assert pid == target.pid and info["bytes"] > 0
+    wait_until(lambda: target.read_counter() > at_dump + 20, 10, message="the counter goes on")
+    _gone(info["server"])
+    assert "all pages in" in Path(info["log"]).read_text()
+    target.assert_ok()
+    _no_page_data_here(image, target.pid)
+
+
+def test_one_gib_heap_lazily_restored_over_the_network(spawn, ptckpt, page_server, tmp_path, lazy_servers):
+    """1 GiB of heap streamed to the page server and taken back on demand: the pattern is
+    intact when read at once (faults served over the network), and again once every page
+    is in and the lazy server has left."""
+    address, token, _received, _p = page_server()
+    target = spawn("bigheap", 1024)
+    image = tmp_path / "img"
+    out = _streamed_dump(ptckpt, target, image, address, token)
+    assert out["bytes"] >= 1 << 30
+    _no_page_data_here(image, target.pid)
+    pid, info = _lazy_restore(ptckpt, image, address, token, lazy_servers)
+    assert pid == target.pid and info["bytes"] >= 1 << 30
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", timeout=120)
+    _gone(info["server"], 120)
+    text = Path(info["log"]).read_text()
+    assert "all pages in" in text and "1024 MiB" in text, text
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 2 OK", timeout=60)
+    target.assert_ok()
+
+
+def test_wrong_token_and_no_server_are_refused_and_the_process_runs_on(spawn, ptckpt, page_server, tmp_path,
+                                                                       lazy_servers):
+    """A wrong token and an address nobody listens at: the dump says so in one line (exit
+    24) before touching the process, which runs on; no image is made.  A restore too."""
+    address, token, _received, _p = page_server()
+    wrong = tmp_path / "wrong"
+    wrong.write_text("x" * 32)
+    target = spawn("counter")
+    target.wait_progress()
+    nobody = f"127.0.0.1:{_free_port()}"
+    for to, key, words in ((address, wrong, "refused the token"), (nobody, token, "no page server at")):
+        res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--page-server", to, "--token-file", key)
+        assert res.returncode == ExitCode.TRANSFER and words in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+        assert not (tmp_path / "img").exists()
+        assert target.alive()
+    target.wait_progress()
+    image = tmp_path / "good"
+    _streamed_dump(ptckpt, target, image, address, token)
+    for to, key, words in ((address, wrong, "refused the token"), (nobody, token, "no page server at")):
+        for lazy in ((), ("--lazy",)):
+            res = ptckpt("restore", "-D", image, "--detach", *lazy, "--page-server", to, "--token-file", key)
+            assert res.returncode == ExitCode.TRANSFER and words in res.stderr, res.stderr
+            assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+            assert not pid_alive(target.pid)
+
+
+def test_page_server_gone_mid_dump_leaves_the_process_running_and_no_image(spawn, ptckpt, page_server, tmp_path):
+    address, token, received, _p = page_server({"PTCKPT_TEST_DIE_AT": "page-server-write:3"})
+    target = spawn("bigheap", 64)
+    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill", "--page-server", address,
+                 "--token-file", token)
+    assert res.returncode == ExitCode.TRANSFER, res.stderr
+    assert "connection" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "img").exists() and not list(tmp_path.glob(".img.tmp-*"))
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", timeout=30)       # ran on, its memory as it was
+    target.assert_ok()
+
+
+def test_page_server_gone_mid_lazy_restore_kills_the_process_and_says_why(spawn, ptckpt, page_server, tmp_path,
+                                                                          lazy_servers):
+    address, token, _received, server = page_server()
+    target = spawn("bigheap", 32)
+    image = tmp_path / "img"
+    _streamed_dump(ptckpt, target, image, address, token)
+    pid, info = _lazy_restore(ptckpt, image, address, token, lazy_servers, {"PTCKPT_TEST_LAZY_PACE": "0.1"})
+    kill_process_groups([server])                         # while pages are still to come
+    _gone(pid, 60)
+    _gone(info["server"])
+    text = Path(info["log"]).read_text()
+    assert "page server went away" in text and f"killed {pid}" in text, text
