@@ -237,6 +237,18 @@ class Source:
                                           f"of the file (block {i})")
         self.verified[i] = 1
 
+    def fetch_ahead(self) -> None:
+        """Fetch (and check) every block of remote data not in yet, in file order: run in a
+        thread of the server process, so that the network and the copies overlap.  An error
+        stops it; whoever needs that block next meets the error itself."""
+        c = self.check
+        try:
+            for i in range(len(self.verified)):
+                if not self.verified[i]:
+                    self.verify(c.start + i * c.block, 1)
+        except (PtckptError, OSError):
+            return
+
     def keep_fds(self) -> set[int]:
         """What a server process of its own needs besides the mapping: the connection."""
         return self.remote.keep_fds() if self.remote is not None else set()
@@ -598,6 +610,10 @@ class Server:
         self._say(f"serving {total >> 20} MiB of {len(self.spaces)} process(es) "
                   f"({', '.join(str(s.pid) for s in self.spaces)})")
         pace = testhooks.lazy_pace()
+        if not pace:                          # (a test's pace keeps pages from coming early)
+            for src in self.sources.values():
+                if src.remote is not None:
+                    threading.Thread(target=src.fetch_ahead, name="fetch-ahead", daemon=True).start()
         try:
             while True:
                 self._serve(pace)

@@ -42,6 +42,7 @@ log = logging.getLogger("ptckpt.pagestream")
 OPS = frozenset({"write", "discard", "seal", "stat", "read"})
 FETCH_TIMEOUT = 30.0          # seconds a restore waits for the page server before it gives up
 _CHUNK = 8 << 20              # bytes per request of an eager fetch
+_MAX_WRITE = 16 << 20         # the largest piece of page data one write request carries
 
 
 def server_path(image_id: str, name: str) -> str:
@@ -191,7 +192,26 @@ class StreamSession:
         self.directory = directory
         self.path_of = path_of                  # the server's check of a relative path
         self.open: dict[str, int] = {}          # path -> fd, written by this connection
+        self.direct: dict[str, int] = {}        # path -> its O_DIRECT fd (page data bypasses the cache)
         self.sealed = False
+        self._map = mmap.mmap(-1, _MAX_WRITE)   # page-aligned, as O_DIRECT wants
+        self._buffer = memoryview(self._map)
+
+    def _direct(self, path: str, fd: int) -> int:
+        """An O_DIRECT fd of `path` (written pages do not fill this host's page cache; a
+        restore reads each block once), or `fd` where the file system refuses it."""
+        if path not in self.direct:
+            try:
+                self.direct[path] = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                self.direct[path] = fd
+        return self.direct[path]
+
+    def _close(self, path: str) -> None:
+        fd = self.open.pop(path, -1)
+        direct = self.direct.pop(path, -1)
+        for f in {fd, direct} - {-1}:
+            os.close(f)
 
     def handle(self, chan: transfer.Channel, msg: dict) -> None:
         op = msg["op"]
@@ -199,9 +219,7 @@ class StreamSession:
             self._write(chan, msg)
         elif op == "discard":
             path = self.path_of(str(msg.get("path", "")))
-            fd = self.open.pop(path, -1)
-            if fd >= 0:
-                os.close(fd)
+            self._close(path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         elif op == "seal":
@@ -224,14 +242,17 @@ class StreamSession:
             _private_dirs(self.directory, os.path.dirname(path))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             self.open[path] = fd
-        offset, left = int(msg["offset"]), int(msg["size"])
-        while left:
-            chunk = chan.recv_some(left)
-            at = 0
-            while at < len(chunk):
-                at += os.pwrite(fd, chunk[at:], offset + at)
-            offset += len(chunk)
-            left -= len(chunk)
+        offset, size = int(msg["offset"]), int(msg["size"])
+        if size > _MAX_WRITE:
+            raise TransferError(f"a write of {size} bytes (at most {_MAX_WRITE})")
+        view = self._buffer[:size]
+        chan.recv_into(view)
+        target = fd
+        if size % mmap.PAGESIZE == 0 and offset % mmap.PAGESIZE == 0:
+            target = self._direct(path, fd)
+        at = 0
+        while at < size:
+            at += os.pwrite(target, view[at:], offset + at)
 
     def _seal(self) -> dict:
         try:
@@ -239,9 +260,8 @@ class StreamSession:
                 os.fsync(fd)
         except OSError as err:
             return {"ok": False, "error": _why(err)}
-        for fd in self.open.values():
-            os.close(fd)
-        self.open = {}
+        for path in list(self.open):
+            self._close(path)
         self.sealed = True
         return {"ok": True}
 
@@ -261,16 +281,18 @@ class StreamSession:
 
     def end(self) -> None:
         """The connection is over: what it wrote without sealing goes."""
+        self._buffer.release()
+        self._map.close()
         if not self.open:
             return
-        for path, fd in self.open.items():
-            os.close(fd)
+        paths = list(self.open)
+        for path in paths:
+            self._close(path)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             log.warning("page server: %s removed: its dump did not finish", path)
         with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(next(iter(self.open))))
-        self.open = {}
+            os.rmdir(os.path.dirname(paths[0]))
 
 
 def _why(err: BaseException) -> str:

@@ -23,6 +23,9 @@ Messages: a 4-byte big-endian length and a JSON object; a file's bytes follow it
   {...}}`` with restore's JSON, or ``{"ok": false, "error": "..."}`` with its error line.
   Only restore's own options are passed (an allow-list).
 * ``{"op": "bye"}``.
+* Page data streamed by ``dump --page-server`` and read back by ``restore --page-server``:
+  ``write``, ``discard``, ``seal``, ``stat`` and ``read`` (ptckpt.pagestream, which
+  handles them here too).
 
 An image with parents (pre-dumps, incremental dumps) is sent with them, each as a
 sibling directory of the bundle, as its ``inventory.img`` names them (``../NAME``).

@@ -219,3 +219,37 @@ def test_page_server_gone_mid_lazy_restore_kills_the_process_and_says_why(spawn,
     _gone(info["server"])
     text = Path(info["log"]).read_text()
     assert "page server went away" in text and f"killed {pid}" in text, text
+
+
+def test_readme_page_server_example_runs_as_written_and_again(tmp_path):
+    """README's example (Memory pages on a page server, not on disk), as written, from the
+    repository's top directory, twice: no page data in the image directory, the pages at
+    the page server, and the counter lazily restored counts on.  What it leaves running
+    is ended in any case."""
+    from conftest import ROOT, descendants, require
+    from test_readme import _env, blocks_under
+    require("gcc")
+    block, = [code for _, code in blocks_under("### Memory pages on a page server, not on disk")]
+    for run in ("first", "again"):
+        before = descendants()
+        log = tmp_path / f"{run}.out"
+        try:
+            with open(log, "wb") as f:
+                proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+                                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                status = proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                status = proc.wait()
+            out = log.read_text(errors="replace")
+        finally:
+            left = {p for p in descendants() - before if pid_alive(p)}
+            kill_pids(left)
+            wait_until(lambda: not any(pid_alive(p) for p in left) and (reap_orphans() or True), 10)
+        assert status == 0 and "Traceback" not in out, f"README example ({run} run) exited {status}:\n{out}"
+        meta = sorted(os.listdir("/tmp/meta"))
+        assert "inventory.img" in meta and not [n for n in meta if n.startswith("pages-")], meta
+        assert any(n.startswith("pagemap-") for n in meta), meta
+        assert list(Path("/tmp/ps-in/pages").glob("*/pages-*.img")), out
+        assert "restored pid" in out and "stopped" in out, out
