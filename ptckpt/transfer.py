@@ -104,8 +104,16 @@ class Channel:
         except OSError as err:
             raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
 
-    def recv(self) -> dict:
-        (n,) = struct.unpack(">I", self._exact(4))
+    def recv(self, eof_ok: bool = False) -> dict | None:
+        """The next message; with `eof_ok`, None when the peer closed between messages."""
+        if eof_ok:
+            first = self._recv(1)
+            if not first:
+                return None
+            head = first + self._exact(3)
+        else:
+            head = self._exact(4)
+        (n,) = struct.unpack(">I", head)
         if n > 1 << 20:
             raise TransferError(f"{self.peer}: a message of {n} bytes: not a ptckpt page server or client")
         try:
@@ -360,7 +368,9 @@ class PageServer:
             conn.sendall(b"OK\n")
             conn.settimeout(None)
             while True:
-                msg = chan.recv()
+                msg = chan.recv(eof_ok=True)
+                if msg is None:                  # closed between requests (a restore reading pages)
+                    return
                 op = msg.get("op")
                 if op in pagestream.OPS:
                     streams.handle(chan, msg)

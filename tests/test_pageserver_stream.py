@@ -222,34 +222,45 @@ def test_page_server_gone_mid_lazy_restore_kills_the_process_and_says_why(spawn,
 
 
 def test_readme_page_server_example_runs_as_written_and_again(tmp_path):
-    """README's example (Memory pages on a page server, not on disk), as written, from the
-    repository's top directory, twice: no page data in the image directory, the pages at
-    the page server, and the counter lazily restored counts on.  What it leaves running
-    is ended in any case."""
-    from conftest import ROOT, descendants, require
-    from test_readme import _env, blocks_under
+    """README's example (Memory pages on a page server, not on disk), as written, twice: no
+    page data in the image directory, the pages at the page server, and the counter lazily
+    restored counts on.  What it leaves running is ended in any case."""
+    from conftest import require
+    from test_readme import blocks_under, run_block
     require("gcc")
     block, = [code for _, code in blocks_under("### Memory pages on a page server, not on disk")]
     for run in ("first", "again"):
-        before = descendants()
-        log = tmp_path / f"{run}.out"
-        try:
-            with open(log, "wb") as f:
-                proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-                                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                status = proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                status = proc.wait()
-            out = log.read_text(errors="replace")
-        finally:
-            left = {p for p in descendants() - before if pid_alive(p)}
-            kill_pids(left)
-            wait_until(lambda: not any(pid_alive(p) for p in left) and (reap_orphans() or True), 10)
+        status, out = run_block(block, tmp_path / f"{run}.out", 120)
         assert status == 0 and "Traceback" not in out, f"README example ({run} run) exited {status}:\n{out}"
         meta = sorted(os.listdir("/tmp/meta"))
         assert "inventory.img" in meta and not [n for n in meta if n.startswith("pages-")], meta
         assert any(n.startswith("pagemap-") for n in meta), meta
         assert list(Path("/tmp/ps-in/pages").glob("*/pages-*.img")), out
         assert "restored pid" in out and "stopped" in out, out
+
+
+def test_page_server_keeps_only_what_a_dump_sealed(page_server):
+    """What a connection wrote without sealing it is removed when it ends (a dump that
+    failed, or was killed); what it sealed stays, and reads back the same."""
+    from ptckpt.pagestream import PageServerSink, RemoteSource
+    address, token, received, _p = page_server()
+    key = token.read_bytes().strip()
+    data = os.urandom(3 * 4096)
+    for seal in (False, True):
+        sink = PageServerSink(address, key)
+        sink.image_id = f"probe-{seal}"
+        sink.pwrite("pages-1.img", data, 4096)
+        if seal:
+            sink.seal()
+        else:
+            sink.abort()
+        there = received / "pages" / sink.image_id / "pages-1.img"
+        if seal:
+            assert there.read_bytes()[4096:] == data
+            source = RemoteSource(address, key, lazy=True)
+            back = bytearray(len(data))
+            source.read_into(f"pages/{sink.image_id}/pages-1.img", 4096, memoryview(back))
+            source.close()
+            assert bytes(back) == data
+        else:
+            wait_until(lambda: not there.exists(), 10, message="the unsealed stream is removed")
