@@ -264,3 +264,25 @@ def test_page_server_keeps_only_what_a_dump_sealed(page_server):
             assert bytes(back) == data
         else:
             wait_until(lambda: not there.exists(), 10, message="the unsealed stream is removed")
+
+
+def test_streamed_background_dump_restores_whole(spawn, ptckpt, page_server, tmp_path, lazy_servers):
+    """A leave-running dump of more than 64 MiB copies the memory while the process runs,
+    then the pages written meanwhile: streamed, both go to the page server; the process
+    runs on, and a lazy restore of the image (once it is killed) has its whole pattern."""
+    address, token, _received, _p = page_server()
+    target = spawn("bigheap", 96)
+    image = tmp_path / "img"
+    res = ptckpt("dump", target.pid, "-D", image, "--page-server", address, "--token-file", token, "-v")
+    assert res.returncode == 0, res.stderr
+    assert "while it runs" in res.stderr, res.stderr          # the background copy was made
+    _no_page_data_here(image, target.pid)
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", timeout=30)
+    target.kill()
+    wait_pid_free(target.pid)
+    pid, info = _lazy_restore(ptckpt, image, address, token, lazy_servers)
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK", count=2, timeout=60)
+    _gone(info["server"])
+    assert "all pages in" in Path(info["log"]).read_text()
