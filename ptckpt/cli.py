@@ -169,7 +169,7 @@ def dump(
     track_mem: Annotated[bool, typer.Option("--track-mem", help="Leave the memory write-protected (userfaultfd, asynchronous) so that a later dump --prev of this image writes only the pages changed since.")] = False,
     compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the page data (zstd, on every CPU; level 3 unless given, negative levels are faster).")] = None,
     background: Annotated[Optional[bool], typer.Option("--background/--freeze-all", help="Copy the memory while the tree runs (write-protected, without faults), then freeze it only to copy what it wrote meanwhile; --freeze-all keeps it frozen for the whole copy. Default: --background for a leave-running dump of more than 64 MiB.", show_default=False)] = None,
-    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="HOST:PORT|unix:PATH", help="Send the memory pages to this `ptckpt page-server` as they are read, not to disk: the image directory holds everything else and says where the pages are (restore --page-server).")] = None,
+    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="ADDRESS", help="HOST:PORT or unix:PATH: send the memory pages to this `ptckpt page-server` as they are read, not to disk: the image directory holds everything else and says where the pages are (restore --page-server).")] = None,
     token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="With --page-server: the page server's token (default $PTCKPT_TOKEN).")] = None,
 ) -> None:
     """Checkpoint process PID into an image directory.
@@ -261,7 +261,7 @@ def restore(
     inherit_stdio: Annotated[bool, typer.Option("--inherit-stdio", help="The root's stdin, stdout and stderr are ptckpt's own, not what they were at dump.")] = False,
     faults_log: Annotated[Optional[str], typer.Option("--faults-log", metavar="FILE",
                                                       help="Write the seed and the faults made (JSON) to FILE.")] = None,
-    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="HOST:PORT|unix:PATH", help="The `ptckpt page-server` a dump --page-server sent the memory pages to: they are fetched into memory before the rebuild, or with --lazy as the processes touch them.")] = None,
+    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="ADDRESS", help="HOST:PORT or unix:PATH of the `ptckpt page-server` a dump --page-server sent the memory pages to: they are fetched into memory before the rebuild, or with --lazy as the processes touch them.")] = None,
     token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="With --page-server: the page server's token (default $PTCKPT_TOKEN).")] = None,
 ) -> None:
     """Recreate the checkpointed process so that it continues where it was frozen.
