@@ -286,3 +286,30 @@ def test_streamed_background_dump_restores_whole(spawn, ptckpt, page_server, tmp
     target.wait_for_line("VERIFY 1 OK", count=2, timeout=60)
     _gone(info["server"])
     assert "all pages in" in Path(info["log"]).read_text()
+
+
+def test_forked_tree_lazily_restored_over_the_network(spawn, ptckpt, page_server, tmp_path, lazy_servers):
+    """A forked tree streamed and restored lazily over the network: the pages the children
+    share with their parent come from the page server before the children are made (the
+    parent's memory first), the rest on demand; the parent sees its workers count on."""
+    from test_lazy import _totals
+    address, token, _received, _p = page_server()
+    server = spawn("forkserver")
+    workers = [int(line.split()[2]) for line in server.preamble if line.startswith("WORKER")]
+    wait_until(lambda: _totals(server)[0] > 100, 5)
+    try:
+        image = tmp_path / "img"
+        _streamed_dump(ptckpt, server, image, address, token)
+        for p in workers:
+            wait_pid_free(p)
+        _no_page_data_here(image, server.pid)
+        pid, info = _lazy_restore(ptckpt, image, address, token, lazy_servers)
+        at_restore = _totals(server)
+        wait_until(lambda: all(t > a + 300 for t, a in zip(_totals(server), at_restore)), 20,
+                   message="the parent sees the workers count on")
+        _gone(info["server"])
+        assert "all pages in" in Path(info["log"]).read_text()
+        server.assert_ok()
+    finally:
+        kill_pids([server.pid] + workers)
+        reap_orphans()
