@@ -313,3 +313,33 @@ def test_forked_tree_lazily_restored_over_the_network(spawn, ptckpt, page_server
     finally:
         kill_pids([server.pid] + workers)
         reap_orphans()
+
+
+def test_waiting_lazy_restore_says_the_page_server_went_away(spawn, ptckpt_cmd, page_server, ptckpt, tmp_path,
+                                                            lazy_servers):
+    """Without --detach ptckpt waits for the restored process; when the page server goes
+    away before every page is in, the process is killed, and ptckpt exits 137 with one
+    last line saying why (no traceback)."""
+    import re
+    address, token, _received, server = page_server()
+    target = spawn("bigheap", 32)
+    image = tmp_path / "img"
+    _streamed_dump(ptckpt, target, image, address, token)
+    err = tmp_path / "restore.err"
+    with open(err, "wb") as f:
+        proc = subprocess.Popen([*ptckpt_cmd, "restore", "-D", image, "--lazy", "--page-server", address,
+                                 "--token-file", token], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=f, env={**os.environ, "PTCKPT_TEST_LAZY_PACE": "0.1"}, start_new_session=True)
+    try:
+        m = wait_until(lambda: re.search(r"page server (\d+) \(watchdog (\d+), log (\S+)\)", err.read_text()), 30,
+                       message="the restored process runs")
+        lazy_servers[0].extend([int(m.group(1)), int(m.group(2))])
+        lazy_servers[1].append(m.group(3))
+        kill_process_groups([server])
+        assert proc.wait(60) == 128 + signal.SIGKILL, err.read_text()
+        text = err.read_text()
+        last = text.strip().splitlines()[-1]
+        assert last.startswith("ptckpt: lazy restore: the page server went away") and "killed" in last, text
+        assert "Traceback" not in text
+    finally:
+        kill_process_groups([proc])
