@@ -116,6 +116,9 @@ def test_streamed_counter_is_restored_from_the_page_server_and_counts_on(spawn, 
     assert there.stat().st_size > 4096 and there.read_bytes()[:4] == b"PTCK"
     assert there.stat().st_mode & 0o077 == 0
 
+    for show in (("show", image, "--summary"), ("check", "--image", image)):
+        res = ptckpt(*show)                               # the records are all here
+        assert res.returncode == 0, res.stderr
     res = ptckpt("restore", "-D", image, "--detach")
     assert res.returncode == ExitCode.USAGE, res.stderr
     assert address in res.stderr and "--page-server" in res.stderr and len(res.stderr.strip().splitlines()) == 1
