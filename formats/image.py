@@ -36,6 +36,7 @@ import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 from ptckpt.errors import (
     BadMagic,
@@ -44,6 +45,7 @@ from ptckpt.errors import (
     ImageAccessDenied,
     ImageWriteError,
     NotAnImage,
+    PagesOnServer,
     ParentMissing,
     UnsupportedVersion,
 )
@@ -65,6 +67,7 @@ from ptckpt.formats.model import (
     NetlinkSocket,
     PageFrames,
     PageRun,
+    PageServerPages,
     PageSums,
     ParentPages,
     PendingSignal,
@@ -180,6 +183,19 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     return removed
 
 
+class PagesSink(Protocol):
+    """Where page data goes instead of pages-PID.img files (ptckpt.pagestream sends it to a
+    page server).  Each NAME is a PAGES file there, written at file offsets as it would be
+    here (the header at 0 last, the data from PAGES_DATA_OFFSET); called from the writer's
+    thread; an error is raised from the next call of the PagesWriter."""
+
+    def pwrite(self, name: str, data, offset: int) -> None: ...
+    def record(self, name: str, length: int, crc32: int) -> PageServerPages: ...
+    def discard(self, name: str) -> None: ...
+    def seal(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class ImageWriter:
     """Writes one image directory atomically.
 
@@ -198,13 +214,17 @@ class ImageWriter:
     PagesWriter left open) raises ValueError at commit().
     `durable=True` fsyncs every file and both directories at commit.
     `compress=("zstd", LEVEL)` compresses the page data (PagesWriter).
+    `pages_to` (a :class:`PagesSink`) takes the page data instead of pages-PID.img files:
+    the pagemap then records where it went (PAGE_SERVER), and commit() first has the sink
+    make it durable there (seal), abort() has it dropped.
     """
 
     def __init__(self, directory: str | os.PathLike, *, durable: bool = False,
-                 compress: tuple[str, int] | None = None):
+                 compress: tuple[str, int] | None = None, pages_to: PagesSink | None = None):
         self.path = os.path.abspath(os.fspath(directory))
         self.durable = durable
         self.compress = compress
+        self.pages_to = pages_to
         self.image_id = uuid.uuid4().hex
         self.temp_path: str | None = None
         self._temp_lock = -1            # the temporary directory, flock'ed while we write it
@@ -235,6 +255,8 @@ class ImageWriter:
         """Check the image is complete and rename it onto the target."""
         self._require_open()
         self._check_complete()
+        if self.pages_to is not None:
+            self.pages_to.seal()                    # the pages are safe there before the image exists
         with self._write_errors(self.path):
             if self.durable:
                 self._fsync_dir(self.temp_path)
@@ -263,6 +285,8 @@ class ImageWriter:
         for pages in list(self._open_pages.values()):
             pages._discard()
         self._open_pages.clear()
+        if self.pages_to is not None and self._state == "open":
+            self.pages_to.abort()
         if self.temp_path is not None:
             shutil.rmtree(self.temp_path, ignore_errors=True)
             self.temp_path = None
@@ -496,9 +520,12 @@ class PagesWriter:
         self._frames: list[tuple[int, int]] = []   # (raw, stored) per compressed frame
         self._error: BaseException | None = None
         self._closed = False
-        with image._write_errors(self.path):
-            self._fd = image._create_file(pages_name(pid))
-            self._direct_fd = _open_direct(os.path.join(image.temp_path, pages_name(pid)))
+        self._sink = image.pages_to
+        self._fd = self._direct_fd = -1
+        if self._sink is None:
+            with image._write_errors(self.path):
+                self._fd = image._create_file(pages_name(pid))
+                self._direct_fd = _open_direct(os.path.join(image.temp_path, pages_name(pid)))
         self._crc_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._threads = [
@@ -611,12 +638,16 @@ class PagesWriter:
         try:
             self._raise_pending_error()
             self._check_runs()
-            with self._image._write_errors(self.path):
-                header = build_header(FileKind.PAGES, self._stored, self._crc)
-                _pwrite_all(self._fd, header.ljust(PAGES_DATA_OFFSET, b"\0"), 0)
-                if self._image.durable:
-                    os.fsync(self._fd)
+            header = build_header(FileKind.PAGES, self._stored, self._crc).ljust(PAGES_DATA_OFFSET, b"\0")
             extra: list = list(self._parent)
+            if self._sink is not None:
+                self._sink.pwrite(pages_name(self.pid), header, 0)
+                extra.append(self._sink.record(pages_name(self.pid), self._stored, self._crc))
+            else:
+                with self._image._write_errors(self.path):
+                    _pwrite_all(self._fd, header, 0)
+                    if self._image.durable:
+                        os.fsync(self._fd)
             if self._zip is not None:
                 extra.append(PageFrames(self._zip.codec, self._zip.level, compression.pack_sizes(self._frames)))
             self._image._write_file(pagemap_name(self.pid), build_file_from_runs(
@@ -705,7 +736,9 @@ class PagesWriter:
         while (job := self._write_q.get()) is not None:
             ticket, view, offset = job
             try:
-                if self._error is None:
+                if self._error is None and self._sink is not None:
+                    self._sink.pwrite(pages_name(self.pid), view, PAGES_DATA_OFFSET + offset)
+                elif self._error is None:
                     target = fd
                     if self._direct_fd >= 0 and _aligned(view):
                         target = self._direct_fd
@@ -757,6 +790,9 @@ class PagesWriter:
         """Give up this process's pages: stop, and remove pages-PID.img (the image goes on
         without it; a new pages_writer() for the pid may follow)."""
         self._discard()
+        if self._sink is not None:
+            self._sink.discard(pages_name(self.pid))
+            return
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self._image.temp_path, pages_name(self.pid)))
 
@@ -782,6 +818,15 @@ def build_file_from_runs(runs, sums: PageSums | None = None, extra: Sequence = (
 # reader
 # =============================================================================
 
+class PagesSource(Protocol):
+    """Where a reader gets page data that a dump sent to a page server (ptckpt.pagestream):
+    open() gives an fd holding the PAGES file `record` names (all of it fetched, or, for a
+    lazy restore, a file of that size whose blocks lazy() fetches as they are needed)."""
+
+    def open(self, record: PageServerPages, here: str) -> int: ...
+    def lazy(self, fd: int, check: pagesums.PagesToCheck): ...
+
+
 class ImageReader:
     """Reads and validates an image directory; never writes to it.
 
@@ -800,9 +845,14 @@ class ImageReader:
     all of it); pages_crc_ok() can do it later.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True, defer_frames: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True, defer_frames: bool = False,
+                 pages_from: PagesSource | None = None):
         self.path = os.path.abspath(os.fspath(directory))
         self.verify_pages = verify_pages
+        # page data a dump sent to a page server (PAGE_SERVER): where it comes from; without
+        # one (and no pages-PID.img beside), the image is read but its pages cannot be
+        self.pages_from = pages_from
+        self._remote: dict[int, PageServerPages] = {}
         # compressed page data left compressed until a lazy restore's page server needs
         # each frame (page_sources gives an empty memfd of the raw size; lazy_checks the frames)
         self.defer_frames = defer_frames
@@ -847,7 +897,8 @@ class ImageReader:
 
     def close(self) -> None:
         for fd, _header in self._pages.values():
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._pages.clear()
         for fd in self._unpacked.values():
             os.close(fd)
@@ -928,8 +979,19 @@ class ImageReader:
         checked (zstd's checksum, its size) when first needed; None for a file whose data
         must be checked whole before the process runs (an image older than the block sums:
         page_check(lazy=True))."""
-        return [image._pages_to_check(pid, -1) if image._block_checked(pid) else image._deferred.get(pid)
-                for _vbase, image, _mine in self._source_images(pid)]
+        return [image._lazy_check(pid) for _vbase, image, _mine in self._source_images(pid)]
+
+    def _lazy_check(self, pid: int):
+        if not self._block_checked(pid):
+            return self._deferred.get(pid)
+        check = self._pages_to_check(pid, -1)
+        if pid in self._remote and self.pages_from is not None and not self._local_remote(pid):
+            return self.pages_from.lazy(self._pages[pid][0], check)
+        return check
+
+    def _local_remote(self, pid: int) -> bool:
+        """Whether the page data of a PAGE_SERVER image is here after all (pages-PID.img)."""
+        return os.path.exists(self._file(pages_name(pid)))
 
     def _source_images(self, pid: int):
         """(virtual base, image, its runs) for each image of the chain holding pages of `pid`."""
@@ -963,17 +1025,17 @@ class ImageReader:
         """(fd, offset of the raw page data) of this image's own pages: pages-PID.img, or
         a memfd its compressed frames were decompressed into (on first use)."""
         if pid not in self._frames:
-            return self._pages[pid][0], PAGES_DATA_OFFSET
+            return self._own_fd(pid), PAGES_DATA_OFFSET
         if pid not in self._unpacked:
             fd = os.memfd_create(f"ptckpt-pages-{pid}", os.MFD_CLOEXEC)
             try:
                 if self.defer_frames:
                     os.ftruncate(fd, sum(raw for raw, _stored in self._frames[pid]))
-                    self._deferred[pid] = compression.FrameSpec(self._pages[pid][0], PAGES_DATA_OFFSET,
+                    self._deferred[pid] = compression.FrameSpec(self._own_fd(pid), PAGES_DATA_OFFSET,
                                                                 self._frames[pid], fd,
                                                                 self._file(pages_name(pid)))
                 else:
-                    compression.decompress_to_fd(self._pages[pid][0], PAGES_DATA_OFFSET, self._frames[pid], fd,
+                    compression.decompress_to_fd(self._own_fd(pid), PAGES_DATA_OFFSET, self._frames[pid], fd,
                                                  self._file(pages_name(pid)))
             except BaseException:
                 os.close(fd)
@@ -1049,7 +1111,7 @@ class ImageReader:
 
     def pages_crc_ok(self, pid: int) -> bool:  # (this image's own file)
         """Whether the page data matches the crc32 its PAGES header records."""
-        fd, header = self._pages[pid]
+        fd, header = self._own_fd(pid), self._pages[pid][1]
         try:
             pagesums.verify(pagesums.PagesToCheck(self._file(pages_name(pid)), fd, PAGES_DATA_OFFSET,
                                                   header.payload_length, crc32=header.crc32))
@@ -1066,7 +1128,8 @@ class ImageReader:
 
     def _all_to_check(self, lazy: bool) -> list[pagesums.PagesToCheck]:
         own = [self._pages_to_check(pid, os.dup(self._pages[pid][0])) for pid in self.inventory.pids
-               if not (lazy and (self._block_checked(pid) or self.defer_frames and pid in self._frames))]
+               if self._pages[pid][0] >= 0
+               and not (lazy and (self._block_checked(pid) or self.defer_frames and pid in self._frames))]
         return own + (self.parent._all_to_check(lazy) if self.parent is not None else [])
 
     def _pages_to_check(self, pid: int, fd: int) -> pagesums.PagesToCheck:
@@ -1144,9 +1207,10 @@ class ImageReader:
         sums = [e for e in entries if isinstance(e, PageSums)]
         parents = [e for e in entries if isinstance(e, ParentPages)]
         frames = [e for e in entries if isinstance(e, PageFrames)]
+        remote = [e for e in entries if isinstance(e, PageServerPages)]
 
         name = pages_name(pid)
-        fd, header = self._open_file(name, FileKind.PAGES)
+        fd, header = self._open_remote(pid, remote) if remote else self._open_file(name, FileKind.PAGES)
         self._pages[pid] = (fd, header)
         raw_length = self._check_frames(pid, frames, header.payload_length)
         self._raw_length[pid] = raw_length
@@ -1166,8 +1230,40 @@ class ImageReader:
                         self._runs[pid] + [PageRun(p.vaddr, p.npages, 0) for p in parents], spans)
         if sums or self.version >= PAGE_SUMS_SINCE:
             self._sums[pid] = self._check_sums(pid, sums, header.payload_length)
-        if self.verify_pages:
+        if self.verify_pages and fd >= 0:
             pagesums.verify(self._pages_to_check(pid, fd))
+
+    def _open_remote(self, pid: int, remote: list[PageServerPages]) -> tuple[int, FileHeader]:
+        """(fd, header) of page data a dump sent to a page server: pages-PID.img here if it
+        was brought beside the records (the same header), else what `pages_from` gives
+        (fetched, or to be fetched as needed), else -1 (the records can be read, the pages not)."""
+        name = pages_name(pid)
+        if len(remote) > 1:
+            raise CorruptImage(self._file(pagemap_name(pid)), f"{len(remote)} PAGE_SERVER entries")
+        r = self._remote[pid] = remote[0]
+        header = FileHeader(FileKind.PAGES, self.version, r.length, r.crc32)
+        if os.path.exists(self._file(name)):
+            fd, here = self._open_file(name, FileKind.PAGES)
+            if (here.payload_length, here.crc32) != (r.length, r.crc32):
+                os.close(fd)
+                raise CorruptImage(self._file(name), f"not the page data the dump sent to {r.address} "
+                                                     f"({here.payload_length} bytes, crc {here.crc32:#010x}; "
+                                                     f"{r.length}, {r.crc32:#010x} expected)")
+            return fd, here
+        if self.pages_from is None:
+            return -1, header
+        return self.pages_from.open(r, self._file(name)), header
+
+    def remote_pages(self, pid: int) -> PageServerPages | None:
+        """Where a page server holds the process's page data (dump --page-server), or None."""
+        return self._remote.get(pid)
+
+    def _own_fd(self, pid: int) -> int:
+        fd = self._pages[pid][0]
+        if fd < 0:
+            r = self._remote[pid]
+            raise PagesOnServer(self.path, r.address, r.path)
+        return fd
 
     def _check_frames(self, pid: int, frames: list[PageFrames], stored: int) -> int:
         """The raw length of the page data: its stored length, or what the frames add up to."""

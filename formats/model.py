@@ -256,6 +256,20 @@ class PageFrames:
 
 
 @dataclass(frozen=True)
+class PageServerPages:
+    """The page data is not in the image directory (format 16): ``dump --page-server`` sent
+    it to a page server, which holds it as `path` (under its directory), a PAGES file whose
+    header records `length` bytes of data with checksum `crc32`.  `address` is where the
+    page server listened at the dump (what ``restore --page-server`` is told by default in
+    messages; the restore is given the address to use)."""
+
+    address: str
+    path: str
+    length: int
+    crc32: int
+
+
+@dataclass(frozen=True)
 class Thread:
     tid: int
     regs: tuple[int, ...]     # GP_REG_NAMES order, exactly as PTRACE_GETREGS gave

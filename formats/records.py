@@ -27,8 +27,9 @@ Grammar (every integer little-endian)::
                                                  (the image-wide records follow the INVENTORY)
     CORE file      := TASK CREDS MM RLIMIT* VMA* THREAD* SIGACTION* PENDING_SIGNAL* FD* FILE_LOCK*
                       POSIX_TIMER* ITIMER* FD_OWNER* AIO_RING*
-    PAGEMAP file   := PAGE_RUN* PAGE_SUMS PAGE_PARENT* PAGE_FRAMES?
-                                                 (PAGE_SUMS from format 10, the rest from 12;
+    PAGEMAP file   := PAGE_RUN* PAGE_SUMS PAGE_PARENT* PAGE_FRAMES? PAGE_SERVER?
+                                                 (PAGE_SUMS from format 10, PAGE_PARENT and
+                                                 PAGE_FRAMES from 12, PAGE_SERVER from 16;
                                                  PAGE_SUMS hash the data as stored)
     PAGES file     := (no entries: the payload is the page data)
 
@@ -124,6 +125,7 @@ from ptckpt.formats.model import (
     PageSums,
     ParentPages,
     PageFrames,
+    PageServerPages,
     PendingSignal,
     PosixTimer,
     Pty,
@@ -144,7 +146,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 15                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 16                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -160,6 +162,7 @@ FORMAT_VERSION = 15                # 2: trees (desc, zombies, pipes, unix socket
                                    # 13: membarrier registrations, the signal of a group stop
                                    # 14: pidfds (PIDFD); ptys: typed input not read yet, hung-up slaves
                                    # 15: 32-bit (ia32) threads' TLS entries (THREAD tls)
+                                   # 16: page data on a page server (PAGE_SERVER in the pagemap)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -218,6 +221,7 @@ class EntryKind(enum.IntEnum):
     PAGE_SUMS = 23
     PAGE_PARENT = 24
     PAGE_FRAMES = 25
+    PAGE_SERVER = 27
     POSIX_TIMER = 21
     ITIMER = 22
     FD_OWNER = 26
@@ -725,6 +729,14 @@ PageFramesRecord = Record(PageFrames, Struct(
     "level" / Int32sl,
     "sizes" / Blob,
 ))
+# Page data sent to a page server (dump --page-server): where it is there, and the PAGES
+# header it has there (data length, crc32), so that the image is validated without it.
+PageServerPagesRecord = Record(PageServerPages, Struct(
+    "address" / Utf8,
+    "path" / Utf8,
+    "length" / Int64ul,
+    "crc32" / Int32ul,
+))
 
 
 # --- SYSV_SHM, SYSV_SEM, SYSV_MSG -------------------------------------------------
@@ -1079,6 +1091,7 @@ RECORDS: dict[EntryKind, Record] = {
     EntryKind.PAGE_SUMS: PageSumsRecord,
     EntryKind.PAGE_PARENT: ParentPagesRecord,
     EntryKind.PAGE_FRAMES: PageFramesRecord,
+    EntryKind.PAGE_SERVER: PageServerPagesRecord,
     EntryKind.POSIX_TIMER: PosixTimerRecord,
     EntryKind.ITIMER: ItimerRecord,
     EntryKind.FD_OWNER: FdOwnerRecord,
@@ -1105,7 +1118,7 @@ FILE_ENTRY_KINDS: dict[FileKind, frozenset[EntryKind]] = {
         EntryKind.ITIMER, EntryKind.FD_OWNER, EntryKind.AIO_RING,
     }),
     FileKind.PAGEMAP: frozenset({EntryKind.PAGE_RUN, EntryKind.PAGE_SUMS, EntryKind.PAGE_PARENT,
-                                 EntryKind.PAGE_FRAMES}),
+                                 EntryKind.PAGE_FRAMES, EntryKind.PAGE_SERVER}),
     FileKind.PAGES: frozenset(),
 }
 

@@ -134,7 +134,9 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *,
          prev: str | os.PathLike | None = None,
          track_mem: bool = False,
          compress: str | None = None,
-         background: bool | None = None) -> DumpResult:
+         background: bool | None = None,
+         page_server: str | None = None,
+         token_file: str | os.PathLike | None = None) -> DumpResult:
     """``ptckpt dump PID -D DIRECTORY``: checkpoint `pid` and all its descendants into
     `directory` (default ./ckpt-PID; it must not exist or be empty).
 
@@ -155,9 +157,14 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *,
     background        copy memory while the tree runs (True), or frozen (False:
                       ``--freeze-all``); None: by size, for a leave-running dump of more
                       than 64 MiB (never with ``--kill``)
+    page_server       HOST:PORT or unix:PATH of a ``ptckpt page-server``: the page data goes
+                      there as it is read, never to `directory` (which holds the rest);
+                      restore it with ``restore(..., page_server=...)``
+    token_file        the page server's token (default $PTCKPT_TOKEN)
 
     Returns the result the command summarises (directory, pids, threads, VMAs, pages,
-    bytes, seconds, frozen_seconds, warnings)."""
+    bytes, seconds, frozen_seconds, warnings; page_server and image_id: where the
+    page data went, as pages/IMAGE_ID/ there)."""
     from .dump import DumpMode
     from .pipeline.dump import dump as _dump
     loaded = load_plugins(plugins)
@@ -170,7 +177,20 @@ def dump(pid: int, directory: str | os.PathLike | None = None, *,
                  critical_timeout=parse_duration(critical_timeout), tcp_established=tcp_established,
                  tcp_close=tcp_close, ext_unix_sk=ext_unix_sk,
                  prev=os.fspath(prev) if prev is not None else None, track_mem=track_mem,
-                 compress=parse_compress(compress), background=background)
+                 compress=parse_compress(compress), background=background,
+                 **_page_server(page_server, token_file))
+
+
+def _page_server(address: str | None, token_file: str | os.PathLike | None) -> dict:
+    """The `page_server` and `token` keywords of the library's dump and restore: the
+    address checked and the token read (``--page-server``, ``--token-file``)."""
+    if not address:
+        if token_file is not None:
+            raise UsageError("--token-file goes with --page-server")
+        return {}
+    from .transfer import parse_address, read_token
+    parse_address(address)
+    return {"page_server": address, "token": read_token(os.fspath(token_file) if token_file is not None else None)}
 
 
 def pre_dump(pid: int, directory: str | os.PathLike | None = None, *,
@@ -339,7 +359,9 @@ def restore(directory: str | os.PathLike, *,
             new_pty: bool = False,
             new_pty_program: str | Sequence[str] | None = None,
             inherit_stdio: bool = False,
-            hold_timeout: float | str = 30.0) -> Restored:
+            hold_timeout: float | str = 30.0,
+            page_server: str | None = None,
+            token_file: str | os.PathLike | None = None) -> Restored:
     """``ptckpt restore -D DIRECTORY --detach``: recreate the image's processes and return
     once they run.
 
@@ -367,6 +389,10 @@ def restore(directory: str | os.PathLike, *,
     inherit_stdio    the root's stdin, stdout and stderr are the caller's own
     hold_timeout     seconds (or "30s") a program that holds its resume (ptckpt.app) may
                      keep the rest of the tree waiting
+    page_server      HOST:PORT or unix:PATH of the ``ptckpt page-server`` an image dumped
+                     with ``page_server`` sent its page data to: fetched into memory before
+                     the rebuild, or with `lazy` a block at a time as the tree touches it
+    token_file       the page server's token (default $PTCKPT_TOKEN)
 
     Returns a :class:`Restored` handle.  The caller becomes a child subreaper, so that the
     tree's orphans come back to it."""
@@ -374,6 +400,7 @@ def restore(directory: str | os.PathLike, *,
         raise UsageError("--new-pty-program needs --new-pty")
     policy = parse_file_policy(file_policy)
     hold = parse_duration(hold_timeout)
+    remote = _page_server(page_server, token_file)
     loaded, injector = _restore_plugins(plugins, remap_path=remap_path, set_env=set_env, unset_env=unset_env,
                                         reconnect=reconnect, remap_addr=remap_addr, inject=inject, seed=seed,
                                         faults_log=faults_log, inherit_stdio=inherit_stdio)
@@ -382,7 +409,7 @@ def restore(directory: str | os.PathLike, *,
     from .restore import shell_status
     become_subreaper()                  # orphans of the tree come back to the caller, not init
     result = _restore(os.fspath(directory), pidns=pidns, netns=netns, file_policy=policy,
-                      new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy)
+                      new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy, **remote)
     restored = Restored(pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, pids=dict(result.pids),
                         seconds=result.seconds, warnings=list(result.warnings),
                         faults=list(injector.faults) if injector else [],

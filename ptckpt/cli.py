@@ -169,6 +169,8 @@ def dump(
     track_mem: Annotated[bool, typer.Option("--track-mem", help="Leave the memory write-protected (userfaultfd, asynchronous) so that a later dump --prev of this image writes only the pages changed since.")] = False,
     compress: Annotated[Optional[str], typer.Option("--compress", metavar="zstd[:LEVEL]", help="Compress the page data (zstd, on every CPU; level 3 unless given, negative levels are faster).")] = None,
     background: Annotated[Optional[bool], typer.Option("--background/--freeze-all", help="Copy the memory while the tree runs (write-protected, without faults), then freeze it only to copy what it wrote meanwhile; --freeze-all keeps it frozen for the whole copy. Default: --background for a leave-running dump of more than 64 MiB.", show_default=False)] = None,
+    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="ADDRESS", help="HOST:PORT or unix:PATH: send the memory pages to this `ptckpt page-server` as they are read, not to disk: the image directory holds everything else and says where the pages are (restore --page-server).")] = None,
+    token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="With --page-server: the page server's token (default $PTCKPT_TOKEN).")] = None,
 ) -> None:
     """Checkpoint process PID into an image directory.
 
@@ -181,7 +183,8 @@ def dump(
                               skip_files=skip_files or (), external=external or (), plugins=plugins or (),
                               critical_timeout=critical_timeout, tcp_established=tcp_established,
                               tcp_close=tcp_close, ext_unix_sk=ext_unix_sk, prev=prev, track_mem=track_mem,
-                              compress=compress, background=background)
+                              compress=compress, background=background, page_server=page_server,
+                              token_file=token_file)
     except PtckptError as err:
         raise _fail(err) from None
     _render_dump(result, as_json)
@@ -219,7 +222,9 @@ def _render_dump(result, as_json: bool) -> None:
                                "vmas": result.vmas, "pages": result.pages, "bytes": result.bytes,
                                "seconds": round(result.seconds, 6),
                                "frozen_seconds": round(result.frozen_seconds, 6),
-                               "warnings": result.warnings}))
+                               "warnings": result.warnings,
+                               "page_server": {"address": result.page_server, "pages": f"pages/{result.image_id}"}
+                               if result.page_server else None}))
         return
     typer.echo(result.directory)
     _summary(result.summary())
@@ -256,6 +261,8 @@ def restore(
     inherit_stdio: Annotated[bool, typer.Option("--inherit-stdio", help="The root's stdin, stdout and stderr are ptckpt's own, not what they were at dump.")] = False,
     faults_log: Annotated[Optional[str], typer.Option("--faults-log", metavar="FILE",
                                                       help="Write the seed and the faults made (JSON) to FILE.")] = None,
+    page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="ADDRESS", help="HOST:PORT or unix:PATH of the `ptckpt page-server` a dump --page-server sent the memory pages to: they are fetched into memory before the rebuild, or with --lazy as the processes touch them.")] = None,
+    token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="With --page-server: the page server's token (default $PTCKPT_TOKEN).")] = None,
 ) -> None:
     """Recreate the checkpointed process so that it continues where it was frozen.
 
@@ -277,7 +284,8 @@ def restore(
                                plugins=plugins or (), remap_path=remap_path or (), set_env=set_env or (),
                                unset_env=unset_env or (), reconnect=reconnect, remap_addr=remap_addr or (),
                                inject=inject or (), seed=seed, faults_log=faults_log, new_pty=new_pty,
-                               new_pty_program=new_pty_program, inherit_stdio=inherit_stdio)
+                               new_pty_program=new_pty_program, inherit_stdio=inherit_stdio,
+                               page_server=page_server, token_file=token_file)
     except PtckptError as err:
         raise _fail(err) from None
     _render_restore(tree, as_json=as_json, detach=detach, pidfile=pidfile)

@@ -65,6 +65,8 @@ class DumpResult:
     seconds: float = 0.0
     frozen_seconds: float = 0.0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    page_server: str = ""          # dump --page-server: where the page data went
+    image_id: str = ""
 
     def summary(self) -> str:
         from .units import count, size
@@ -72,6 +74,8 @@ class DumpResult:
         text = (f"dumped {self.pids[0]} to {self.directory}: {procs}{count(self.threads, 'thread')}, "
                 f"{count(self.vmas, 'VMA')}, {count(self.pages, 'page')} ({size(self.bytes)}), "
                 f"{self.seconds:.3f} s (frozen {self.frozen_seconds:.3f} s)")
+        if self.page_server:
+            text += f"; the page data is on the page server at {self.page_server} (pages/{self.image_id}/)"
         return text
 
 

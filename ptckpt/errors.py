@@ -380,6 +380,17 @@ class TransferError(PtckptError):
     exit_code = ExitCode.TRANSFER
 
 
+class PagesOnServer(UsageError):
+    """An image whose memory pages a dump sent to a page server (dump --page-server) was
+    asked for them, but the restore was not told where that server is."""
+
+    def __init__(self, image: str, address: str, path: str):
+        super().__init__(f"{image}: its memory pages are on the page server it was dumped to ({address}, "
+                         f"as {path} there): restore with --page-server ADDRESS (and --lazy to take them "
+                         f"as they are touched)")
+        self.image, self.address, self.path = image, address, path
+
+
 class ReferenceFailed(PtckptError):
     """A campaign's reference run (no faults) did not succeed, so no run can be judged.
 

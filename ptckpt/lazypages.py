@@ -14,6 +14,11 @@ in; a page server puts it in, first what they touch, then all the rest.
   A fork of a restored process hands the server the child's userfaultfd: the child lacks
   what its parent lacked, and is served the same way; mremap moves, and madvise and
   munmap drop, what is still to come.
+* Page data a dump sent to a page server (``restore --lazy --page-server``) is fetched
+  from there a block (1 MiB) at a time, the first time a page of it is needed, over the
+  restore's authenticated connection, which the server process inherits.  A page server
+  that goes away (or answers nothing for 30 s) ends the tree as a corrupt block does,
+  and the log says so.
 * Page data is checked as it is first served: each block against the image's xxh3 sum
   (formats/pagesums.py).  A block that differs ends the tree (SIGKILL), and the log names
   the file and bytes.  (An eager restore checks before anything runs; a lazy one cannot.)
@@ -47,7 +52,7 @@ from collections.abc import Sequence
 import xxhash
 
 from . import procfs, testhooks
-from .errors import CorruptImage, PtckptError
+from .errors import CorruptImage, PtckptError, TransferError
 from .formats import compression, pagesums
 from .formats.model import PageRun, Vma, VmaKind
 from .tracee import pidfd_getfd
@@ -159,13 +164,21 @@ class Pending:
 class Source:
     """A page file mapped read-only in the server, its blocks checked at first use; or, for
     compressed data (`check` a FrameSpec), the memfd its frames go into, each frame
-    decompressed (and so checked) the first time a page of it is needed."""
+    decompressed (and so checked) the first time a page of it is needed; or, for page data
+    on a page server (`check` a pagestream.LazyFetch), the memfd each block is fetched
+    into (then checked) the first time a page of it is needed."""
 
     def __init__(self, fd: int, check):
         self.path = procfs.readlink_fd(os.getpid(), fd)
         self.size = os.fstat(fd).st_size
         self.frames = check if isinstance(check, compression.FrameSpec) else None
-        if self.frames is None:
+        self.remote = check if hasattr(check, "fetch") else None
+        if self.remote is not None:
+            self.path = self.remote.where
+            self.addr = _map(self.remote.fd, self.size, PROT_READ | PROT_WRITE, self.path)
+            check = self.remote.check
+            self._lock = threading.Lock()
+        elif self.frames is None:
             self.addr = _map(fd, self.size, PROT_READ, self.path)
         else:
             # the reader's own fd of the memfd (writable), and the compressed file beside it
@@ -206,13 +219,39 @@ class Source:
         for i in range(first, last + 1):
             if i >= len(self.verified) or self.verified[i]:
                 continue
-            lo = c.start + i * c.block
-            n = min(c.block, c.start + c.length - lo)
-            data = (ctypes.c_char * n).from_address(self.addr + lo)
-            if xxhash.xxh3_64_intdigest(memoryview(data)) != struct.unpack_from("<Q", c.sums, 8 * i)[0]:
-                raise CorruptImage(self.path, f"checksum mismatch in page data at bytes {lo}-{lo + n - 1} "
-                                              f"of the file (block {i})")
-            self.verified[i] = 1
+            if self.remote is not None:
+                with self._lock:              # the restore's two threads may both ask
+                    if not self.verified[i]:
+                        self._verify_block(c, i, fetch=True)
+                continue
+            self._verify_block(c, i)
+
+    def _verify_block(self, c, i: int, fetch: bool = False) -> None:
+        lo = c.start + i * c.block
+        n = min(c.block, c.start + c.length - lo)
+        if fetch:
+            self.remote.fetch(self.addr, lo, n)
+        data = (ctypes.c_char * n).from_address(self.addr + lo)
+        if xxhash.xxh3_64_intdigest(memoryview(data)) != struct.unpack_from("<Q", c.sums, 8 * i)[0]:
+            raise CorruptImage(self.path, f"checksum mismatch in page data at bytes {lo}-{lo + n - 1} "
+                                          f"of the file (block {i})")
+        self.verified[i] = 1
+
+    def fetch_ahead(self) -> None:
+        """Fetch (and check) every block of remote data not in yet, in file order: run in a
+        thread of the server process, so that the network and the copies overlap.  An error
+        stops it; whoever needs that block next meets the error itself."""
+        c = self.check
+        try:
+            for i in range(len(self.verified)):
+                if not self.verified[i]:
+                    self.verify(c.start + i * c.block, 1)
+        except (PtckptError, OSError):
+            return
+
+    def keep_fds(self) -> set[int]:
+        """What a server process of its own needs besides the mapping: the connection."""
+        return self.remote.keep_fds() if self.remote is not None else set()
 
     def frames_unpacked(self) -> int:
         return sum(self._unpacked)
@@ -294,15 +333,16 @@ class Server:
         (fd, base, runs) sources with only the pages still to fill eagerly (their frames
         decompressed, where the data is compressed)."""
         eager = self._register(remote, pid, vmas, sources)
-        self.unpack(eager)
+        self.ready(eager)
         return eager
 
-    def unpack(self, sources, within: tuple[int, int] | None = None) -> None:
-        """The compressed frames holding the pages of `sources` ((fd, base, runs); those
-        `within` (start, end) only) decompressed now, ahead of their use."""
+    def ready(self, sources, within: tuple[int, int] | None = None) -> None:
+        """The pages of (fd, base, runs) `sources` (those `within` (start, end) only) made
+        readable from their fds now, ahead of their use: compressed frames decompressed,
+        blocks on a page server fetched."""
         for fd, base, runs in sources:
             src = self.sources.get(fd)
-            if src is not None and src.frames is not None:
+            if src is not None and (src.frames is not None or src.remote is not None):
                 for r in runs:
                     if within is None or r.vaddr < within[1] and r.vaddr + r.npages * PAGE > within[0]:
                         src.verify(base + r.offset, r.npages * PAGE)
@@ -424,7 +464,7 @@ class Server:
         hi = min(seg[1], (addr & ~(WINDOW - 1)) + WINDOW)
         try:
             self._fill(space, lo, hi)
-        except CorruptImage as err:
+        except (CorruptImage, TransferError) as err:
             if self._thread is not None and threading.current_thread() is self._thread:
                 self.error = err              # the restore fails; meanwhile no one may wait
                 _ioctl(space.uffd, UFFDIO_ZEROPAGE, _Zero(addr, PAGE, 0, 0))
@@ -532,7 +572,8 @@ class Server:
                     theirs.close()
                     self._watchdog, self._log_fd = ours, log_fd
                     _run_child(self._daemon_main,
-                               keep={ours.fileno(), log_fd, *(s.uffd for s in self.spaces)})
+                               keep={ours.fileno(), log_fd, *(s.uffd for s in self.spaces),
+                                     *(fd for src in self.sources.values() for fd in src.keep_fds())})
                 os.write(told_w, f"{server} {watchdog}".encode())
                 code = 0
             finally:
@@ -571,6 +612,10 @@ class Server:
         self._say(f"serving {total >> 20} MiB of {len(self.spaces)} process(es) "
                   f"({', '.join(str(s.pid) for s in self.spaces)})")
         pace = testhooks.lazy_pace()
+        if not pace:                          # (a test's pace keeps pages from coming early)
+            for src in self.sources.values():
+                if src.remote is not None:
+                    threading.Thread(target=src.fetch_ahead, name="fetch-ahead", daemon=True).start()
         try:
             while True:
                 self._serve(pace)
@@ -579,8 +624,8 @@ class Server:
                     self._serve(0)            # what came meanwhile (a fork: pages to come)
                     if not any(s.pending.segs for s in self.spaces if not s.dead):
                         break
-        except CorruptImage as err:
-            self._say(f"{err}")
+        except (CorruptImage, TransferError) as err:
+            self._say(f"{err}" if isinstance(err, CorruptImage) else f"the page server went away: {err}")
             killed = _kill_tree(self._pids, self._session_ids)
             self._say(f"killed {' '.join(map(str, killed)) or 'nothing'}: their memory cannot be completed")
             self._tell(b"K")
@@ -710,7 +755,8 @@ def why_killed(path: str) -> str | None:
     """The log's line saying the server or its watchdog killed the processes, if any."""
     try:
         with open(path) as f:
-            lines = [line.strip() for line in f if " killed " in line or "checksum mismatch" in line]
+            lines = [line.strip() for line in f
+                     if " killed " in line or "checksum mismatch" in line or "page server went away" in line]
     except OSError:
         return None
     if not lines:

@@ -633,7 +633,7 @@ def _rebuild_memory_frozen(remote, mem, proc: ProcessImage, runs, sources, hande
     compat = threads.compat_process(proc.threads, proc.task.pid)
     kernel = next((v for v in proc.vmas if v.kind is VmaKind.VDSO), None)
     if lazy is not None and kernel is not None:
-        lazy.unpack(sources, (kernel.start, kernel.end))      # the vdso's saved bytes, for vdso.judge
+        lazy.ready(sources, (kernel.start, kernel.end))       # the vdso's saved bytes, for vdso.judge
     proxy = None if compat else vdso.judge(proc.vmas, functools.partial(vdso.image_text, sources=sources),
                                            procfs.read_maps(os.getpid()), vdso.own_text(), proc.threads)
     if proxy is not None and proxy.proxy:

@@ -23,6 +23,9 @@ Messages: a 4-byte big-endian length and a JSON object; a file's bytes follow it
   {...}}`` with restore's JSON, or ``{"ok": false, "error": "..."}`` with its error line.
   Only restore's own options are passed (an allow-list).
 * ``{"op": "bye"}``.
+* Page data streamed by ``dump --page-server`` and read back by ``restore --page-server``:
+  ``write``, ``discard``, ``seal``, ``stat`` and ``read`` (ptckpt.pagestream, which
+  handles them here too).
 
 An image with parents (pre-dumps, incremental dumps) is sent with them, each as a
 sibling directory of the bundle, as its ``inventory.img`` names them (``../NAME``).
@@ -101,8 +104,16 @@ class Channel:
         except OSError as err:
             raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
 
-    def recv(self) -> dict:
-        (n,) = struct.unpack(">I", self._exact(4))
+    def recv(self, eof_ok: bool = False) -> dict | None:
+        """The next message; with `eof_ok`, None when the peer closed between messages."""
+        if eof_ok:
+            first = self._recv(1)
+            if not first:
+                return None
+            head = first + self._exact(3)
+        else:
+            head = self._exact(4)
+        (n,) = struct.unpack(">I", head)
         if n > 1 << 20:
             raise TransferError(f"{self.peer}: a message of {n} bytes: not a ptckpt page server or client")
         try:
@@ -124,6 +135,37 @@ class Channel:
                 raise TransferError(f"{self.peer}: the connection broke")
             buf += chunk
         return bytes(buf)
+
+    def recv_some(self, most: int) -> bytes:
+        """Up to `most` bytes (at least one) as they come."""
+        chunk = self._recv(min(most, BLOCK))
+        if not chunk:
+            raise TransferError(f"{self.peer}: the connection broke")
+        return chunk
+
+    def recv_into(self, view: memoryview) -> None:
+        """Exactly len(view) bytes, straight into `view`."""
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as err:
+                raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
+            if not n:
+                raise TransferError(f"{self.peer}: the connection broke")
+            got += n
+
+    def sendfile(self, fd: int, offset: int, size: int) -> None:
+        """`size` bytes of file `fd` from `offset`, raw."""
+        try:
+            while size:
+                n = os.sendfile(self.sock.fileno(), fd, offset, size)
+                if not n:
+                    raise TransferError(f"{self.peer}: the file ended early")
+                offset += n
+                size -= n
+        except OSError as err:
+            raise TransferError(f"{self.peer}: the connection broke ({err.strerror or err})") from None
 
     def recv_into_file(self, fd: int, size: int) -> None:
         left = size
@@ -310,8 +352,10 @@ class PageServer:
                 return
 
     def _session(self, conn: socket.socket) -> None:
+        from . import pagestream
         peer = self.address
         chan = Channel(conn, peer)
+        streams = pagestream.StreamSession(self.directory, self._path)
         try:
             challenge = secrets.token_hex(32).encode()
             conn.sendall(GREETING + b" " + challenge + b"\n")
@@ -324,9 +368,13 @@ class PageServer:
             conn.sendall(b"OK\n")
             conn.settimeout(None)
             while True:
-                msg = chan.recv()
+                msg = chan.recv(eof_ok=True)
+                if msg is None:                  # closed between requests (a restore reading pages)
+                    return
                 op = msg.get("op")
-                if op == "file":
+                if op in pagestream.OPS:
+                    streams.handle(chan, msg)
+                elif op == "file":
                     self._receive_file(chan, msg)
                 elif op == "commit":
                     chan.send(self._commit(msg.get("image", "")))
@@ -337,9 +385,10 @@ class PageServer:
                 else:
                     chan.send({"ok": False, "error": f"unknown request {op!r}"})
                     return
-        except (PtckptError, OSError) as err:
+        except (PtckptError, OSError, KeyError, ValueError) as err:
             log.warning("page server: %s", err)
         finally:
+            streams.end()
             chan.close()
 
     def _path(self, rel: str) -> str:

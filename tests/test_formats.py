@@ -74,6 +74,7 @@ from ptckpt.formats.model import (
     PageSums,
     ParentPages,
     PageFrames,
+    PageServerPages,
     UnixSocket,
     Vma,
     VmaKind,
@@ -187,6 +188,7 @@ def sample_records() -> list:
             *proc.sigactions, *proc.pending, *proc.fds, *proc.locks, *proc.timers, *proc.itimers,
             *proc.owners, *proc.aio_rings, PageRun(0x7f0000000000, 4, 8192), PageSums(1 << 20, bytes(range(16))),
             ParentPages(0x7f0000010000, 3), PageFrames("zstd", 3, bytes(range(16))),
+            PageServerPages("unix:/run/ps.sock", "pages/0123abcd/pages-100.img", 1 << 20, 0xDEADBEEF),
             Zombie(pid=101, ppid=100, pgid=100, sid=1, wait_status=0x0300),
             PipeBuffer(ino=4242, capacity=65536, data=b"1\n2\n" + bytes(300), path="/tmp/fifo\udcff"),
             UnixSocket(ino=77, type=5, state=1, name=b"\0abstract", peer=78, peer_name=b"/tmp/s",
@@ -402,9 +404,11 @@ def test_thread_format_15_tls_entries():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "0f00" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "1000" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
+    assert encode_entry(PageServerPages("h:1", "p/q", 0x2000, 0xdeadbeef)) == bytes.fromhex(
+        "1b00" "0000" "14000000" "03" "683a31" "03" "702f71" "0020000000000000" "efbeadde")
     assert encode_entry(PageRun(0x7f0000001000, 3, 0x2000)) == bytes.fromhex(
         "1400" "0000" "18000000" "00100000007f0000" "0300000000000000" "0020000000000000")
     assert encode_entry(Rlimit(7, 1024, U64_MAX)) == bytes.fromhex(

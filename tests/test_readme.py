@@ -175,6 +175,27 @@ def test_readme_examples_run_as_written_and_again(tmp_path, started):
         assert status == 0 and re.search(r"\b1 passed\b", out), f"pytest plugin ({run} run) exited {status}:\n{out}"
 
 
+def run_block(block: str, log: Path, timeout: float) -> tuple[int, str]:
+    """A shell block of README run as written (bash -e, from the repository's top
+    directory, the venv's bin first on PATH), its output into `log` (a file: what it leaves
+    running may hold its stdout); what it leaves running is ended: (exit status, output)."""
+    before = descendants()
+    try:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            status = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = proc.wait()
+        return status, log.read_text(errors="replace")
+    finally:
+        left = {p for p in descendants() - before if pid_alive(p)}
+        kill_pids(left)
+        wait_until(lambda: not any(pid_alive(p) for p in left) and (reap_orphans() or True), 10)
+
+
 def test_readme_campaign_example_runs_as_written_and_again(started, tmp_path):
     """The campaign example (Application control, fault injection, campaigns), as written,
     from the repository's top directory, twice: it ends with its summary line each time.
@@ -183,22 +204,7 @@ def test_readme_campaign_example_runs_as_written_and_again(started, tmp_path):
     block = next(code for _, code in blocks_under("## Application control, fault injection, campaigns")
                  if "ptckpt campaign" in code)
     for run in ("first", "again"):
-        before = descendants()
-        log = tmp_path / f"{run}.out"           # a file: the emulator it leaves holds its stdout
-        try:
-            with open(log, "wb") as f:
-                proc = subprocess.Popen(["bash", "-e", "-c", block], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-                                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                status = proc.wait(240)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                status = proc.wait()
-            out = log.read_text(errors="replace")
-        finally:
-            left = {p for p in descendants() - before if pid_alive(p)}
-            kill_pids(left)
-            wait_until(lambda: not any(pid_alive(p) for p in left) and (reap_orphans() or True), 10)
+        status, out = run_block(block, tmp_path / f"{run}.out", 240)
         assert status == 0 and "Traceback" not in out, f"campaign example ({run} run) exited {status}:\n{out}"
         assert re.search(r"^10 runs: \d+ masked, \d+ detected, 0 crashed, 0 hung; results in /tmp/results$",
                          out, re.M), out

@@ -77,6 +77,8 @@ class DumpOptions:
     after_freeze: object = None
     before_freeze: object = None
     group: object = None
+    page_server: str | None = None       # send the page data there (ptckpt.pagestream) ...
+    token: bytes = b""                   # ... with this token
 
 
 @dataclass
@@ -114,12 +116,14 @@ def dump(pid: int, directory: str | None = None, *,
          tcp_established: bool = False, tcp_close: bool = False, ext_unix_sk: bool = False,
          prev: str | None = None, track_mem: bool = False, pre_dump: bool = False,
          compress: tuple[str, int] | None = None, background: bool | None = False,
-         before_release=None, after_freeze=None, before_freeze=None, group=None) -> DumpResult:
+         before_release=None, after_freeze=None, before_freeze=None, group=None,
+         page_server: str | None = None, token: bytes = b"") -> DumpResult:
     """Checkpoint process `pid` and its descendants into `directory` (default ./ckpt-PID)
     through the stages check, freeze, capture, write, commit, release.  The options are
     ptckpt.api.dump's (which documents them), parsed: `mode` (ptckpt.dump.DumpMode), plugin
-    objects, `compress` as ("zstd", LEVEL), and `pre_dump` (memory only, the tree running,
-    as a parent for the real dump).
+    objects, `compress` as ("zstd", LEVEL), `pre_dump` (memory only, the tree running, as a
+    parent for the real dump), and `page_server` with its `token` (the page data goes to
+    that server as it is read: ptckpt.pagestream; `directory` holds the records).
 
     Hooks for ptckpt's own callers: `before_freeze(result)` runs just before the freeze
     (raising: nothing was frozen); `after_freeze(result)` once the tree is frozen, before
@@ -131,7 +135,7 @@ def dump(pid: int, directory: str | None = None, *,
     """
     opts = DumpOptions(mode, tuple(save_files), tuple(skip_files), tuple(plugins), critical_timeout,
                        tcp_established, tcp_close, ext_unix_sk, prev, track_mem, pre_dump, compress,
-                       background, before_release, after_freeze, before_freeze, group)
+                       background, before_release, after_freeze, before_freeze, group, page_server, token)
     _check_options(opts)
     BUILD_IDS.clear()
     for line in inet.stale_lock_cleanup():
@@ -153,6 +157,11 @@ def dump(pid: int, directory: str | None = None, *,
 def _check_options(opts: DumpOptions) -> None:
     if opts.tcp_established and opts.tcp_close:
         raise UsageError("--tcp-established and --tcp-close exclude each other")
+    if opts.page_server:
+        for given, flag in ((opts.prev, "--prev"), (opts.track_mem, "--track-mem"), (opts.pre_dump, "pre-dump"),
+                            (opts.compress, "--compress")):
+            if given:
+                raise UsageError(f"--page-server streams whole, uncompressed page data: not with {flag}")
     for pattern in (*opts.save_files, *opts.skip_files):
         try:
             filepolicy.check_pattern(pattern)
@@ -164,13 +173,22 @@ def _check_options(opts: DumpOptions) -> None:
 
 def check(run: DumpRun) -> None:
     opts, pid = run.opts, run.pid
+    sink = None
+    if opts.page_server:                                 # before anything touches the process
+        from ..pagestream import PageServerSink
+        log.info("connect to the page server at %s", opts.page_server)
+        sink = PageServerSink(opts.page_server, opts.token)
+        run.cleanup.callback(sink.abort)
     log.info("check %d", pid)
     check_target(pid)
     run.plan = MemoryPlan(run.directory, prev=opts.prev, track_mem=opts.track_mem, pre_dump=opts.pre_dump,
                           killing=opts.mode is DumpMode.KILL, background=opts.background)
     run.cleanup.callback(run.plan.close)
-    run.writer = ImageWriter(run.directory, compress=opts.compress)
+    run.writer = ImageWriter(run.directory, compress=opts.compress, pages_to=sink)
     run.writer.create()
+    if sink is not None:
+        sink.image_id = run.writer.image_id
+        run.result.page_server, run.result.image_id = opts.page_server, run.writer.image_id
     run.image_undo.on_failure(run.plan.close)            # before the tree runs on (tree_undo)
     run.image_undo.on_failure(run.plan.failed)
     run.image_undo.on_failure(run.writer.abort)

@@ -73,6 +73,8 @@ class RestoreOptions:
     creds_later: bool = False       # a held tree keeps ptckpt's credentials (its copies take theirs)
     before_resume: object = None
     group: object = None
+    page_server: str | None = None  # the page data a dump sent there (ptckpt.pagestream) ...
+    token: bytes = b""              # ... with this token
 
 
 class PageSource(NamedTuple):
@@ -141,7 +143,7 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
             hold_timeout: float = 30.0, lazy: bool = False, before_resume=None,
-            group=None) -> RestoreResult:
+            group=None, page_server: str | None = None, token: bytes = b"") -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -176,12 +178,17 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
     name it, its watchdog and their log.
 
+    `page_server` (with `token`): where the page data of an image dumped with
+    --page-server is (ptckpt.pagestream): fetched into memory before the rebuild, or with
+    `lazy` a block at a time as the processes touch it.  The server is reached (and the
+    token checked) before anything is made.
+
     `before_resume(result)` runs once every process is rebuilt, before any runs and before
     the network lock goes; if it raises, they are killed and the error goes on.  `group` (ptckpt.group.Barrier): the
     group this restore is a member of, where the plugins' ctx.barrier(name) meets the others.
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
-                          before_resume=before_resume, group=group)
+                          before_resume=before_resume, group=group, page_server=page_server, token=token)
     run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
                                     ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
@@ -259,8 +266,14 @@ def _staged(directory: str, opts: RestoreOptions, last: Sequence) -> RestoreRun:
 def collect(run: RestoreRun) -> None:
     log.info("collect %s", run.directory)
     opts = run.opts
+    source = None
+    if opts.page_server:
+        from ..pagestream import RemoteSource
+        log.info("connect to the page server at %s", opts.page_server)
+        source = RemoteSource(opts.page_server, opts.token, lazy=opts.lazy)
+        run.cleanup.callback(source.close)
     run.image = run.cleanup.enter_context(ImageReader(run.directory, verify_pages=False,
-                                                      defer_frames=opts.lazy))
+                                                      defer_frames=opts.lazy, pages_from=source))
     run.page_check = run.cleanup.enter_context(checking_pages(run.image, opts.lazy))
     image, root = run.image, run.root
     if image.inventory.memory_only:
@@ -415,6 +428,8 @@ def _create_tree(run: RestoreRun) -> None:
 
     def memory_first(p: int) -> None:
         if p in early and p not in run.rebuilt:
+            if run.server is not None:          # its children inherit these pages: in first
+                run.server.ready(run.pages[p])
             rebuild_memory(run.created[p], procs[p], image.page_runs(p), run.pages[p], handed)
             run.rebuilt.add(p)
 
