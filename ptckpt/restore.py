@@ -147,6 +147,8 @@ def vdso_verdict(image: ImageReader, proc: ProcessImage, host: Host) -> vdso.Ver
         if why:
             raise Incompatible(f"cannot restore on this kernel: {why}; a 32-bit vdso has no proxy")
         return vdso.Verdict(False, "this kernel's 32-bit vdso, laid out as the image's")
+    if image.remote_pages(proc.task.pid) is not None:     # dump --page-server: the bytes come with the pages
+        return vdso.Verdict(False, "its saved bytes are on the page server: compared once they are fetched")
     return vdso.judge(proc.vmas, functools.partial(image.read_memory, proc.task.pid), host.maps, host.vdso,
                       proc.threads)
 
