@@ -410,25 +410,36 @@ def restore(directory: str | os.PathLike, *,
     become_subreaper()                  # orphans of the tree come back to the caller, not init
     result = _restore(os.fspath(directory), pidns=pidns, netns=netns, file_policy=policy,
                       new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy, **remote)
-    restored = Restored(pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, pids=dict(result.pids),
-                        seconds=result.seconds, warnings=list(result.warnings),
-                        faults=list(injector.faults) if injector else [],
-                        seed=injector.seed if injector else None, pty_master=result.pty_master,
-                        page_server=result.lazy_server, page_server_watchdog=result.lazy_watchdog,
-                        page_server_log=result.lazy_log, lazy_bytes=result.lazy_bytes, _result=result)
+    restored = _handle(result, injector)
     if result.exit_status is not None and not result.init_pid:
         restored._ended(shell_status(result.exit_status))
-    if new_pty and result.pty_master < 0:
+    if new_pty:
+        _hand_over_pty(restored, result, new_pty_program)
+    return restored
+
+
+def _handle(result, injector) -> Restored:
+    """The Restored handle of a pipeline's result (and the faults its injector made)."""
+    return Restored(pid=result.pid, vpid=result.vpid, init_pid=result.init_pid, pids=dict(result.pids),
+                    seconds=result.seconds, warnings=list(result.warnings),
+                    faults=list(injector.faults) if injector else [],
+                    seed=injector.seed if injector else None, pty_master=result.pty_master,
+                    page_server=result.lazy_server, page_server_watchdog=result.lazy_watchdog,
+                    page_server_log=result.lazy_log, lazy_bytes=result.lazy_bytes, _result=result)
+
+
+def _hand_over_pty(restored: Restored, result, program: str | Sequence[str] | None) -> None:
+    """--new-pty: the new pty's master stays the handle's, or goes to `program`."""
+    if result.pty_master < 0:
         restored.warnings.append("--new-pty: the image's stdio was on no terminal")
-    elif new_pty and new_pty_program:
+    elif program:
         from .resources import terminals
-        argv = shlex.split(new_pty_program) if isinstance(new_pty_program, str) else list(new_pty_program)
+        argv = shlex.split(program) if isinstance(program, str) else list(program)
         try:
             terminals.spawn_on_master(result.pty_master, argv, env={"PTCKPT_PID": str(result.pid)})
         finally:
             os.close(result.pty_master)
             restored.pty_master = -1
-    return restored
 
 
 def _restore_plugins(plugins: Sequence[Plugin | str], *, remap_path: Sequence[str] | Mapping[str, str], set_env: Sequence[str] | Mapping[str, str],

@@ -352,10 +352,10 @@ class PageServer:
                 return
 
     def _session(self, conn: socket.socket) -> None:
-        from . import pagestream
+        from . import pagestore
         peer = self.address
         chan = Channel(conn, peer)
-        streams = pagestream.StreamSession(self.directory, self._path)
+        streams = pagestore.StreamSession(self.directory, self._path, _private_dirs)
         try:
             challenge = secrets.token_hex(32).encode()
             conn.sendall(GREETING + b" " + challenge + b"\n")
@@ -372,7 +372,7 @@ class PageServer:
                 if msg is None:                  # closed between requests (a restore reading pages)
                     return
                 op = msg.get("op")
-                if op in pagestream.OPS:
+                if op in pagestore.OPS:
                     streams.handle(chan, msg)
                 elif op == "file":
                     self._receive_file(chan, msg)
