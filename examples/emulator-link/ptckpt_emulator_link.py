@@ -1,7 +1,17 @@
 """What an emulator vendor would ship: a ptckpt plugin written only against the public API
 (ptckpt.plugins).  It drops the testbench's connection to the emulator at checkpoint, with the
 emulator's state saved in the image, and re-makes it at restart against a fresh emulator
-(address in $EMULATOR_ADDRESS, e.g. tcp:127.0.0.1:5000 or unix:/run/emu.sock).
+(address in $EMULATOR_ADDRESS, e.g. tcp:127.0.0.1:5000 or unix:/run/emu.sock), or, without
+$EMULATOR_ADDRESS, against the address the connection led to at checkpoint (the same
+emulator, still running: with --per-connection every restored testbench gets a run slot of
+its own and LOAD_STATEs its state into it).
+
+In a group dump or restore (ptckpt group: testbenches on several hosts) the members meet at
+two barriers (ctx.barrier): "drained" at dump, once every member is frozen between
+transactions and before any saves its emulator state, so the states saved are one cut of
+the whole computation; "linked" at restore, once every member's connection is re-made and
+its state loaded, before any member goes on.  Every member comes to them, with or without
+an emulator link; outside a group they return at once.
 """
 
 import os
@@ -41,7 +51,7 @@ def _connect(address: str) -> socket.socket:
 
 class EmulatorLink(Plugin):
     name = "emulator-link"
-    version = "2.1"
+    version = "2.2"
 
     def _holds_link(self, proc) -> bool:
         return any(f.fd == LINK_FD and f.kind.name == "SOCKET" for f in proc.fds) if proc.image else \
@@ -65,6 +75,7 @@ class EmulatorLink(Plugin):
         return None
 
     def frozen(self, proc, ctx):
+        ctx.barrier("drained")             # every member frozen, none in a transaction
         if not self._holds_link(proc):
             return
         if struct.unpack("<i", proc.read_symbol("txn_pending", 4))[0]:
@@ -72,7 +83,10 @@ class EmulatorLink(Plugin):
         # a copy shares the testbench's open file description: leave its flags alone
         with socket.socket(fileno=proc.fd_copy(LINK_FD)) as link:
             state = _command(link, "SAVE_STATE")
+            peer = link.getpeername()       # where a restart reconnects without $EMULATOR_ADDRESS
+            address = f"tcp:{peer[0]}:{peer[1]}" if link.family == socket.AF_INET else f"unix:{peer}"
         ctx.save(state.encode(), key="emulator-state", pid=proc.vpid)
+        ctx.save(address.encode(), key="emulator-address", pid=proc.vpid)
         ctx.claim_external(proc.vpid, LINK_FD, "emulator-link: the emulator connection")
 
     def pre_restore(self, proc, ctx):
@@ -81,9 +95,13 @@ class EmulatorLink(Plugin):
 
     def restored(self, proc, ctx):
         state = ctx.load(key="emulator-state", pid=proc.vpid)
-        if state is None:
-            return
-        with _connect(os.environ["EMULATOR_ADDRESS"]) as link:
-            _command(link, "LOAD_STATE " + state.decode())
-            link.settimeout(None)          # blocking again: the testbench gets this description
-            proc.install_fd(LINK_FD, link.fileno())
+        if state is not None:
+            saved = ctx.load(key="emulator-address", pid=proc.vpid)
+            address = os.environ.get("EMULATOR_ADDRESS") or (saved or b"").decode()
+            if not address:
+                raise RuntimeError("no EMULATOR_ADDRESS to reconnect to")
+            with _connect(address) as link:
+                _command(link, "LOAD_STATE " + state.decode())
+                link.settimeout(None)      # blocking again: the testbench gets this description
+                proc.install_fd(LINK_FD, link.fileno())
+        ctx.barrier("linked")              # every member's link re-made and loaded
