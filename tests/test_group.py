@@ -23,6 +23,7 @@ from conftest import FIXTURES_DIR, needs, needs_network_lock, read_counter, reap
 from ptckpt.errors import ExitCode
 from ptckpt.symbols import SymbolTable, read_environ
 from ptckpt.tracee import AddressSpace
+from test_emulator import testbench_bin  # noqa: F401
 from twohosts import ADDR, PORT, dask_cluster, start_worker, stop, two_hosts, wait_for_workers
 
 pytestmark = [needs("ip", "nsenter", "nft"), pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
@@ -359,3 +360,130 @@ def test_a_member_late_at_a_barrier_makes_the_group_give_up(cluster, hosts, spaw
     for h in ADDR:
         before = read_counter(tmp_path / f"counter-{h}")
         wait_until(lambda: read_counter(tmp_path / f"counter-{h}") > before + 20, 10, message=f"member {h} to run on")
+
+
+LATE_LINK = '''
+import importlib.util, os, time
+
+spec = importlib.util.spec_from_file_location("ptckpt_emulator_link_under_test", {vendor!r})
+vendor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(vendor)
+LOG = {log!r}
+
+
+def note(text):
+    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, (text + "\\n").encode())
+    os.close(fd)
+
+
+class LateLink(vendor.EmulatorLink):
+    """The vendor plugin as it is, with member A 1 s late to its frozen and restored events."""
+
+    def _late(self, event, proc, ctx, call):
+        if ctx.member.startswith("A:"):
+            time.sleep(1.0)
+        note(f"ARRIVE {{event}} {{ctx.member}} {{time.time()}}")
+        call(proc, ctx)
+        note(f"DONE {{event}} {{ctx.member}} {{time.time()}}")
+
+    def frozen(self, proc, ctx):
+        self._late("frozen", proc, ctx, super().frozen)
+
+    def restored(self, proc, ctx):
+        self._late("restored", proc, ctx, super().restored)
+'''
+
+EMU_VECTORS = 3000
+
+
+def _testbench(spawn, hosts, host: str, exe, tmp_path: Path, name: str, address: str, config: str):
+    """testbench OUTFILE SLOTDIR ADDRESS on `host`: (its Target, OUTFILE, SLOTDIR)."""
+    slot = tmp_path / name
+    slot.mkdir()
+    (slot / "config").write_text(config)
+    outfile = tmp_path / f"{name}.out"
+    target = spawn(*hosts.inside(host), str(exe), outfile, slot, address, out=False)
+    return target, outfile, slot
+
+
+def _signature(outfile: Path, timeout: float, target) -> str:
+    line = wait_until(lambda: next((ln for ln in outfile.read_text().splitlines() if ln.startswith("SIGNATURE ")),
+                                   None) if outfile.exists() else None, timeout,
+                      message=lambda: f"a SIGNATURE in {outfile}: {target.describe()}")
+    return line.split()[1]
+
+
+def _met(log: Path, event: str, names: list[str]) -> None:
+    """Both members came to the vendor plugin's barrier in `event`: neither went on before
+    the other arrived, and B (on time) waited there for A (1 s late)."""
+    seen = [line.split() for line in log.read_text().splitlines() if line.split()[1] == event]
+    arrive = {w[2]: float(w[3]) for w in seen if w[0] == "ARRIVE"}
+    done = {w[2]: float(w[3]) for w in seen if w[0] == "DONE"}
+    assert set(arrive) == set(done) == set(names), seen
+    for member, when in done.items():
+        assert when >= max(arrive.values()), f"{member} left {event} before every member arrived: {seen}"
+    assert done[names[1]] - arrive[names[1]] >= 0.9, f"B waited for A at the barrier in {event}: {seen}"
+
+
+def test_emulator_testbenches_on_two_hosts_meet_at_the_vendor_plugins_barrier(cluster, hosts, spawn, ptckpt,
+                                                                                testbench_bin, tmp_path):
+    """The emulator (--per-connection, not a checkpoint target: it runs on) on host B; a
+    testbench on host A and one on host B drive it over TCP at B's address.  Group-dumped
+    with --kill mid-vectors and group-restored with the vendor plugin (examples/emulator-link,
+    which reconnects to the address the link led to and LOAD_STATEs each testbench's own
+    state): the vendor's barriers are met across the hosts, and each testbench ends with the
+    signature of an uninterrupted run, every vector logged once, no cycle jump."""
+    emulator = spawn(*hosts.inside("B"), sys.executable, str(FIXTURES_DIR / "emulator" / "emulator.py"), "--tcp",
+                     f"{ADDR['B']}:0", "--per-connection", out=False)
+    kind, host, port = emulator.preamble[0].split()[1:]
+    assert (kind, host) == ("tcp", ADDR["B"]), emulator.describe()
+    address = f"tcp:{ADDR['B']}:{port}"
+    configs = {h: f"seed {seed}\ninit_steps 40\nvectors {EMU_VECTORS}\n" for h, seed in (("A", 11), ("B", 22))}
+    # what an uninterrupted run gives (the sleeps do not change the signature)
+    reference = {}
+    for h in ADDR:
+        ref, outfile, _ = _testbench(spawn, hosts, "A", testbench_bin, tmp_path, f"ref-{h}", address,
+                                     configs[h] + "init_sleep_us 0\nvector_sleep_us 0\n")
+        reference[h] = _signature(outfile, 30, ref)
+    assert reference["A"] != reference["B"], "the two testbenches run different tests"
+
+    plugin = tmp_path / "late_link.py"
+    log = tmp_path / "link.log"
+    plugin.write_text(LATE_LINK.format(vendor=str(Path(__file__).resolve().parent.parent / "examples" /
+                                                  "emulator-link" / "ptckpt_emulator_link.py"), log=str(log)))
+    benches = {h: _testbench(spawn, hosts, h, testbench_bin, tmp_path, f"bench-{h}", address,
+                             configs[h] + "init_sleep_us 1000\nvector_sleep_us 2000\n") for h in ADDR}
+    for h, (bench, _, slot) in benches.items():
+        wait_until(lambda: "vector 100 " in (slot / "run.log").read_text(), 20,
+                   message=lambda: f"testbench {h} at vector 100: {bench.describe()}")
+    names = [f"{h}:{bench.pid}" for h, (bench, _, _) in benches.items()]
+    image = tmp_path / "group"
+    res = ptckpt("group", "dump", "-D", image, "--backend", hosts.backend, "--kill", "--plugin",
+                 f"{plugin}:LateLink", *names, prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    logged = {}
+    for h, (bench, outfile, slot) in benches.items():
+        assert bench.wait_exit(10) == -9
+        logged[h] = (slot / "run.log").read_text()
+        assert "SIGNATURE" not in outfile.read_text(), f"testbench {h} ended before the dump"
+    _met(log, "frozen", names)
+    assert emulator.alive(), "the emulator is no member: it runs on"
+
+    res = ptckpt("group", "restore", "-D", image, "--backend", hosts.backend, "--plugin", f"{plugin}:LateLink",
+                 prefix=hosts.inside("A"), timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == names
+    for bench, _, _ in benches.values():
+        bench.adopt(bench.pid)
+    _met(log, "restored", names)
+    for h, (bench, outfile, slot) in benches.items():
+        assert _signature(outfile, 30, bench) == reference[h], f"testbench {h} went on where it was"
+        wait_until(lambda: "\ndone " in (slot / "run.log").read_text(), 10, message=f"testbench {h} to finish")
+        text = (slot / "run.log").read_text()
+        assert text.startswith(logged[h]) and len(text) > len(logged[h]), "its run.log went on"
+        assert "cycle jump" not in text and "FAIL" not in outfile.read_text(), text[-2000:]
+        vectors = [int(line.split()[1]) for line in text.splitlines() if line.startswith("vector ")]
+        assert vectors == list(range(EMU_VECTORS)), f"testbench {h}: every vector once"
+    assert emulator.alive()
+    assert _events_left(hosts) == [], "each group clears the Dask events it made"
