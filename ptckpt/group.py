@@ -43,6 +43,7 @@ share (an emulator connection) with ``ctx.elect(ident)``: the first to ask.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -106,7 +107,7 @@ class Barrier:
                 self.made.append(key)
                 return self.me
 
-    def _key(self, name: str, member: str) -> str:
+    def key(self, name: str, member: str) -> str:
         return f"ptckpt-group-{self.token}-{name}-{member}"
 
     def aborted(self) -> bool:
@@ -119,13 +120,13 @@ class Barrier:
     def wait(self, name: str) -> None:
         """Return once every member has reached barrier `name`; GroupAborted if a member
         failed meanwhile or one did not come within the timeout."""
-        self._event(self._key(name, self.me), client=self.client).set()
-        self.made.append(self._key(name, self.me))
+        self._event(self.key(name, self.me), client=self.client).set()
+        self.made.append(self.key(name, self.me))
         deadline = time.monotonic() + self.timeout
         for other in self.members:
             if other == self.me:
                 continue
-            arrived = self._event(self._key(name, other), client=self.client)
+            arrived = self._event(self.key(name, other), client=self.client)
             while not arrived.wait(timeout=0.05):
                 if self.aborted():
                     raise GroupAborted(f"another member failed while {self.me} waited at barrier {name}")
@@ -337,14 +338,35 @@ def _run(client, token: str, fn, jobs: list[dict], extra: Sequence = (), timeout
             if given_up_at is not None and now - given_up_at > timeout:
                 for i, job in enumerate(jobs):
                     if outs[i] is None:
-                        outs[i] = {**_base(job), "error": f"no answer from worker {job['worker']} "
-                                                          f"within {timeout:g} s after the group gave up"}
+                        outs[i] = {**_base(job), "late": True,
+                                   "error": f"no answer from worker {job['worker']} "
+                                            f"within {timeout:g} s after the group gave up"}
     except BaseException:
         barrier.abort()
         client.cancel(futures)
         raise
-    barrier.forget(n for o in outs for n in o.get("events", ()))
+    late = [f for f, o in zip(futures, outs) if o.get("late")]
+    barrier.forget([*(n for o in outs for n in o.get("events", ())), *_late_events(late)])
     return outs
+
+
+LATE_WAIT = 10.0       # seconds a member that had not answered when the group gave up is waited for
+
+
+def _late_events(late) -> list[str]:
+    """The events of members whose workers had not answered when the group gave up (but
+    are still there): each is waited for (up to LATE_WAIT more), so that what it sets on
+    its way out (its barrier, the abort) is cleared with the rest, not left in the scheduler."""
+    from distributed import wait
+    if late:
+        with contextlib.suppress(Exception):
+            wait(late, timeout=LATE_WAIT)
+    names: list[str] = []
+    for f in late:
+        with contextlib.suppress(Exception):
+            if f.done():
+                names += f.result().get("events", ())
+    return names
 
 
 def _base(job: dict) -> dict:
@@ -358,11 +380,16 @@ def _outcome(future, job: dict) -> dict:
         return {**_base(job), "error": f"the Dask task failed: {type(err).__name__}: {err}"}
 
 
+PHASE_BARRIERS = ("ready", "frozen", "captured", "rebuilt")     # the group's own, between its phases
+
+
 def _lost_workers(client, jobs: list[dict], outs: list, barrier: Barrier) -> None:
     present = {str(w.get("name")) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
     for i, job in enumerate(jobs):
         if outs[i] is None and job["worker"] not in present:
-            outs[i] = {**_base(job), "error": f"worker {job['worker']} left the cluster"}
+            # the barriers it may have reached before its worker went: cleared with the rest
+            events = [barrier.key(name, job["me"]) for name in PHASE_BARRIERS]
+            outs[i] = {**_base(job), "error": f"worker {job['worker']} left the cluster", "events": events}
             barrier.abort()
 
 
