@@ -620,6 +620,11 @@ class PagesWriter:
         self._check_usable()
         self._runs.append((vaddr, npages, offset))
 
+    def add_runs(self, runs) -> None:
+        """add_run() for many (vaddr, npages, offset) at once."""
+        self._check_usable()
+        self._runs.extend(runs)
+
     def add_parent(self, vaddr: int, npages: int) -> None:
         """Record that `npages` pages at `vaddr` are unchanged since the parent image."""
         self.add_parents([(vaddr, vaddr + npages * PAGE_SIZE)])
@@ -842,13 +847,16 @@ class ImageReader:
     UnsupportedVersion or CorruptImage (truncated, checksum mismatch,
     undecodable or missing entries, missing per-process files, bad page runs).
     `verify_pages=False` skips the checksum pass over the page data (it reads
-    all of it); pages_crc_ok() can do it later.
+    all of it); pages_crc_ok() can do it later.  `memory=False` reads the records
+    only, not the page maps (a dump's check of the image it has just written:
+    its page runs are its own); the page methods are then not to be called.
     """
 
     def __init__(self, directory: str | os.PathLike, *, verify_pages: bool = True, defer_frames: bool = False,
-                 pages_from: PagesSource | None = None):
+                 pages_from: PagesSource | None = None, memory: bool = True):
         self.path = os.path.abspath(os.fspath(directory))
         self.verify_pages = verify_pages
+        self.memory = memory
         # page data a dump sent to a page server (PAGE_SERVER): where it comes from; without
         # one (and no pages-PID.img beside), the image is read but its pages cannot be
         self.pages_from = pages_from
@@ -1200,7 +1208,8 @@ class ImageReader:
         self._processes[pid], self._unknown[pid] = self._assemble(name, pid, entries)
         spans = validate.refuse(self._file, validate.check_process, name, pid, self._processes[pid],
                                 self.inventory.xstate_size)
-
+        if not self.memory:
+            return
         name = pagemap_name(pid)
         _header, entries = self._read_entries(name, FileKind.PAGEMAP)
         self._runs[pid] = [e for e in entries if isinstance(e, PageRun)]
@@ -1291,7 +1300,8 @@ class ImageReader:
         if inv.parent_id == inv.image_id or not inv.parent_id:
             raise CorruptImage(self._file(INVENTORY_NAME), f"parent image id {inv.parent_id!r}")
         try:
-            parent = ImageReader(where, verify_pages=self.verify_pages, defer_frames=self.defer_frames).open()
+            parent = ImageReader(where, verify_pages=self.verify_pages, defer_frames=self.defer_frames,
+                                 memory=self.memory).open()
         except NotAnImage as err:
             raise ParentMissing(self.path, where, str(err)) from None
         self.parent = parent

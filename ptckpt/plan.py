@@ -81,7 +81,7 @@ def tree_problems(image: ImageReader, procs: dict[int, ProcessImage]) -> Unsuppo
 def check_restorable(directory: str) -> None:
     """Raise what a restore of image `directory` would refuse on any host (the dump's last
     check before it commits: its own image, written but not yet renamed into place)."""
-    with ImageReader(directory, verify_pages=False) as image:
+    with ImageReader(directory, verify_pages=False, memory=False) as image:    # its page runs are its own
         procs = {p: image.process(p) for p in image.inventory.pids}
         why = tree_problems(image, procs)
     if why is not None:
