@@ -36,7 +36,7 @@ from .errors import (PtckptError, AccessDenied, AlreadyTraced, KernelThread, NoS
 from .formats.image import ImageWriter
 from .increment import MemoryPlan
 from .plugins import Plugins, ProcessHandle, SharedResource
-from .formats.model import FdKind, PendingSignal, ProcessImage
+from .formats.model import FdKind, PendingSignal, ProcessImage, Vma
 from .resources import (aio, creds, filepolicy, files, inet, locks, memory, pids as pidns, process, registry,
                         signals, sockets, threads, timers)
 from .tracee import AddressSpace, Session, StopKind, find_syscall_insn, remote_syscalls, xstate_header
@@ -350,15 +350,14 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     # (PTRACE_EVENT_STOP carries the group stop's signal: SIGTSTP for a ^Z).
     group_stopped = leader.stop is not None and leader.stop.kind is StopKind.GROUP_STOP
     stop_signal = leader.stop.signo if group_stopped else 0     # taken now: injections change .stop
-    vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, BUILD_IDS))
-    memory.check_vmas(pid, vmas)
-    if parent is not None and cow:
-        vmas = memory.with_cow(vmas, parent.vmas, cow)
     status, stat = procfs.read_status(pid), procfs.read_stat(pid)     # frozen: one reading serves all
     statuses = {t.tid: status if t.tid == pid else procfs.read_status(pid, t.tid) for t in tasks}
     creds.refuse_strict_mode(pid, statuses)
     with AddressSpace(pid) as mem:
-        gadget = find_syscall_insn(mem, vmas)
+        # the smaps the freeze started reading (procfs.read_ahead) is taken once the leader's
+        # injections are done: the kernel walks the page tables meanwhile
+        gadget = find_syscall_insn(mem, procfs.read_maps(pid))
+        vmas: list = []
         thread_records = []
         task_record = creds_record = mm = sigactions = None
         for task in [leader] + [t for t in tasks if t is not leader]:
@@ -381,6 +380,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     if group_stopped:
                         task_record = dataclasses.replace(task_record, state="T", stop_signal=stop_signal)
                     plan.prepare(pid, vpid, remote)
+                    vmas = _frozen_vmas(pid, plan, parent, cow)
                     aio.check_in_flight_frozen(pid, remote, vmas)
         fds = plan.visible_fds(pid, files.dump_fds(pid))
         _check_fdinfo(pid, fds)
@@ -408,6 +408,17 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
         stats = saved[1] if saved is not None else memory.PageStats()
     _bv, xcr0 = xstate_header(thread_records[0].xstate)
     return image, stats, xcr0, len(thread_records[0].xstate)
+
+
+def _frozen_vmas(pid: int, plan: MemoryPlan, parent: ProcessImage | None, cow: dict | None) -> list[Vma]:
+    try:
+        vmas = plan.clean_vmas(pid, memory.dump_vmas(pid, BUILD_IDS))
+    except procfs.ZombieProcess:       # killed while frozen, after its smaps was read ahead
+        raise TargetVanished(pid, "capture") from None
+    memory.check_vmas(pid, vmas)
+    if parent is not None and cow:
+        vmas = memory.with_cow(vmas, parent.vmas, cow)
+    return vmas
 
 
 def _check_fdinfo(pid: int, fds) -> None:

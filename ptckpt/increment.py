@@ -54,6 +54,7 @@ class _Precopy:
     passes: list[list[tuple[int, int, int]]] = field(default_factory=list)   # (start, end, data offset)
     parent: list[tuple[int, int]] = field(default_factory=list)      # unchanged since the parent
     spans: list[tuple[int, int]] = field(default_factory=list)       # its tracked mappings
+    made: list[tuple[int, int, int]] | None = None    # index() of the passes, made before the freeze
 
     def index(self) -> list[tuple[int, int, int]]:
         """Every page's newest copy: a later pass's run hides an earlier one's."""
@@ -124,7 +125,15 @@ class MemoryPlan:
                     self._drop_tracker(pid)
         finally:
             session.resume_all()
-            log.info("pre-copy: frozen %.3f s to write-protect", time.monotonic() - started)
+            log.info("pre-copy: frozen %.3f s to %s", time.monotonic() - started,
+                     "write-protect" if self.prev is not None else "make the tracking")
+        for pid in [p for p, plan in plans.items() if plan is None]:
+            try:
+                plans[pid] = self._protect_running(pid)
+            except PtckptError as err:         # it ended meanwhile: the real freeze copies what is left
+                log.info("no pre-copy of %d: %s", pid, err)
+                del plans[pid]
+                self._drop_tracker(pid)
         unpinned = [(0, 2**63)] if len(pids) > 1 else []   # a tree: keep pages shared copy-on-write
         for pid, (ranges, unchanged, spans) in plans.items():
             pre = self._precopied[pid] = _Precopy(writer.pages_writer(vpid_of(pid)), parent=unchanged,
@@ -139,6 +148,7 @@ class MemoryPlan:
             if self._copy_rewritten(unpinned) <= PASS_ENOUGH:
                 break
         for pre in self._precopied.values():      # the real freeze does not wait for the disk
+            pre.made = pre.index()                # nor for this
             pre.pages.drain()
 
     def _copy_rewritten(self, unpinned) -> int:
@@ -171,16 +181,33 @@ class MemoryPlan:
         return runs, stats
 
     def _protect_for_precopy(self, session: Session, pid: int, vpid: int):
+        """Frozen: the tracking userfaultfd made (injected).  Without a parent image that is
+        all (None: _protect_running does the rest once the tree runs).  With one, the pages
+        written since it are read and protected again while frozen: none can slip between."""
         tasks = session.freeze_process(pid)
-        vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
         leader = next(t for t in tasks if t.tid == pid)
         with AddressSpace(pid) as mem:
-            with remote_syscalls(leader, mem, find_syscall_insn(mem, vmas)) as remote:
+            with remote_syscalls(leader, mem, find_syscall_insn(mem, procfs.read_maps(pid))) as remote:
                 self.prepare(pid, vpid, remote)
+        if self.prev is None:
+            return None
+        vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
         tracker = self.trackers[pid][0]
         written = self._written_since_parent(pid, vpid, tracker, vmas)
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         tracker.protect(vmas)
+        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
+        return ranges, unchanged, spans
+
+    def _protect_running(self, pid: int):
+        """The pre-copy's protection set while the process runs: every page is protected
+        before the first pass copies it, so a write after its copy marks it for the next
+        pass; the pages to copy are looked for only once all are protected (one made
+        present meanwhile is copied, and marked too).  A mapping made, or one changed under
+        the registration, has no protection: its pages count as written."""
+        vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
+        self.trackers[pid][0].protect(vmas)
+        ranges, unchanged = memory.plan_pages(pid, vmas, None)
         spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
         return ranges, unchanged, spans
 
@@ -264,19 +291,17 @@ class MemoryPlan:
         since = tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
         read, unchanged = memory.plan_pages(pid, vmas, since)      # unchanged: sorted, merged
         runs, stats = memory.write_pages(mem, read, pre.pages, lent)
-        for run in runs:
-            pre.pages.add_run(run.vaddr, run.npages, run.offset)
-        before = pre.index()
-        starts = [s for s, _e, _o in before]
-        # each piece lies in one run of the pass before (they are disjoint): its offset follows
-        for a, b in memory.intersect_spans([(s, e) for s, e, _o in before], unchanged):
-            s, _e, off = before[bisect.bisect_right(starts, a) - 1]
-            pre.pages.add_run(a, (b - a) // PAGE_SIZE, off + a - s)
-            stats.pages += (b - a) // PAGE_SIZE
-            stats.bytes += b - a
-        copied = memory.merge_spans((s, e) for s, e, _o in before)
-        pre.pages.add_parents(memory.subtract_spans(
-            memory.intersect_spans(memory.merge_spans(pre.parent), unchanged), copied))
+        pre.pages.add_runs((run.vaddr, run.npages, run.offset) for run in runs)
+        before = pre.made if pre.made is not None else pre.index()
+        kept = [(a, (b - a) // PAGE_SIZE, off) for a, b, off in memory.clip_runs(before, unchanged)]
+        pre.pages.add_runs(kept)
+        kept_pages = sum(n for _a, n, _o in kept)
+        stats.pages += kept_pages
+        stats.bytes += kept_pages * PAGE_SIZE
+        if pre.parent:
+            copied = memory.merge_spans((s, e) for s, e, _o in before)
+            pre.pages.add_parents(memory.subtract_spans(
+                memory.intersect_spans(memory.merge_spans(pre.parent), unchanged), copied))
         if self.track:
             tracker.protect(vmas)
         pre.pages.close()

@@ -223,6 +223,8 @@ def freeze(run: DumpRun) -> None:
                                                                run.events)
     run.result.pids = members
     run.frozen_at = time.monotonic()
+    procfs.read_ahead(members)                   # the kernel's page-table walks, while we inject
+    run.cleanup.callback(procfs.forget_read_ahead)
     run.clocks = process.current_clocks()
     run.view = pidns.pid_view(pid, members, run.zombies)
     if run.view.level:
@@ -255,6 +257,7 @@ def capture(run: DumpRun) -> None:
                                     save_files=opts.save_files, ext_unix_sk=opts.ext_unix_sk)
     shared.records["plugins"] = run.events.image_records()
     run.images, run.shared = shared.images, pidns.virtual_records(run.view, registry.image_records(shared))
+    procfs.forget_read_ahead()
 
 
 def _capture_processes(run: DumpRun) -> None:
