@@ -211,6 +211,8 @@ def test_background_dump_is_one_instant_and_leaves_nothing(spawn, ptckpt, tmp_pa
     target = spawn("scribbler", 96, 64)                # rewrites every page about once a second
     res = _dump(ptckpt, target, tmp_path / "bg", "--background", "-v")
     assert "copy the memory of" in res.stderr
+    # the first freeze makes the tracking only: the protection is set while it runs
+    assert "to make the tracking" in res.stderr and "to write-protect" not in res.stderr
     _no_tracking_left(target.pid)
     with ImageReader(tmp_path / "bg") as reader:
         assert reader.pages_length(target.pid) >= 96 << 20
@@ -275,3 +277,33 @@ def test_dumper_killed_during_background_dump(spawn, ptckpt_cmd, tmp_path):
 def procfs_tracer(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("TracerPid:")).split()[1])
+
+
+def test_clip_runs_keeps_what_a_sweep_keeps():
+    """memory.clip_runs (the background dump's index, cut in its freeze) against the
+    obvious sweep, on random runs (touching or not) and spans."""
+    import bisect
+    import random
+
+    from ptckpt.resources.memory import clip_runs, intersect_spans
+
+    def sweep(runs, keep):
+        starts = [s for s, _e, _o in runs]
+        out = []
+        for a, b in intersect_spans([(s, e) for s, e, _o in runs], keep):
+            s, _e, off = runs[bisect.bisect_right(starts, a) - 1]
+            out.append((a, b, off + a - s))
+        return out
+
+    rng = random.Random(34)
+    for _ in range(5000):
+        cuts = sorted(rng.sample(range(200), 2 * rng.randint(0, 30)))
+        runs, at = [], None
+        for s, e in zip(cuts[::2], cuts[1::2]):
+            if at is not None and rng.random() < 0.3:
+                s = at                                  # touching the run before
+            runs.append((s, e, rng.randrange(1 << 20)))
+            at = e
+        spans = sorted(rng.sample(range(200), 2 * rng.randint(0, 20)))
+        keep = list(zip(spans[::2], spans[1::2]))
+        assert clip_runs(runs, keep) == sweep(runs, keep), (runs, keep)
