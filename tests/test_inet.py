@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 
 from ptckpt import inetdiag, netlock
 from ptckpt.formats.image import ImageReader
+from ptckpt.resources import tcp
 
 from conftest import needs_network_lock, kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
 from test_restore import _one_line, _restore
@@ -224,6 +226,41 @@ def test_tcppair_kill_and_restore_established(spawn, ptckpt, tmp_path, own_locks
     t.signal(signal.SIGUSR1)
     assert_pair_received(t, facts)
     assert t.wait_exit(10) in (0, None), t.describe()
+    no_failures(t)
+
+
+def test_connections_are_locked_when_the_tree_is_frozen(spawn, tmp_path, own_locks):
+    """--tcp-established locks the connections in the freeze, before the dump's after_freeze
+    hook runs (where a group meets at its barrier "frozen"); the capture keeps that lock (no
+    second table), and a leave-running dump lifts it at the end."""
+    from ptckpt.pipeline.dump import dump as library_dump
+    t = spawn("tcppair")
+    facts = tcppair_facts(t)
+    conns = {d.ino: d for p in (t.pid, facts["child"]) for d in tcp_sockets_of(p) if d.state in tcp.REPAIRABLE}
+    assert len(conns) == 2, conns
+    seen = {}
+
+    def locked() -> set[int]:
+        return {c.ino for info in own_locks() for c in info.connections}
+
+    def after_freeze(result):
+        seen["frozen"] = (locked(), [i.id for i in own_locks()], result.netlock_at)
+
+    def before_release(result):
+        seen["captured"] = (locked(), [i.id for i in own_locks()])
+
+    t0 = time.time()
+    library_dump(t.pid, str(tmp_path / "img"), tcp_established=True, after_freeze=after_freeze,
+                 before_release=before_release)
+    inos, tables, at = seen["frozen"]
+    assert inos == set(conns), "both ends of the connection locked before after_freeze"
+    assert len(tables) == 1 and t0 < at <= time.time()
+    assert seen["captured"] == (set(conns), tables), "the capture read them under the freeze's lock"
+    assert own_locks() == [], "a leave-running dump removes its lock at the end"
+    os.kill(facts["child"], signal.SIGUSR1)
+    t.signal(signal.SIGUSR1)
+    assert_pair_received(t, facts)
+    assert t.wait_exit(10) == 0, t.describe()
     no_failures(t)
 
 
