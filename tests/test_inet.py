@@ -264,6 +264,65 @@ def test_connections_are_locked_when_the_tree_is_frozen(spawn, tmp_path, own_loc
     no_failures(t)
 
 
+def test_a_dump_failing_after_the_freeze_lifts_its_lock(spawn, tmp_path, own_locks):
+    """The freeze's lock is undone with the freeze: a dump that fails after it (a group that
+    gave up at its barrier) leaves no lock, and the connection goes on."""
+    from ptckpt.pipeline.dump import dump as library_dump
+    t = spawn("tcppair")
+    facts = tcppair_facts(t)
+    held = []
+
+    def give_up(result):
+        held.extend(own_locks())
+        raise RuntimeError("the group gave up")
+
+    with pytest.raises(RuntimeError, match="the group gave up"):
+        library_dump(t.pid, str(tmp_path / "img"), tcp_established=True, after_freeze=give_up)
+    assert len(held) == 1 and len(held[0].connections) == 2, held
+    assert own_locks() == [] and not (tmp_path / "img").exists()
+    os.kill(facts["child"], signal.SIGUSR1)
+    t.signal(signal.SIGUSR1)
+    assert_pair_received(t, facts)
+    assert t.wait_exit(10) == 0, t.describe()
+    no_failures(t)
+
+
+def test_an_external_connection_locked_at_the_freeze_is_let_go_by_the_capture(spawn, tmp_path, own_locks):
+    """--tcp-established --external tcp:...: the freeze cannot know the plugin's claim and
+    locks the connection; the capture, which does not read it, lets it go (the image holds
+    no lock of it), and it goes on."""
+    from ptckpt.builtins import External
+    from ptckpt.pipeline.dump import dump as library_dump
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        t = spawn("netkinds.py", "tcp-echo", port, ready=False)
+        peer, _ = listener.accept()
+    with peer:
+        peer.settimeout(10)
+        peer.sendall(b"hello\n")
+        t.wait_for_line(r"^READY ")
+        seen = {}
+        library_dump(t.pid, str(tmp_path / "img"), tcp_established=True,
+                     plugins=[External([f"tcp:127.0.0.1:{port}"])],
+                     after_freeze=lambda r: seen.setdefault("frozen", own_locks()),
+                     before_release=lambda r: seen.setdefault("captured", own_locks()))
+        assert [c.dport for info in seen["frozen"] for c in info.connections] == [port]
+        assert seen["captured"] == [], "claimed as external: no lock of it from the capture on"
+        peer.sendall(b"after the dump\n")
+        t.signal(signal.SIGUSR1)
+        got = b""
+        while not got.endswith(b"echo after the dump\n"):
+            chunk = peer.recv(100)
+            assert chunk, f"EOF after {got!r}"
+            got += chunk
+        assert got == b"from the program\necho after the dump\n"
+    assert t.wait_exit(10) in (0, None)
+    no_failures(t)
+    assert own_locks() == []
+
+
 @pytest.mark.parametrize("original", ["running", "finished"])
 def test_tcppair_leave_running_then_restore_in_netns(spawn, ptckpt, tmp_path, own_locks, doomed,
                                                      original):
