@@ -17,7 +17,8 @@ each comes back (:class:`~ptckpt.formats.model.InetMode`):
   read yet is refused: a ping socket has no SO_PEEK_OFF, so no dump can read its
   queue without taking it from the program;
 * established and half-closed TCP connections: REPAIRED with ``--tcp-established``
-  (locked with :mod:`ptckpt.netlock`, then read in repair mode, :mod:`.tcp`), CLOSED
+  (locked with :mod:`ptckpt.netlock` as soon as the tree is frozen,
+  :meth:`InetDump.lock_frozen`, then read in repair mode, :mod:`.tcp`), CLOSED
   with ``--tcp-close`` (as CRIU: over, both ways shut, no error pending), else refused naming the connection and the ways out
   (:class:`~ptckpt.errors.ConnectionNotAllowed`);
 * connections in a listener's accept queue: PENDING.  The dump takes them out of
