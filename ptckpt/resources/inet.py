@@ -170,10 +170,14 @@ class InetDump:
         if not self.policy.established:
             return 0
         held: dict[int, tuple[int, int]] = {}
+        stdio: set[int] = set()                          # the root's stdio is not the dump's
         for pid in members:
             for ino, fd in procfs.socket_fds(pid).items():
-                if pid != root or fd > 2:                # the root's stdio is not the dump's
-                    held.setdefault(ino, (pid, fd))
+                if pid == root and fd <= 2:
+                    stdio.add(ino)
+                held.setdefault(ino, (pid, fd))
+        for ino in stdio:
+            del held[ino]
         if not held:
             return 0
         diag = _Index(inetdiag.inet_sockets(protocols=(_TCP,)))
