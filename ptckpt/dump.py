@@ -67,6 +67,7 @@ class DumpResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     page_server: str = ""          # dump --page-server: where the page data went
     image_id: str = ""
+    netlock_at: float = 0.0        # time.time() the connections were locked (the freeze); 0: none
 
     def summary(self) -> str:
         from .units import count, size

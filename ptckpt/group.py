@@ -13,11 +13,13 @@ group dump -- each task runs the dump pipeline (ptckpt.pipeline.dump) on its mem
 
   ready     (before_freeze) every member checked, none frozen yet: nobody waits frozen
             for another's check;
-  frozen    (after_freeze) every member is frozen before any captures a byte;
+  frozen    (after_freeze) every member is frozen, and with --tcp-established its
+            connections locked (its dump locks them as soon as its tree is frozen), before
+            any captures a byte: a member reads its connections in repair mode while every
+            peer is frozen and silenced, so a segment that one drops stays in the other's
+            send queue, and is sent again after the restore;
   captured  (before_release) every member's image is committed before any is resumed or
-            killed (each member's connections are locked, then read in repair mode, in
-            its capture: the peers are frozen by then, so a segment that one drops stays
-            in the other's send queue, and is sent again after the restore);
+            killed;
 
   then each resumes or is killed.  A member that fails anywhere before the second barrier
   resumes as it was (its dump undoes itself) and so does every other member; past it
@@ -215,8 +217,10 @@ def dump_member(job: dict) -> dict:
         out["times"]["all ready"] = time.time()
         out["phase"] = "freeze"
 
-    def frozen(_result) -> None:
+    def frozen(result) -> None:
         out["times"]["frozen"] = time.time()
+        if result.netlock_at:
+            out["times"]["locked"] = result.netlock_at
         barrier.wait("frozen")
         out["times"]["all frozen"] = time.time()
         out["phase"] = "capture"

@@ -14,7 +14,11 @@ dump     ``pre_dump``   the tree still runs: ask it to quiesce, drain transactio
          ``shared``     a resource held by several processes, offered once with all
                         its holders: return the pid that saves and restores it
          ``frozen``     everything captured: add data to the image (ctx.save),
-                        claim connections as external (ctx.claim_external)
+                        claim connections as external (ctx.claim_external); with
+                        --tcp-established the tree's TCP connections are locked since
+                        the freeze (ptckpt.netlock), but for those claimed in pre_dump:
+                        a plugin that talks over a TCP connection of the tree here
+                        claims it there
          ``post_dump``  the tree resumed (or killed)
 restore  ``pre_restore`` no process exists yet: read data (ctx.load), check or acquire
                         outside resources, claim external fds, give fds (ctx.install_fd)

@@ -78,6 +78,14 @@ def _locks(hosts, host: str) -> str:
                           timeout=30).stdout
 
 
+def _lock_times(hosts, host: str) -> list[float]:
+    """When each ptckpt network lock of `host` was made (its table's lockinfo, time.time())."""
+    probe = "from ptckpt import netlock\nprint([i.created for i in netlock.list_locks()])\n"
+    res = subprocess.run(hosts.inside(host) + [sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return eval(res.stdout.strip().splitlines()[-1])
+
+
 @needs_network_lock()
 def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, spawn, ptckpt, tmp_path):
     client, server, files = _pingpong(spawn, hosts, tmp_path, 7001)
@@ -99,6 +107,15 @@ def test_group_dump_kill_and_restore_the_conversation_goes_on(cluster, hosts, sp
     for m in group["members"]:
         assert (image / m["directory"] / "inventory.img").exists()
     assert "ptckpt" in _locks(hosts, "A") and "ptckpt" in _locks(hosts, "B"), "the locks wait for the restore"
+    # every member's connection was locked before any member passed the barrier "frozen"
+    # (to capture): as each member says, and as its lock's table says (its creation time)
+    times = {m["member"]: m["times"] for m in group["members"]}
+    all_frozen = min(t["all frozen"] for t in times.values())
+    for member, t in times.items():
+        assert "locked" in t and t["start"] < t["locked"] <= t["frozen"] <= all_frozen, (member, times)
+    for host in ADDR:
+        made = _lock_times(hosts, host)
+        assert len(made) == 1 and made[0] <= all_frozen, (host, made, times)
     kept = [m["worker_image"] for m in group["members"]]
     assert all(os.path.isdir(k) for k in kept), "the workers keep the images their locks name"
 

@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 
 from ptckpt import inetdiag, netlock
 from ptckpt.formats.image import ImageReader
+from ptckpt.resources import tcp
 
 from conftest import needs_network_lock, kill_pids, pid_alive, reap_orphans, wait_pid_free, wait_until
 from test_restore import _one_line, _restore
@@ -225,6 +227,100 @@ def test_tcppair_kill_and_restore_established(spawn, ptckpt, tmp_path, own_locks
     assert_pair_received(t, facts)
     assert t.wait_exit(10) in (0, None), t.describe()
     no_failures(t)
+
+
+def test_connections_are_locked_when_the_tree_is_frozen(spawn, tmp_path, own_locks):
+    """--tcp-established locks the connections in the freeze, before the dump's after_freeze
+    hook runs (where a group meets at its barrier "frozen"); the capture keeps that lock (no
+    second table), and a leave-running dump lifts it at the end."""
+    from ptckpt.pipeline.dump import dump as library_dump
+    t = spawn("tcppair")
+    facts = tcppair_facts(t)
+    conns = {d.ino: d for p in (t.pid, facts["child"]) for d in tcp_sockets_of(p) if d.state in tcp.REPAIRABLE}
+    assert len(conns) == 2, conns
+    seen = {}
+
+    def locked() -> set[int]:
+        return {c.ino for info in own_locks() for c in info.connections}
+
+    def after_freeze(result):
+        seen["frozen"] = (locked(), [i.id for i in own_locks()], result.netlock_at)
+
+    def before_release(result):
+        seen["captured"] = (locked(), [i.id for i in own_locks()])
+
+    t0 = time.time()
+    library_dump(t.pid, str(tmp_path / "img"), tcp_established=True, after_freeze=after_freeze,
+                 before_release=before_release)
+    inos, tables, at = seen["frozen"]
+    assert inos == set(conns), "both ends of the connection locked before after_freeze"
+    assert len(tables) == 1 and t0 < at <= time.time()
+    assert seen["captured"] == (set(conns), tables), "the capture read them under the freeze's lock"
+    assert own_locks() == [], "a leave-running dump removes its lock at the end"
+    os.kill(facts["child"], signal.SIGUSR1)
+    t.signal(signal.SIGUSR1)
+    assert_pair_received(t, facts)
+    assert t.wait_exit(10) == 0, t.describe()
+    no_failures(t)
+
+
+def test_a_dump_failing_after_the_freeze_lifts_its_lock(spawn, tmp_path, own_locks):
+    """The freeze's lock is undone with the freeze: a dump that fails after it (a group that
+    gave up at its barrier) leaves no lock, and the connection goes on."""
+    from ptckpt.pipeline.dump import dump as library_dump
+    t = spawn("tcppair")
+    facts = tcppair_facts(t)
+    held = []
+
+    def give_up(result):
+        held.extend(own_locks())
+        raise RuntimeError("the group gave up")
+
+    with pytest.raises(RuntimeError, match="the group gave up"):
+        library_dump(t.pid, str(tmp_path / "img"), tcp_established=True, after_freeze=give_up)
+    assert len(held) == 1 and len(held[0].connections) == 2, held
+    assert own_locks() == [] and not (tmp_path / "img").exists()
+    os.kill(facts["child"], signal.SIGUSR1)
+    t.signal(signal.SIGUSR1)
+    assert_pair_received(t, facts)
+    assert t.wait_exit(10) == 0, t.describe()
+    no_failures(t)
+
+
+def test_an_external_connection_locked_at_the_freeze_is_let_go_by_the_capture(spawn, tmp_path, own_locks):
+    """--tcp-established --external tcp:...: the freeze cannot know the plugin's claim and
+    locks the connection; the capture, which does not read it, lets it go (the image holds
+    no lock of it), and it goes on."""
+    from ptckpt.builtins import External
+    from ptckpt.pipeline.dump import dump as library_dump
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        t = spawn("netkinds.py", "tcp-echo", port, ready=False)
+        peer, _ = listener.accept()
+    with peer:
+        peer.settimeout(10)
+        peer.sendall(b"hello\n")
+        t.wait_for_line(r"^READY ")
+        seen = {}
+        library_dump(t.pid, str(tmp_path / "img"), tcp_established=True,
+                     plugins=[External([f"tcp:127.0.0.1:{port}"])],
+                     after_freeze=lambda r: seen.setdefault("frozen", own_locks()),
+                     before_release=lambda r: seen.setdefault("captured", own_locks()))
+        assert [c.dport for info in seen["frozen"] for c in info.connections] == [port]
+        assert seen["captured"] == [], "claimed as external: no lock of it from the capture on"
+        peer.sendall(b"after the dump\n")
+        t.signal(signal.SIGUSR1)
+        got = b""
+        while not got.endswith(b"echo after the dump\n"):
+            chunk = peer.recv(100)
+            assert chunk, f"EOF after {got!r}"
+            got += chunk
+        assert got == b"from the program\necho after the dump\n"
+    assert t.wait_exit(10) in (0, None)
+    no_failures(t)
+    assert own_locks() == []
 
 
 @pytest.mark.parametrize("original", ["running", "finished"])

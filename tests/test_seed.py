@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from conftest import kill_pids, reap_orphans
 from test_emulator import finish, start_emulator, start_testbench, testbench_bin  # noqa: F401
 
@@ -17,8 +19,11 @@ VENDOR = "emulator-link"        # examples/emulator-link, installed: found by it
 CONFIG = "init_steps 40\ninit_sleep_us 2000\nvectors 600\nvector_sleep_us 5000\n"
 
 
+@pytest.mark.parametrize("net", [(), ("--tcp-established",)], ids=["plain", "tcp-established"])
 def test_testbench_restarts_in_another_slot_against_a_fresh_emulator(spawn, ptckpt, testbench_bin,
-                                                                      tmp_path):
+                                                                      tmp_path, net):
+    """(With --tcp-established the dump locks the tree's TCP connections as it freezes: the
+    vendor plugin claims its link in pre_dump, and talks over it in frozen.)"""
     (tmp_path / "ref").mkdir()
     reference = finish(start_testbench(spawn, testbench_bin, tmp_path / "ref", start_emulator(spawn).address,
                                        CONFIG, name="slot3", display=":3"))
@@ -30,7 +35,7 @@ def test_testbench_restarts_in_another_slot_against_a_fresh_emulator(spawn, ptck
         bench.wait_for_line("REGION 1", timeout=10)
         for attempt in range(3):           # the vendor plugin refuses a freeze mid-transaction
             res = ptckpt("dump", bench.pid, "-D", tmp_path / f"img{attempt}", "--kill",
-                         "--plugin", VENDOR)
+                         "--plugin", VENDOR, *net)
             if res.returncode == 0:
                 break
             assert "dump again" in res.stderr, res.stderr

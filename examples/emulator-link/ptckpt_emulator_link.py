@@ -51,7 +51,7 @@ def _connect(address: str) -> socket.socket:
 
 class EmulatorLink(Plugin):
     name = "emulator-link"
-    version = "2.2"
+    version = "2.3"
 
     def _holds_link(self, proc) -> bool:
         return any(f.fd == LINK_FD and f.kind.name == "SOCKET" for f in proc.fds) if proc.image else \
@@ -60,6 +60,9 @@ class EmulatorLink(Plugin):
     def pre_dump(self, proc, ctx):
         if not self._holds_link(proc):
             return
+        # claimed before the freeze: a dump with --tcp-established locks the tree's TCP
+        # connections as it freezes, all but those claimed, and frozen talks over this one
+        ctx.claim_external(proc.vpid, LINK_FD, "emulator-link: the emulator connection")
         # drain: wait until no transaction is in flight
         deadline = time.monotonic() + 5
         while struct.unpack("<i", proc.read_symbol("txn_pending", 4))[0]:

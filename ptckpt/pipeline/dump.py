@@ -6,9 +6,13 @@
                holds it); the image directory made (a temporary one beside it); the
                plugins' pre_dump;
 2. freeze   -- memory copied first while the tree runs (background dumps); then every
-               thread of the tree frozen outside the critical sections the program marked;
+               thread of the tree frozen outside the critical sections the program marked,
+               and at once (--tcp-established) the TCP connections the capture will read
+               locked (ptckpt.netlock; found from the tree's fds and the kernel's socket
+               table; without --tcp-established nothing is looked at);
 3. capture  -- each process (memory, threads, fds, ...), then what the tree shares (fd
-               descriptions, pipes, sockets, SysV objects, zombies);
+               descriptions, pipes, sockets (the connections read in repair mode under the
+               freeze's lock, with what it lacked added), SysV objects, zombies);
 4. write    -- the records and the inventory; then the restore's own plan run on them
                (ptckpt.plan), so that no image a restore would refuse is ever committed;
 5. commit   -- the image renamed into place (from here a signal no longer unwinds it);
@@ -17,9 +21,9 @@
 
 Three hooks let a caller act between the stages (ptckpt.group meets the other members of
 a group there): `before_freeze(result)` just before the tree is frozen (a memory copy
-while it runs is done), `after_freeze(result)` once every thread is frozen, nothing
-captured yet, and `before_release(result)` once the image is committed, the tree still
-frozen.  Each may raise: the dump fails, the tree running on (or resumed where it was,
+while it runs is done), `after_freeze(result)` once every thread is frozen and its
+connections locked (result.netlock_at), nothing captured yet, and `before_release(result)`
+once the image is committed, the tree still frozen.  Each may raise: the dump fails, the tree running on (or resumed where it was,
 whatever the mode), and the error goes on.
 
 What the stages make is undone on two stacks: the image's (the temporary directory, the
@@ -126,10 +130,11 @@ def dump(pid: int, directory: str | None = None, *,
     that server as it is read: ptckpt.pagestream; `directory` holds the records).
 
     Hooks for ptckpt's own callers: `before_freeze(result)` runs just before the freeze
-    (raising: nothing was frozen); `after_freeze(result)` once the tree is frozen, before
-    anything is captured (result.pids: its processes); `before_release(result)` once the
-    image is committed, the tree still frozen (ptckpt.migrate sends the image and has it
-    restored elsewhere then).  If either of the last two raises, the tree resumes where it
+    (raising: nothing was frozen); `after_freeze(result)` once the tree is frozen and, with
+    `tcp_established`, its connections locked, before anything is captured (result.pids:
+    its processes; result.netlock_at: when the lock was taken, 0 for none);
+    `before_release(result)` once the image is committed, the tree still frozen
+    (ptckpt.migrate sends the image and has it restored elsewhere then).  If either of the last two raises, the tree resumes where it
     was, whatever `mode`, and the error goes on.  `group` (ptckpt.group.Barrier): the group
     this dump is a member of, where the plugins' ctx.barrier(name) waits for every member.
     """
@@ -227,6 +232,11 @@ def freeze(run: DumpRun) -> None:
     run.cleanup.callback(procfs.forget_read_ahead)
     run.clocks = process.current_clocks()
     run.view = pidns.pid_view(pid, members, run.zombies)
+    # --tcp-established: locked before anyone goes on, but for the connections a plugin
+    # claimed in pre_dump (it may talk over them in frozen)
+    claimed = {(run.view.real(vp), fd) for vp, fd in run.events.external()} if run.events else set()
+    if run.net.lock_frozen(members, pid, claimed):
+        run.result.netlock_at = run.net.locked_at
     if run.view.level:
         log.info("the tree lives in a pid namespace of its own: its pids there are recorded")
     if run.opts.after_freeze is not None:

@@ -17,7 +17,8 @@ each comes back (:class:`~ptckpt.formats.model.InetMode`):
   read yet is refused: a ping socket has no SO_PEEK_OFF, so no dump can read its
   queue without taking it from the program;
 * established and half-closed TCP connections: REPAIRED with ``--tcp-established``
-  (locked with :mod:`ptckpt.netlock`, then read in repair mode, :mod:`.tcp`), CLOSED
+  (locked with :mod:`ptckpt.netlock` as soon as the tree is frozen,
+  :meth:`InetDump.lock_frozen`, then read in repair mode, :mod:`.tcp`), CLOSED
   with ``--tcp-close`` (as CRIU: over, both ways shut, no error pending), else refused naming the connection and the ways out
   (:class:`~ptckpt.errors.ConnectionNotAllowed`);
 * connections in a listener's accept queue: PENDING.  The dump takes them out of
@@ -49,6 +50,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -153,15 +155,66 @@ class InetDump:
     copies: list[socket.socket] = field(default_factory=list)
     queued: int = 0                                  # accept-queue connections taken so far
 
+    locked_at: float = 0.0                           # time.time() of lock_frozen's lock
+
+    def lock_frozen(self, members: Sequence[int], root: int, claimed: set[tuple[int, int]] = frozenset()) -> int:
+        """The tree is frozen, nothing captured yet: lock at once the connections the capture
+        will read in repair mode (--tcp-established), as CRIU locks the network right after
+        its freeze, so that a group's members are all frozen and locked before any reads a
+        byte.  Found from the members' fds (/proc) and the kernel's socket table; the client
+        ends of connections waiting in a listener's accept queue are the capture's (a lock of
+        their own, only while it reads them).  The capture adds what it finds besides and
+        drops what it does not read (a plugin's external connection; one claimed already, in
+        pre_dump, is in `claimed` as (pid, fd), and not locked here at all).  Without
+        --tcp-established, or with no socket in the tree, nothing is done.  The number of
+        connections locked."""
+        if not self.policy.established:
+            return 0
+        held: dict[int, tuple[int, int]] = {}
+        not_ours: set[int] = set()          # the root's stdio, a plugin's claimed connection
+        for pid in members:
+            for ino, fd in procfs.socket_fds(pid).items():
+                if (pid == root and fd <= 2) or (pid, fd) in claimed:
+                    not_ours.add(ino)
+                held.setdefault(ino, (pid, fd))
+        for ino in not_ours:
+            del held[ino]
+        if not held:
+            return 0
+        diag = _Index(inetdiag.inet_sockets(protocols=(_TCP,)))
+        mine = [d for d in diag.socks if d.ino in held]
+        clients: set[int] = set()
+        for d in mine:
+            if d.state == tcp.LISTEN and d.rqueue:
+                for child in inetdiag.pending_children(d, diag.socks):
+                    peer = diag.peer(child)
+                    if peer is not None and peer.ino:
+                        clients.add(peer.ino)
+        conns = []
+        for d in mine:
+            if d.state in tcp.REPAIRABLE and d.ino not in clients:
+                pid, fd = held[d.ino]
+                with socket.socket(fileno=pidfd_getfd(pid, fd)) as copy:
+                    reuse = copy.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+                conns.append(netlock.Connection(d.family, d.src, d.sport, d.dst, d.dport, ino=d.ino,
+                                                reuseaddr=reuse))
+        if conns:
+            self.lock = netlock.lock(conns, image_dir=self.image_dir)
+            self.locked_at = time.time()
+            log.info("locked %d connection(s) of the frozen tree", len(conns))
+        return len(conns)
+
     def capture_frozen(self, fds: Mapping[int, Sequence[Fd]], skip: set[int]) -> list[InetSocket]:
         """Records for every inet socket description of the tree (those in `skip` are the
-        root's stdio).  Refusals come before anything is changed."""
+        root's stdio).  Refusals come before anything is changed (but for lock_frozen's lock,
+        which the dump's failure lifts)."""
         holders: dict[int, tuple[int, Fd]] = {}
         for pid, flist in fds.items():
             for f in flist:
                 if is_inet(f) and f.desc not in skip and not f.external:
                     holders.setdefault(f.desc, (pid, f))
         if not holders:
+            self._settle_lock([])
             return []
         socks = [self._open(pid, f) for pid, f in holders.values()]
         diag = _Index(inetdiag.inet_sockets() if any(s.proto == _TCP for s in socks) else [])
@@ -275,9 +328,8 @@ class InetDump:
         s.pending = children
 
     def _lock_and_read(self, socks: list[_Sock], diag, inodes: set[int]) -> dict:
-        """Lock the connections, then read each one in repair mode and take the accept queues."""
-        if not socks:
-            return {}
+        """Lock the connections (those lock_frozen did not), then read each one in repair mode
+        and take the accept queues."""
         # A queued connection and its client end are made again by a real connect at restore:
         # they are locked only while the dump reads them.  The others until their restore.
         conns: list[netlock.Connection] = []
@@ -291,8 +343,7 @@ class InetDump:
                 queued.append(netlock.Connection(child.family, child.src, child.sport, child.dst, child.dport))
         if queued:
             self.queue_lock = netlock.lock(queued, image_dir=self.image_dir)
-        if conns:
-            self.lock = netlock.lock(conns, image_dir=self.image_dir)
+        self._settle_lock(conns)
         out: dict = {}
         for s in socks:
             if s.mode is InetMode.REPAIRED:
@@ -301,6 +352,22 @@ class InetDump:
             if s.pending:
                 out.setdefault("pending", []).extend(self._take_queue(s, diag, inodes))
         return out
+
+    def _settle_lock(self, conns: list[netlock.Connection]) -> None:
+        """The image's lock holds exactly `conns`: lock_frozen's lock, with what it lacks
+        added; if it holds one the capture does not read (a plugin claimed it as external),
+        a lock of `conns` replaces it (made before the old one goes: nothing passes between)."""
+        if self.lock is None:
+            if conns:
+                self.lock = netlock.lock(conns, image_dir=self.image_dir)
+            return
+        keys = {c.key for c in conns}
+        if all(c.key in keys for c in self.lock.connections):
+            self.lock = netlock.add(self.lock, conns)
+            return
+        old = self.lock
+        self.lock = netlock.lock(conns, image_dir=self.image_dir) if conns else None
+        netlock.unlock(old)
 
     def _read_repaired(self, s: _Sock, diag, inodes: set[int]) -> InetSocket:
         """Read a locked connection in repair mode, for as short a time as the reading takes:
