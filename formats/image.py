@@ -287,10 +287,10 @@ class ImageWriter:
         self._open_pages.clear()
         if self.pages_to is not None and self._state == "open":
             self.pages_to.abort()
+        self._unlock()          # first: its fd is one rmtree may need (a dump out of open files)
         if self.temp_path is not None:
             shutil.rmtree(self.temp_path, ignore_errors=True)
             self.temp_path = None
-        self._unlock()
         if self._state in ("new", "open"):
             self._state = "aborted"
 
