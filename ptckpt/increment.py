@@ -90,6 +90,7 @@ class MemoryPlan:
         self.background = background if not (killing or pre_dump) else False    # None: decide by size
         self.trackers: dict[int, tuple[memtrack.Tracker, int]] = {}   # pid -> (tracker, vpid)
         self._precopied: dict[int, _Precopy] = {}
+        self._registered: dict[int, list[tuple[int, int]]] = {}   # pid -> mappings tracked ("uw")
         self._deferred: list = []
         self.untracked: list[str] = []     # why processes were written in full
 
@@ -242,6 +243,7 @@ class MemoryPlan:
         """The tracking's own registration ("uw") is not the program's: left out."""
         if pid not in self.trackers and memtrack.find_fd(pid) is None:
             return vmas
+        self._registered[pid] = [(v.start, v.end) for v in vmas if "uw" in v.vmflags.split()]
         return [dataclasses.replace(v, vmflags=" ".join(f for f in v.vmflags.split() if f != "uw"))
                 if "uw" in v.vmflags.split() else v for v in vmas]
 
@@ -269,11 +271,15 @@ class MemoryPlan:
             return self._finish_precopy(pid, vmas, mem, lent)
         pages = writer.pages_writer(vpid)
         tracker, _ = self.trackers.get(pid, (None, 0))
-        written = self._written_since_parent(pid, vpid, tracker, vmas)
+        registered = self._registered.get(pid, [])
+        if self.track and registered and tracker is not None and tracker.since(self.parent_id, vpid):
+            written, new = self._written_protected_again(tracker, vmas, registered)
+        else:
+            written, new = self._written_since_parent(pid, vpid, tracker, vmas), vmas
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         pages.add_parents(unchanged)
         if tracker is not None and self.track:
-            tracker.protect(vmas)
+            tracker.protect(new)
         if self.pre_dump:
             self._deferred.append((pid, ranges, pages, lent))
             return None
@@ -282,6 +288,16 @@ class MemoryPlan:
             pages.add_run(run.vaddr, run.npages, run.offset)
         pages.close()
         return runs, stats
+
+    def _written_protected_again(self, tracker, vmas: Sequence[Vma], registered: list[tuple[int, int]]):
+        """An increment that tracks on (frozen): the pages written since the parent image,
+        those of the mappings already tracked protected again as they are found (the
+        kernel looks at the written ones only, not every page as a new protection does);
+        returns them and the mappings still to protect (new, or never tracked)."""
+        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL)
+        tracked = memory.intersect_spans(spans, memory.merge_spans(registered))
+        written = tracker.rewritten(tracked) + tracker.written(memory.subtract_spans(spans, tracked))
+        return sorted(written), [v for v in vmas if not memory.intersect_spans([(v.start, v.end)], tracked)]
 
     def _finish_precopy(self, pid: int, vmas: Sequence[Vma], mem: AddressSpace, lent):
         """The real freeze of a pre-copied process: what it wrote since the background pass
