@@ -10,6 +10,8 @@ When the command is over, everything left is frozen out of the garbage collector
 the full collections over every object the command made, ~15 ms of a small command.
 Objects caught in reference cycles are then not finalized at exit: what ptckpt writes is
 closed (or committed) before its command returns.
+
+The methods of the dataclasses it defines come compiled from ptckpt.codecache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from .state import Interrupted, install, report_late_signal
 
 def main() -> None:
     install()
+    from . import codecache
+    codecache.install()                      # dataclasses' methods compiled once (its doc)
     try:
         from .cli import main as cli_main
     except Interrupted as stop:
@@ -29,5 +33,6 @@ def main() -> None:
         cli_main()
     finally:
         report_late_signal()
+        codecache.save()
         import gc
         gc.freeze()
