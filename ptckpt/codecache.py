@@ -27,6 +27,7 @@ MAX_ENTRIES = 5000              # sources kept: beyond, the file starts again
 
 _cache: dict[str, object] = {}
 _added = 0
+_loaded = False
 
 
 def path() -> str:
@@ -60,8 +61,11 @@ def _load(where: str) -> dict:
 
 def _exec(source, globals=None, locals=None):
     """exec() as dataclasses calls it, with the code of `source` compiled once."""
-    global _added
+    global _added, _loaded
     if isinstance(source, str):
+        if not _loaded:                       # at the first class: a command without any pays nothing
+            _loaded = True
+            _cache.update(_load(path()))
         code = _cache.get(source)
         if code is None:
             code = _cache[source] = compile(source, "<string>", "exec")
@@ -74,7 +78,6 @@ def install() -> None:
     """From now on the methods of new dataclasses come from the file, or are compiled and
     added to it (written by save())."""
     import dataclasses
-    _cache.update(_load(path()))
     dataclasses.exec = _exec
 
 
