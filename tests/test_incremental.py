@@ -220,6 +220,30 @@ def test_background_dump_is_one_instant_and_leaves_nothing(spawn, ptckpt, tmp_pa
     assert _restore_and_verify(ptckpt, target, tmp_path / "bg") > 0
 
 
+@pytest.mark.proc_differs("maps", reason="the program maps and unmaps all the time: the snapshot taken "
+                                         "before the dump is of an earlier instant than the image")
+def test_background_dump_of_a_map_that_changes_while_it_is_copied(spawn, ptckpt, tmp_path):
+    """The protection is set, and the pages looked for, while the program runs: here it maps,
+    unmaps and drops memory all the while (fixtures/churner.c); the image is still one
+    instant, as the program checks after the restore."""
+    target = spawn("churner", 64, 256, 256)              # 16 MiB that churn, 256 MiB of ballast
+    target.signal(signal.SIGUSR1)
+    before = int(target.wait_for_line(r"VERIFY 1 OK STEP (\d+)").group(1))
+    res = _dump(ptckpt, target, tmp_path / "bg", "--background", "-v")
+    assert "copy the memory of" in res.stderr and "to make the tracking" in res.stderr
+    _no_tracking_left(target.pid)
+    os.kill(target.pid, signal.SIGKILL)
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    res = ptckpt("restore", "-D", tmp_path / "bg", "--detach", "--file-policy", "ignore")
+    assert res.returncode == 0, res.stderr
+    target.adopt(int(res.stdout.split()[-1]))
+    target.signal(signal.SIGUSR1)
+    after = int(target.wait_for_line(r"VERIFY 2 OK STEP (\d+)").group(1))
+    assert after > before
+    target.assert_ok()
+
+
 @pytest.mark.parametrize("build", ["x86_64", pytest.param("-m32", marks=pytest.mark.proc_differs(
     "maps", reason="[vsyscall] shows in a restored 32-bit process (test_compat32)"))])
 def test_background_then_incremental(spawn, ptckpt, tmp_path, request, build):
