@@ -518,19 +518,17 @@ def intersect_spans(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) 
 
 
 def subtract_spans(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """a minus b, both sorted and disjoint: one sweep."""
-    out, j = [], 0
+    """a minus b, both sorted and disjoint: for each span of a, the spans of b within it
+    found by bisection, and the gaps between them kept (no loop over b in Python: an
+    increment's written pages are tens of thousands of spans)."""
+    out: list[tuple[int, int]] = []
     for s, e in a:
-        while j < len(b) and b[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > s:
-                out.append((s, b[k][0]))
-            s = max(s, b[k][1])
-            k += 1
-        if s < e:
+        cut = _intersect(s, e, b)
+        if not cut:
             out.append((s, e))
+            continue
+        bounds = [s, *(v for span in cut for v in span), e]
+        out.extend(pair for pair in zip(bounds[0::2], bounds[1::2]) if pair[0] < pair[1])
     return out
 
 
@@ -576,13 +574,20 @@ def clip_runs(runs: Sequence[tuple[int, int, int]], keep: Sequence[tuple[int, in
 
 
 def _intersect(s: int, e: int, marks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `marks` (sorted, disjoint) within [s, e): a slice, its ends clipped."""
+    if s >= e:
+        return []
     i = max(0, bisect.bisect_right(marks, (s, 2**64)) - 1)
-    out = []
-    while i < len(marks) and marks[i][0] < e:
-        a, b = max(s, marks[i][0]), min(e, marks[i][1])
-        if a < b:
-            out.append((a, b))
-        i += 1
+    j = bisect.bisect_left(marks, (e, -1), lo=i)          # the first mark that starts at e or later
+    out = list(marks[i:j])
+    if out and out[0][1] <= s:
+        del out[0]
+    if not out:
+        return []
+    if out[0][0] < s:
+        out[0] = (s, out[0][1])
+    if out[-1][1] > e:
+        out[-1] = (out[-1][0], e)
     return out
 
 
