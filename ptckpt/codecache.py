@@ -9,7 +9,8 @@ interpreter keeps a module's bytecode in ``__pycache__``: the same text always c
 to the same code, so a method is the one exec() would have made.
 
 The file sits beside ptckpt's own bytecode (``ptckpt/__pycache__``), one per interpreter
-(its cache tag), and follows the same rules: not written under PYTHONDONTWRITEBYTECODE
+(its cache tag; the code in it is used only under the bytecode magic number it was made
+with), and follows the same rules: not written under PYTHONDONTWRITEBYTECODE
 (``sys.dont_write_bytecode``), nor where the directory cannot be written; read only when
 it belongs to this user (or root) and nobody else may write it, as it is code this
 process runs.  Anything wrong with it (unreadable, another format) and the methods are
@@ -56,7 +57,15 @@ def _load(where: str) -> dict:
         return {}
     finally:
         os.close(fd)
-    return data if isinstance(data, dict) else {}
+    # code of this interpreter's bytecode only (its magic number, as a .pyc says)
+    if not isinstance(data, dict) or data.get("magic") != _magic() or not isinstance(data.get("methods"), dict):
+        return {}
+    return data["methods"]
+
+
+def _magic() -> bytes:
+    import importlib.util
+    return importlib.util.MAGIC_NUMBER
 
 
 def _exec(source, globals=None, locals=None):
@@ -94,7 +103,7 @@ def save(*, force: bool = False) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "wb") as f:
-            marshal.dump(entries, f)
+            marshal.dump({"magic": _magic(), "methods": entries}, f)
         os.replace(tmp, where)
     except (OSError, ValueError):
         try:

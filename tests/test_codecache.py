@@ -66,6 +66,10 @@ def test_an_untrusted_or_broken_file_is_not_used(tmp_path):
     os.chown(cache, 65534, 65534)                         # another user's
     assert codecache._load(str(cache)) == {}
     os.chown(cache, 0, 0)
+    import marshal
+    methods = marshal.loads(cache.read_bytes())["methods"]
+    cache.write_bytes(marshal.dumps({"magic": b"\x00\x00\r\n", "methods": methods}))
+    assert codecache._load(str(cache)) == {}              # another interpreter's bytecode
     cache.write_bytes(b"\x00garbage" * 100)              # not marshal data
     assert codecache._load(str(cache)) == {}
     res = _run(tmp_path, PROBE, cache=cache)
