@@ -375,7 +375,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     creds.check_threads(pid, statuses)
                     for tid, st in statuses.items():
                         claims.check_status(pid, tid, st.raw)
-                    claims.check_numa(pid)
+                    claims.check_numa(pid, remote)
                     claims.check_namespaces(pid)
                     claims.check_label(pid)
                     if group_stopped:

@@ -542,6 +542,11 @@ def read_ahead(pids, *, names=_AHEAD_FILES, procfs: str = "/proc") -> None:
                 _AHEAD[path] = _ReadAhead(path)
 
 
+def reading_ahead(pid: int, name: str, *, procfs: str = "/proc") -> bool:
+    """Whether /proc/PID/NAME is being read ahead (and not taken yet)."""
+    return f"{procfs}/{pid}/{name}" in _AHEAD
+
+
 def forget_read_ahead() -> None:
     """What was read ahead and not taken is dropped (the processes are to run again)."""
     pending = list(_AHEAD.values())
@@ -1706,6 +1711,20 @@ def read_id_map(pid: int | str, name: str, *, procfs: str = "/proc") -> list[tup
         inside, outside, count = (int(x) for x in line.split())
         out.append((inside, outside, count))
     return out
+
+
+class Statm(NamedTuple):
+    """/proc/PID/statm, in pages (man 5 proc)."""
+
+    size: int
+    resident: int
+    shared: int
+
+
+@_wrap_exceptions
+def read_statm(pid: int, *, procfs: str = "/proc") -> Statm:
+    size, resident, shared = (int(x) for x in _read(f"{procfs}/{pid}/statm").split()[:3])
+    return Statm(size, resident, shared)
 
 
 @_wrap_exceptions

@@ -65,6 +65,44 @@ def test_a_numa_memory_policy_is_refused_and_the_target_runs_on(spawn, ptckpt, t
     assert target.alive() and not (tmp_path / "img").exists()
 
 
+MBIND = r"""
+import ctypes, mmap, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+area = libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)          # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+nodes = ctypes.c_ulong(1)
+if libc.syscall(237, ctypes.c_void_p(area), 1 << 20, 2, ctypes.byref(nodes), 64, 0) != 0:   # mbind
+    sys.exit(5)
+import os
+print("AREA", hex(area), flush=True)
+print("READY", os.getpid(), flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("script, words", [(POLICY, "bind for the whole task"), (MBIND, "bind at ")],
+                         ids=["task", "mapping"])
+def test_a_numa_policy_is_refused_when_the_process_is_asked(spawn, tmp_path, monkeypatch, script, words):
+    """A process whose numa_maps would cost the kernel more than asking it (big memory, few
+    mappings): the frozen process is asked with get_mempolicy (claims.check_numa) instead,
+    and refuses as the file would, for the task's policy and for one mbind gave a mapping."""
+    from ptckpt.pipeline.dump import dump
+    path = tmp_path / "policy.py"
+    path.write_text(script)
+    target = spawn(str(path))
+    monkeypatch.setattr(claims, "numa_by_file", lambda pid: False)
+    with pytest.raises(UnsupportedResource) as info:
+        dump(target.pid, str(tmp_path / "img"))
+    assert "a NUMA memory policy (" + words in str(info.value), str(info.value)
+    assert target.alive() and not (tmp_path / "img").exists()
+    if script is MBIND:
+        assert f"bind at {target.wait_for_line(r'AREA 0x([0-9a-f]+)').group(1)}" in str(info.value)
+    monkeypatch.setattr(claims, "numa_by_file", lambda pid: True)       # the file says the same
+    with pytest.raises(UnsupportedResource) as info:
+        dump(target.pid, str(tmp_path / "img"))
+    assert "a NUMA memory policy (bind" in str(info.value)
+
+
 def test_every_fdinfo_line_of_the_kinds_a_restore_makes_is_claimed(spawn, tmp_path):
     """The fdinfo of each fd of the fdkinds fixture (eventfd, timerfd, signalfd, inotify,
     epoll, memfd, pipes, files ...), as this kernel prints it, passes the table."""

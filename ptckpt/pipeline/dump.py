@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import __version__, appblock, procfs, progress
+from .. import __version__, appblock, claims, procfs, progress
 from ..state import committed, not_committed
 from ..dump import (BUILD_IDS, DumpMode, DumpResult, capture_process_frozen, capture_sharing_frozen,
     check_target, freeze_outside_critical, mark_skipped, plugins_frozen, running_tree, wait_gone)
@@ -228,7 +228,8 @@ def freeze(run: DumpRun) -> None:
                                                                run.events)
     run.result.pids = members
     run.frozen_at = time.monotonic()
-    procfs.read_ahead(members)                   # the kernel's page-table walks, while we inject
+    for m in members:                            # the kernel's page-table walks, while we inject
+        procfs.read_ahead([m], names=("smaps", "numa_maps") if claims.numa_by_file(m) else ("smaps",))
     run.cleanup.callback(procfs.forget_read_ahead)
     run.clocks = process.current_clocks()
     run.view = pidns.pid_view(pid, members, run.zombies)
