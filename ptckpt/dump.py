@@ -358,6 +358,8 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
         # the smaps the freeze started reading (procfs.read_ahead) is taken once the leader's
         # injections are done: the kernel walks the page tables meanwhile
         gadget = find_syscall_insn(mem, procfs.read_maps(pid))
+        if not (parent is not None and cow):     # a background dump's last copy, meanwhile too
+            plan.copy_early(pid, mem, memory.merge_spans(lent))
         vmas: list = []
         thread_records = []
         task_record = creds_record = mm = sigactions = None

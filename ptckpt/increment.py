@@ -47,6 +47,18 @@ PASS_ENOUGH = 4 << 20          # ... until a pass copies no more than this
 
 
 @dataclass
+class _Early:
+    """The freeze's copy of what was written since the last pass, made from the mappings as
+    they were just before the freeze while the frozen smaps is still being read."""
+
+    vmas: list[Vma]
+    read: list[tuple[int, int, bool]]
+    unchanged: list[tuple[int, int]]
+    runs: list                                 # PageRun
+    index: tuple                               # MemoryPlan._index of it
+
+
+@dataclass
 class _Precopy:
     """What the background passes wrote of one process while it ran."""
 
@@ -55,6 +67,8 @@ class _Precopy:
     parent: list[tuple[int, int]] = field(default_factory=list)      # unchanged since the parent
     spans: list[tuple[int, int]] = field(default_factory=list)       # its tracked mappings
     made: list[tuple[int, int, int]] | None = None    # index() of the passes, made before the freeze
+    guess: list[Vma] | None = None            # its mappings read after the passes, before the freeze
+    early: _Early | None = None               # the final copy made from the guess (copy_early)
 
     def index(self) -> list[tuple[int, int, int]]:
         """Every page's newest copy: a later pass's run hides an earlier one's."""
@@ -68,6 +82,10 @@ class _Precopy:
                 out.append((a, b, off + a - s))
             covered = memory.merge_spans(covered + [(s, e) for s, e, _o in runs])
         return sorted(out)
+
+
+def _spans(vmas: Sequence[Vma]) -> list[tuple[int, int]]:
+    return [(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL]
 
 
 class MemoryPlan:
@@ -148,8 +166,12 @@ class MemoryPlan:
         for _ in range(PASSES - 1):
             if self._copy_rewritten(unpinned) <= PASS_ENOUGH:
                 break
-        for pre in self._precopied.values():      # the real freeze does not wait for the disk
+        for pid, pre in self._precopied.items():  # the real freeze does not wait for the disk
             pre.made = pre.index()                # nor for this
+            try:                                  # nor, unless they change, for its smaps
+                pre.guess = self.clean_vmas(pid, memory.dump_vmas(pid))
+            except PtckptError:
+                pre.guess = None
             pre.pages.drain()
 
     def _copy_rewritten(self, unpinned) -> int:
@@ -299,27 +321,71 @@ class MemoryPlan:
         written = tracker.rewritten(tracked) + tracker.written(memory.subtract_spans(spans, tracked))
         return sorted(written), [v for v in vmas if not memory.intersect_spans([(v.start, v.end)], tracked)]
 
+    def copy_early(self, pid: int, mem: AddressSpace, lent) -> None:
+        """Frozen, before its smaps is read (procfs.read_ahead): the pages of a pre-copied
+        process written since the last pass, copied after the mappings it had just before
+        the freeze, and its index made.  _finish_precopy keeps them when the frozen smaps
+        shows the same mappings, and makes up for any difference otherwise."""
+        pre = self._precopied.get(pid)
+        if pre is None or pre.guess is None:
+            return
+        since = self.trackers[pid][0].written(_spans(pre.guess))
+        read, unchanged = memory.plan_pages(pid, pre.guess, since)
+        runs, _stats = memory.write_pages(mem, read, pre.pages, lent)
+        pre.early = _Early(pre.guess, read, unchanged, runs,
+                           self._index(pre, unchanged, [(r.vaddr, r.npages, r.offset) for r in runs]))
+        pre.pages.drain()                         # written while the smaps is read, not after
+
+    def _final_copy(self, pid: int, pre: _Precopy, vmas: Sequence[Vma], mem: AddressSpace, lent):
+        """The index of the freeze's copy (_index): copy_early's if the mappings are those it
+        guessed; else from the frozen mappings' plan, its copy kept where it is part of it and
+        what it lacks read now."""
+        early = pre.early
+        if early is not None and early.vmas == list(vmas):
+            return early.index
+        since = self.trackers[pid][0].written(_spans(vmas))
+        read, unchanged = memory.plan_pages(pid, vmas, since)      # unchanged: sorted, merged
+        if early is None:
+            runs, _stats = memory.write_pages(mem, read, pre.pages, lent)
+            return self._index(pre, unchanged, [(r.vaddr, r.npages, r.offset) for r in runs])
+        log.info("pre-copy: the mappings of %d changed before the freeze: the copy made up for it", pid)
+        # the early copy left out zero pages where it could: it stands in for a range here
+        # only as one that may leave them out too
+        done = {True: memory.merge_spans((s, e) for s, e, _d in early.read),
+                False: memory.merge_spans((s, e) for s, e, d in early.read if not d)}
+        missing = [(a, b, d) for s, e, d in read for a, b in memory.subtract_spans([(s, e)], done[d])]
+        more, _stats = memory.write_pages(mem, missing, pre.pages, lent)
+        wanted = memory.subtract_spans(memory.merge_spans((s, e) for s, e, _d in read),
+                                       memory.merge_spans((s, e) for s, e, _d in missing))
+        kept = memory.clip_runs(sorted((r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in early.runs),
+                                wanted)
+        return self._index(pre, unchanged, sorted([(a, (b - a) // PAGE_SIZE, off) for a, b, off in kept]
+                                                  + [(r.vaddr, r.npages, r.offset) for r in more]))
+
+    @staticmethod
+    def _index(pre: _Precopy, unchanged, copied_now: list[tuple[int, int, int]]):
+        """(page runs, parent spans, stats) of the image: the freeze's copy, then what the
+        passes copied and was not written since (cut from the passes' index)."""
+        before = pre.made if pre.made is not None else pre.index()
+        kept = [(a, (b - a) // PAGE_SIZE, off) for a, b, off in memory.clip_runs(before, unchanged)]
+        stats = memory.PageStats(pages=sum(n for _v, n, _o in copied_now) + sum(n for _a, n, _o in kept))
+        stats.bytes = stats.pages * PAGE_SIZE
+        parents = []
+        if pre.parent:
+            copied = memory.merge_spans((s, e) for s, e, _o in before)
+            parents = memory.subtract_spans(memory.intersect_spans(memory.merge_spans(pre.parent), unchanged),
+                                            copied)
+        return copied_now + kept, parents, stats
+
     def _finish_precopy(self, pid: int, vmas: Sequence[Vma], mem: AddressSpace, lent):
         """The real freeze of a pre-copied process: what it wrote since the background pass
         is read now; what was copied then and not written since stays in the index."""
         pre = self._precopied.pop(pid)
-        tracker = self.trackers[pid][0]
-        since = tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
-        read, unchanged = memory.plan_pages(pid, vmas, since)      # unchanged: sorted, merged
-        runs, stats = memory.write_pages(mem, read, pre.pages, lent)
-        pre.pages.add_runs((run.vaddr, run.npages, run.offset) for run in runs)
-        before = pre.made if pre.made is not None else pre.index()
-        kept = [(a, (b - a) // PAGE_SIZE, off) for a, b, off in memory.clip_runs(before, unchanged)]
-        pre.pages.add_runs(kept)
-        kept_pages = sum(n for _a, n, _o in kept)
-        stats.pages += kept_pages
-        stats.bytes += kept_pages * PAGE_SIZE
-        if pre.parent:
-            copied = memory.merge_spans((s, e) for s, e, _o in before)
-            pre.pages.add_parents(memory.subtract_spans(
-                memory.intersect_spans(memory.merge_spans(pre.parent), unchanged), copied))
+        runs, parents, stats = self._final_copy(pid, pre, vmas, mem, lent)
+        pre.pages.add_runs(runs)
+        pre.pages.add_parents(parents)
         if self.track:
-            tracker.protect(vmas)
+            self.trackers[pid][0].protect(vmas)
         pre.pages.close()
         return runs, stats
 

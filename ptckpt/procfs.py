@@ -518,9 +518,17 @@ class _ReadAhead:
         self.thread.start()
 
     def _run(self, path: str) -> None:
+        # big reads: the kernel fills each at once (seq_file), so the thread takes the GIL
+        # back a few times, not once a page, while the tracer's thread holds it
         try:
-            with open(path, "rb") as f:
-                self.data = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                chunks = []
+                while chunk := os.read(fd, 1 << 22):
+                    chunks.append(chunk)
+                self.data = b"".join(chunks)
+            finally:
+                os.close(fd)
         except OSError as err:
             err.filename = err.filename or path
             self.error = err

@@ -213,6 +213,8 @@ def test_background_dump_is_one_instant_and_leaves_nothing(spawn, ptckpt, tmp_pa
     assert "copy the memory of" in res.stderr
     # the first freeze makes the tracking only: the protection is set while it runs
     assert "to make the tracking" in res.stderr and "to write-protect" not in res.stderr
+    # and the mappings read before the freeze were those of the freeze (copy_early's copy kept)
+    assert "changed before the freeze" not in res.stderr
     _no_tracking_left(target.pid)
     with ImageReader(tmp_path / "bg") as reader:
         assert reader.pages_length(target.pid) >= 96 << 20
@@ -231,6 +233,9 @@ def test_background_dump_of_a_map_that_changes_while_it_is_copied(spawn, ptckpt,
     before = int(target.wait_for_line(r"VERIFY 1 OK STEP (\d+)").group(1))
     res = _dump(ptckpt, target, tmp_path / "bg", "--background", "-v")
     assert "copy the memory of" in res.stderr and "to make the tracking" in res.stderr
+    # its map changed between the reading before the freeze and the freeze: the early copy
+    # was made up for (increment.MemoryPlan._final_copy)
+    assert "changed before the freeze" in res.stderr
     _no_tracking_left(target.pid)
     os.kill(target.pid, signal.SIGKILL)
     target.wait_exit(10)
