@@ -40,6 +40,16 @@ EXIT_CONNECTION = 21       # an established TCP connection the dump was not aske
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
 
+def _recv_until(peer, end: bytes) -> bytes:
+    """What `peer` receives up to and including `end` (an EOF before it fails the test)."""
+    got = b""
+    while not got.endswith(end):
+        chunk = peer.recv(100)
+        assert chunk, f"EOF after {got!r}"
+        got += chunk
+    return got
+
+
 def fnv1a(data: bytes) -> str:
     h = FNV_OFFSET
     for b in data:
@@ -312,12 +322,7 @@ def test_an_external_connection_locked_at_the_freeze_is_let_go_by_the_capture(sp
         assert seen["captured"] == [], "claimed as external: no lock of it from the capture on"
         peer.sendall(b"after the dump\n")
         t.signal(signal.SIGUSR1)
-        got = b""
-        while not got.endswith(b"echo after the dump\n"):
-            chunk = peer.recv(100)
-            assert chunk, f"EOF after {got!r}"
-            got += chunk
-        assert got == b"from the program\necho after the dump\n"
+        assert _recv_until(peer, b"echo after the dump\n") == b"from the program\necho after the dump\n"
     assert t.wait_exit(10) in (0, None)
     no_failures(t)
     assert own_locks() == []
@@ -555,12 +560,7 @@ def test_connection_to_outside_peer(spawn, ptckpt, tmp_path, own_locks):
         assert _restore(ptckpt, image) == t.pid
         assert not table_exists(lock_id) and own_locks() == []
         t.signal(signal.SIGUSR1)
-        got = b""
-        while not got.endswith(b"echo queued at the dump\n"):
-            chunk = peer.recv(100)
-            assert chunk, f"EOF after {got!r}"
-            got += chunk
-        assert got == b"from the program\necho queued at the dump\n"
+        assert _recv_until(peer, b"echo queued at the dump\n") == b"from the program\necho queued at the dump\n"
     assert t.wait_exit(10) in (0, None)
     no_failures(t)
     assert t.out_lines() == ["GOT hello", "ECHOED queued at the dump"]
