@@ -53,7 +53,6 @@ class _Early:
 
     vmas: list[Vma]
     read: list[tuple[int, int, bool]]
-    unchanged: list[tuple[int, int]]
     runs: list                                 # PageRun
     index: tuple                               # MemoryPlan._index of it
 
@@ -86,6 +85,10 @@ class _Precopy:
 
 def _spans(vmas: Sequence[Vma]) -> list[tuple[int, int]]:
     return [(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL]
+
+
+def _tracked_spans(vmas: Sequence[Vma]) -> list[tuple[int, int]]:
+    return memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
 
 
 class MemoryPlan:
@@ -219,8 +222,7 @@ class MemoryPlan:
         written = self._written_since_parent(pid, vpid, tracker, vmas)
         ranges, unchanged = memory.plan_pages(pid, vmas, written)
         tracker.protect(vmas)
-        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
-        return ranges, unchanged, spans
+        return ranges, unchanged, _tracked_spans(vmas)
 
     def _protect_running(self, pid: int):
         """The pre-copy's protection set while the process runs: every page is protected
@@ -231,8 +233,7 @@ class MemoryPlan:
         vmas = self.clean_vmas(pid, memory.dump_vmas(pid))
         self.trackers[pid][0].protect(vmas)
         ranges, unchanged = memory.plan_pages(pid, vmas, None)
-        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
-        return ranges, unchanged, spans
+        return ranges, unchanged, _tracked_spans(vmas)
 
     def _give_up(self, pid: int, err: PtckptError) -> None:
         """No pre-copy of `pid` after all (it ended ...): what it had goes; the real
@@ -253,7 +254,7 @@ class MemoryPlan:
         if self.prev is None:
             return None
         if tracker is not None and tracker.since(self.parent_id, vpid):
-            return tracker.written([(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL])
+            return tracker.written(_spans(vmas))
         why = ("no tracking since" if tracker is None or tracker.previous is None
                else "its tracking was reset after")
         self.untracked.append(f"process {pid}: {why} {self.prev}, all its pages written")
@@ -316,7 +317,7 @@ class MemoryPlan:
         those of the mappings already tracked protected again as they are found (the
         kernel looks at the written ones only, not every page as a new protection does);
         returns them and the mappings still to protect (new, or never tracked)."""
-        spans = memory.merge_spans((v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL)
+        spans = memory.merge_spans(_spans(vmas))
         tracked = memory.intersect_spans(spans, memory.merge_spans(registered))
         written = tracker.rewritten(tracked) + tracker.written(memory.subtract_spans(spans, tracked))
         return sorted(written), [v for v in vmas if not memory.intersect_spans([(v.start, v.end)], tracked)]
@@ -332,7 +333,7 @@ class MemoryPlan:
         since = self.trackers[pid][0].written(_spans(pre.guess))
         read, unchanged = memory.plan_pages(pid, pre.guess, since)
         runs, _stats = memory.write_pages(mem, read, pre.pages, lent)
-        pre.early = _Early(pre.guess, read, unchanged, runs,
+        pre.early = _Early(pre.guess, read, runs,
                            self._index(pre, unchanged, [(r.vaddr, r.npages, r.offset) for r in runs]))
         pre.pages.drain()                         # written while the smaps is read, not after
 
