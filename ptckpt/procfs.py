@@ -518,19 +518,9 @@ class _ReadAhead:
         self.thread.start()
 
     def _run(self, path: str) -> None:
-        # big reads: the kernel fills each at once (seq_file), so the thread takes the GIL
-        # back a few times, not once a page, while the tracer's thread holds it
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                chunks = []
-                while chunk := os.read(fd, 1 << 22):
-                    chunks.append(chunk)
-                self.data = b"".join(chunks)
-            finally:
-                os.close(fd)
+            self.data = _read_whole(path)
         except OSError as err:
-            err.filename = err.filename or path
             self.error = err
 
     def result(self) -> bytes:
@@ -567,13 +557,25 @@ def _read(path: str) -> bytes:
     ahead = _AHEAD.pop(path, None) if _AHEAD else None
     if ahead is not None:
         return ahead.result()
-    with open(path, "rb") as f:
-        try:
-            return f.read()
-        except OSError as err:     # the error of a read (EPERM, ESRCH) names no file
-            if err.filename is None:
-                err.filename = path
-            raise
+    return _read_whole(path)
+
+
+def _read_whole(path: str) -> bytes:
+    """The whole file, in big reads: the kernel fills each at once (seq_file), so a thread
+    reading ahead takes the GIL back a few times, not once a page, while the tracer's
+    thread holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as err:     # the error of a read (EPERM, ESRCH) names no file
+        if err.filename is None:
+            err.filename = path
+        raise
+    finally:
+        os.close(fd)
 
 
 def _read_text(path: str) -> str:
