@@ -21,9 +21,9 @@ from .state import Interrupted, install, report_late_signal
 
 def main() -> None:
     install()
-    from . import codecache
-    codecache.install()                      # dataclasses' methods compiled once (its doc)
     try:
+        from . import codecache
+        codecache.install()                  # dataclasses' methods compiled once (its doc)
         from .cli import main as cli_main
     except Interrupted as stop:
         import sys

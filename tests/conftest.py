@@ -261,6 +261,25 @@ def pytest_configure(config: pytest.Config) -> None:
     _become_subreaper()
 
 
+def pytest_assertrepr_compare(config: pytest.Config, op: str, left: object, right: object) -> list[str] | None:
+    """Long byte strings that differ, told in a few lines: their lengths, where they first
+    differ and the bytes around it, instead of pytest's full diff (which on CI, where it is
+    not truncated, runs to thousands of lines and pushes the test's name out of the log)."""
+    kinds = (bytes, bytearray, memoryview)
+    if op != "==" or not isinstance(left, kinds) or not isinstance(right, kinds):
+        return None
+    a, b = bytes(left), bytes(right)
+    if max(len(a), len(b)) <= 64:
+        return None
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    at = max(0, first - 8)
+    ndiff = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+    return [f"{len(a)} bytes == {len(b)} bytes: {ndiff} differ, the first at offset {first:#x}",
+            f"left  [{at:#x}:] {a[at:at + 32].hex(' ')}",
+            f"right [{at:#x}:] {b[at:at + 32].hex(' ')}",
+            f"left has {len(a) - a.count(0)} non-zero bytes, right {len(b) - b.count(0)}"]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill and reap whatever a test left behind (spawn cleans up its own)."""
     def leftovers() -> list[int]:
