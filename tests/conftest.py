@@ -23,6 +23,7 @@ Fixture programs and their outputs are described in fixtures/README.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib.util
@@ -32,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -297,6 +299,33 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         except WaitTimeout:
             pass
     reap_orphans()
+
+
+@contextlib.contextmanager
+def limited_cgroup(controller: str, setting: str, value: str):
+    """A cgroup of the tests' own with one limit (cgroup v1's `controller` hierarchy, or a
+    v2 hierarchy at /sys/fs/cgroup that has the controller); yields a command prefix that
+    runs a command inside it.  Removed at the end, its processes killed first."""
+    v1 = Path("/sys/fs/cgroup") / controller
+    v2 = Path("/sys/fs/cgroup")
+    if (v1 / "cgroup.procs").exists():
+        base, name = v1, {"pids.max": "pids.max", "memory.max": "memory.limit_in_bytes"}[setting]
+    elif controller in (v2 / "cgroup.subtree_control").read_text().split() if (v2 / "cgroup.subtree_control").exists() else ():
+        base, name = v2, setting
+    else:
+        pytest.skip(f"no {controller} cgroup controller to limit a restore with")
+    group = Path(tempfile.mkdtemp(prefix="ptckpt-test-", dir=base))
+    try:
+        (group / name).write_text(value)
+        yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+    finally:
+        for _ in range(100):
+            pids = (group / "cgroup.procs").read_text().split()
+            if not pids:
+                break
+            kill_pids(int(p) for p in pids)
+            time.sleep(0.05)
+        group.rmdir()
 
 
 # --- sizes of the randomised robustness tests ------------------------------------

@@ -26,6 +26,7 @@ from ptckpt.pipeline.dump import dump as library_dump
 from ptckpt.errors import ExitCode, TargetVanished
 from ptckpt.formats.image import ImageReader
 from ptckpt.formats.model import GP_REG_NAMES, PAGE_SIZE, FdKind, Restart, VmaKind
+from ptckpt import diff
 from ptckpt.resources import memory
 from ptckpt.tracee import Session
 
@@ -57,6 +58,12 @@ def _frozen_regs(pid: int) -> dict[int, tuple[int, ...]]:
 
 
 def _assert_pages_equal_memory(image: ImageReader, pid: int) -> int:
+    """Every saved page is the memory of the stopped process, but for the fields of each
+    thread's rseq area that the kernel writes at every return to user space (a thread
+    that ran an injected call after its pages were read, on another CPU, has another
+    cpu_id there: ptckpt.diff masks them the same way)."""
+    masks = diff._rseq_masks(image.process(pid))
+    assert masks or not any(t.rseq_addr for t in image.process(pid).threads)
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
         total = 0
@@ -64,6 +71,8 @@ def _assert_pages_equal_memory(image: ImageReader, pid: int) -> int:
             size = run.npages * PAGE_SIZE
             saved = image.read_pages(pid, run)
             live = os.pread(fd, size, run.vaddr)
+            saved, live = (b"".join(diff._masked(data[i:i + PAGE_SIZE], run.vaddr + i, masks)
+                                    for i in range(0, size, PAGE_SIZE)) for data in (saved, live))
             assert saved == live, f"pages at {run.vaddr:#x} (+{run.npages}) differ from memory"
             total += run.npages
         return total

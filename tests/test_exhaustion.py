@@ -4,15 +4,12 @@ the target runs on, nothing half-made is left, and the next try with room works.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import descendants, kill_pids, wait_pid_free
+from conftest import descendants, limited_cgroup, wait_pid_free
 
 
 def _limited(ptckpt, nofile: int, *args):
@@ -74,33 +71,6 @@ def test_a_restore_out_of_open_files_says_so_and_leaves_nothing(killed_counter, 
             target.assert_ok()
             break
     assert 23 in outcomes.values() and 0 in outcomes.values(), outcomes
-
-
-@contextlib.contextmanager
-def limited_cgroup(controller: str, setting: str, value: str):
-    """A cgroup of the tests' own with one limit (cgroup v1's `controller` hierarchy, or a
-    v2 hierarchy at /sys/fs/cgroup that has the controller); yields a command prefix that
-    runs a command inside it.  Removed at the end, its processes killed first."""
-    v1 = Path("/sys/fs/cgroup") / controller
-    v2 = Path("/sys/fs/cgroup")
-    if (v1 / "cgroup.procs").exists():
-        base, name = v1, {"pids.max": "pids.max", "memory.max": "memory.limit_in_bytes"}[setting]
-    elif controller in (v2 / "cgroup.subtree_control").read_text().split() if (v2 / "cgroup.subtree_control").exists() else ():
-        base, name = v2, setting
-    else:
-        pytest.skip(f"no {controller} cgroup controller to limit a restore with")
-    group = Path(tempfile.mkdtemp(prefix="ptckpt-test-", dir=base))
-    try:
-        (group / name).write_text(value)
-        yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
-    finally:
-        for _ in range(100):
-            pids = (group / "cgroup.procs").read_text().split()
-            if not pids:
-                break
-            kill_pids(int(p) for p in pids)
-            time.sleep(0.05)
-        group.rmdir()
 
 
 @pytest.mark.parametrize("program, args, controller, setting, value, words", [

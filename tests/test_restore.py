@@ -197,10 +197,19 @@ def test_stdin_fifo_is_reopened_by_path(spawn, ptckpt, tmp_path):
     target.assert_ok()
 
 
-def test_heap_contents_intact(spawn, ptckpt, tmp_path):
-    target = spawn("bigheap", 48)
+@pytest.mark.parametrize("mib", [48, 160])
+def test_heap_contents_intact(spawn, ptckpt, tmp_path, mib):
+    """48 MiB: the new process reads all its pages itself; 160 MiB: ptckpt copies half of
+    them meanwhile (resources/fillbeside), and the heap's checksum is the same."""
+    target = spawn("bigheap", mib)
     _dump_kill(ptckpt, target, tmp_path / "img")
-    _restore(ptckpt, tmp_path / "img")
+    res = ptckpt("-v", "restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    beside = re.search(r"fill: ([\d.]+) MiB of \d+'s pages copied by ptckpt beside", res.stderr)
+    if mib < 64:
+        assert beside is None, res.stderr
+    else:
+        assert beside and mib / 4 <= float(beside.group(1)) <= mib * 3 / 4, res.stderr
     target.signal(signal.SIGUSR1)
     target.wait_for_line("VERIFY 1 OK")
     target.assert_ok()

@@ -23,7 +23,7 @@ from .. import kinds, procfs, progress
 from ..errors import AccessDenied, Incompatible, PtckptError
 from ..formats.model import PAGE_SIZE, PageRun, Vma, VmaKind
 from ..tracee import AddressSpace, RemotePtr, find_syscall_insn, page_align, probe_task, remote_syscalls
-from . import sysvipc
+from . import fillbeside, sysvipc
 from .aio import is_aio_ring
 from .files import ghost_key
 from .filepolicy import build_id
@@ -1109,7 +1109,7 @@ def restore_vmas_frozen(remote, mem: AddressSpace, vmas: Sequence[Vma], runs: Se
     sizes = [sum(r.npages for r in part) * PAGE_SIZE for _fd, _offset, part in sources]
     progress.expect(sum(sizes))
     for pages_fd, data_offset, part in sources:      # each says what it moved as it goes
-        if not fill_pages_in_target(remote, part, pages_fd, data_offset):
+        if not fill_pages_in_target(remote, part, pages_fd, data_offset, mem):
             fill_pages(mem, part, pages_fd, data_offset)
     if made_here:
         _write_proxy(mem, proxy, made_here[0][0])
@@ -1177,13 +1177,16 @@ _IOV_BATCH = 256                      # iovecs per injected preadv (the tracee's
 _GROUP_MAX = 64 << 20                 # what one injected preadv moves: a progress step (~0.2 ms each)
 
 
-def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_offset: int) -> bool:
+def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_offset: int,
+                         mem: AddressSpace | None = None) -> bool:
     """The tracee reads its saved pages itself: the image's page file opened in it, then
     injected preadv()s straight into its memory, one per run of pages consecutive in the
     file (up to _IOV_BATCH mappings each).  One copy, page cache to memory, and the page
-    faults are the tracee's own: a memory limit ends it, not ptckpt.  False when the
-    tracee cannot open the file, or the pages lie in more pieces of the file than
-    injected calls pay for (an incremental chain's): then ptckpt copies (fill_pages)."""
+    faults are the tracee's own: a memory limit ends it, not ptckpt.  Given `mem`, a big
+    fill is shared: a thread of ptckpt copies half of it meanwhile (resources/fillbeside).
+    False when the tracee cannot open the file, or the pages lie in more pieces of the
+    file than injected calls pay for (an incremental chain's): then ptckpt copies
+    (fill_pages)."""
     if not runs:
         return True
     groups = _file_groups(runs)
@@ -1196,6 +1199,11 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
         fd = remote.syscall("openat", -100, int(p), os.O_RDONLY | os.O_CLOEXEC, 0)
     if fd < 0:
         return False
+    beside = None
+    if mem is not None:
+        groups, theirs = fillbeside.split(mem.pid, groups, pages_fd, data_offset)
+        beside = fillbeside.Beside(mem, pages_fd, data_offset, theirs) if theirs else None
+    failed = True
     try:
         for g in groups:
             iov = b"".join(struct.pack("<QQ", vaddr, n) for _o, vaddr, n in g)
@@ -1207,8 +1215,13 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
                 from ..errors import CorruptImage
                 raise CorruptImage(path, f"page data ends early at offset {offset + got}")
             progress.moved(got)
+        failed = False
     finally:
-        remote.syscall("close", fd)
+        try:
+            if beside is not None:
+                beside.join(abandon=failed)
+        finally:
+            remote.syscall("close", fd)
     return True
 
 

@@ -1,0 +1,168 @@
+"""Half of a big restore's page filling done by ptckpt beside the tracee's own reads.
+
+An eager restore fills the saved pages by injected preadv()s, which the tracee runs on one
+core (resources/memory.fill_pages_in_target).  Page allocation, zeroing and the copy out of
+the page cache are kernel work that a second core can share: while the tracee reads its
+groups of pages, a thread of ptckpt copies the others with process_vm_writev() straight
+from a private read-only view of the same page file (one copy, page cache to memory, as the
+tracee's own).  Its page faults land in the tracee's memory and are charged to it as the
+tracee's own are; the view's pages are dropped from ptckpt's memory chunk by chunk, so that
+ptckpt stays small (a memory limit's OOM killer picks the tracee, as without the thread).
+
+Only taken for a page file ptckpt can map whose data lies whole within it (checked from its
+size first: a view of a file that ends early would fault).  The thread stops between
+chunks when told (a failed or interrupted restore), and its error, if any, is the restore's.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from typing import Sequence
+
+from .. import procfs, progress
+from ..formats.model import PAGE_SIZE
+from ..tracee import AddressSpace
+
+log = logging.getLogger("ptckpt.restore")
+
+SPLIT_MIN = 64 << 20          # below this, one reader is as fast: no thread
+_CHUNK = 8 << 20              # what the thread moves between looks at its stop flag
+
+Group = list[tuple[int, int, int]]          # (file offset, vaddr, length), consecutive in the file
+
+
+def split(pid: int, groups: Sequence[Group], pages_fd: int, data_offset: int) -> tuple[list[Group], list[Group]]:
+    """(the tracee's groups, ptckpt's): half the bytes each (to a page), ptckpt's from the
+    end, the group in the middle cut in two; all the tracee's when the total is small, the
+    file cannot be viewed whole, or the memory cgroup of the tracee `pid` may run out."""
+    total = sum(n for g in groups for _o, _v, n in g)
+    if total < SPLIT_MIN or not _viewable(pages_fd, data_offset, groups) or not memory_room(pid, total):
+        return list(groups), []
+    left = total // 2 // PAGE_SIZE * PAGE_SIZE          # what the tracee keeps
+    theirs: list[Group] = []
+    mine: list[Group] = []
+    for g in groups:
+        if not left:
+            mine.append(g)
+            continue
+        kept: Group = []
+        for i, (o, v, n) in enumerate(g):
+            if n <= left:
+                kept.append((o, v, n))
+                left -= n
+                continue
+            if left:
+                kept.append((o, v, left))
+            rest = [(o + left, v + left, n - left), *g[i + 1:]]
+            left = 0
+            mine.append(rest)
+            break
+        theirs.append(kept)
+    return theirs, mine
+
+
+def _viewable(pages_fd: int, data_offset: int, groups: Sequence[Group]) -> bool:
+    try:
+        size = os.fstat(pages_fd).st_size
+    except OSError:
+        return False
+    end = max((o + n for g in groups for o, _v, n in g), default=0)
+    return data_offset + end <= size
+
+
+def memory_room(pid: int, need: int) -> bool:
+    """Whether the memory cgroup of `pid`, and each one above it, has room for `need` bytes
+    more and a margin.  Where it might not, the tracee fills alone: a fault ptckpt makes in
+    its memory past the limit runs the OOM killer in ptckpt's stead, and once the tracee is
+    killed and its memory reaped, ptckpt's next fault there would have ptckpt killed too.
+    cgroup v1's memory hierarchy where it is mounted, else v2's; False where neither can
+    be read."""
+    try:
+        lines = procfs.read_cgroup(pid).splitlines()
+        mounts = [m.split() for m in procfs.read_mounts("self")]
+    except (OSError, procfs.PtckptError):
+        return False
+    v1 = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")), None)
+    root = next((m[1] for m in mounts if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
+    limit_name, used_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+    if v1 is None or root is None:
+        v1 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+        root = next((m[1] for m in mounts if m[2] == "cgroup2"), None)
+        limit_name, used_name = "memory.max", "memory.current"
+        if v1 is None or root is None:
+            return False
+    parts = [p for p in v1.split("/") if p]
+    for depth in range(len(parts), 0, -1):
+        where = os.path.join(root, *parts[:depth])
+        try:
+            with open(f"{where}/{limit_name}") as f:
+                limit = f.read().strip()
+            if limit == "max":
+                continue
+            with open(f"{where}/{used_name}") as f:
+                used = int(f.read())
+        except FileNotFoundError:
+            continue                              # no memory controller at this level
+        except (OSError, ValueError):
+            return False
+        if int(limit) - used < need + need // 4 + (64 << 20):
+            return False
+    return True
+
+
+class Beside:
+    """The thread copying `groups` from the page file into `mem` (started at once)."""
+
+    def __init__(self, mem: AddressSpace, pages_fd: int, data_offset: int, groups: Sequence[Group]):
+        self.mem, self.groups, self.data_offset = mem, groups, data_offset
+        # a private view is writable for ctypes (write_from) and never written: no copy made
+        self.view = mmap.mmap(pages_fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view.madvise(mmap.MADV_SEQUENTIAL)
+        self.moved = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="ptckpt-fill", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            whole = memoryview(self.view)
+            try:
+                for g in self.groups:
+                    self._group(whole, g)
+            finally:
+                whole.release()
+        except BaseException as e:               # reported by join(), in the restoring thread
+            self.error = e
+
+    def _group(self, whole: memoryview, group: Group) -> None:
+        for offset, vaddr, length in group:
+            at = self.data_offset + offset
+            for done in range(0, length, _CHUNK):
+                if self.stop.is_set():
+                    return
+                n = min(_CHUNK, length - done)
+                self.mem.write_from(whole[at + done:at + done + n], [(vaddr + done, n)])
+                # the view's pages leave ptckpt's own memory again: else they count as
+                # ptckpt's size, and under a memory limit the OOM killer picks ptckpt
+                lo = (at + done) // PAGE_SIZE * PAGE_SIZE
+                self.view.madvise(mmap.MADV_DONTNEED, lo, at + done + n - lo)
+                progress.moved(n)
+                self.moved += n
+
+    def join(self, *, abandon: bool = False) -> None:
+        """Wait for the thread (told to stop first when `abandon`), then raise its error."""
+        if abandon:
+            self.stop.set()
+        self.thread.join()
+        try:
+            self.view.close()
+        except BufferError:                      # a slice still held by the error's traceback
+            pass
+        if self.error is not None and not abandon:
+            raise self.error
+        log.info("fill: %.1f MiB of %d's pages copied by ptckpt beside its own reads",
+                 self.moved / (1 << 20), self.mem.pid)
