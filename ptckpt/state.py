@@ -32,6 +32,10 @@ _finishing: list[int] = []     # past the point of no return: the signals that c
 _past_commit = False
 
 
+_held: list[int] = []        # signals that came inside a step that must not be cut in two
+_holding = 0
+
+
 def _on_signal(signo, _frame) -> None:
     # once: a second signal must not interrupt the undoing of the first
     for sig in SIGNALS:
@@ -39,7 +43,32 @@ def _on_signal(signo, _frame) -> None:
     if _past_commit:
         _finishing.append(signo)
         return
+    if _holding:
+        _held.append(signo)
+        return
     raise Interrupted(signo)
+
+
+def hold() -> None:
+    """A step begins that a signal must not cut in two (a thread of the tracee runs an
+    injected syscall between its start and its stop: unwound in the middle, the tracee
+    would still be running it when the undoing sets its registers).  A signal that comes
+    before let_go() unwinds the command there."""
+    global _holding
+    _holding += 1
+
+
+def let_go(*, failed: bool = False) -> None:
+    """The step begun by hold() is over: a signal that came meanwhile unwinds now, unless
+    the step `failed` (its own error unwinds the command then, and the signal is dropped)."""
+    global _holding
+    _holding -= 1
+    if _holding or not _held:
+        return
+    if failed:
+        _held.clear()
+        return
+    raise Interrupted(_held.pop(0))
 
 
 def committed() -> None:

@@ -7,7 +7,8 @@ Points: ``inject-set`` (an injected syscall's registers are in, the thread not y
 stepped), ``inject-entry`` and ``inject-exit`` (the thread stopped at its entry or exit);
 ``restore-stub`` (a stub seized), ``restore-fixup`` (a process rebuilt, before the next),
 ``restore-resume`` (the tree rebuilt, not yet let go), ``restore-pidns`` (--pidns: the init made
-the stub, not yet seized); ``lazy-copy`` (the lazy page server, before a background copy);
+the stub, not yet seized), ``restore-fill-beside`` (ptckpt's thread filling pages beside the
+tracee's reads, after a chunk); ``lazy-copy`` (the lazy page server, before a background copy);
 ``page-server-file`` and ``page-server-write`` (``ptckpt page-server``, before it receives a
 file pushed, or a piece of page data a dump streams).
 Unset (the normal case), reached() costs a comparison.

@@ -47,7 +47,7 @@ from .errors import (
     TargetVanished,
     TraceeError,
 )
-from . import returnframe, returnframe32, testhooks
+from . import returnframe, returnframe32, state, testhooks
 from .formats.model import GP_REG_NAMES, PAGE_SIZE
 
 # --- ptrace requests python-ptrace lacks (include/uapi/linux/ptrace.h) ------
@@ -1038,21 +1038,27 @@ class RemoteSyscalls:
         self.task.set_regs(regs)
         self.used = True
         testhooks.reached("inject-set")
-        for expected in ("entry", "exit"):
-            while True:
-                self.task.syscall_step()
-                st = self.task.wait()
-                if st.kind is StopKind.SYSCALL:
-                    testhooks.reached(f"inject-{expected}")
-                    break
-                if st.kind is StopKind.SIGNAL:
-                    # A signal arrived meanwhile: keep it for the final resume.
-                    self.task.deferred_signals.append((st.signo, self.task.get_siginfo()))
-                    continue
-                if st.kind is StopKind.EVENT and st.event in (PTRACE_EVENT_CLONE, PTRACE_EVENT_FORK,
-                                                               PTRACE_EVENT_VFORK):
-                    self.last_clone = self.task.get_event_msg()
-                # an interrupt or group stop while injecting: just go on
+        state.hold()                   # from the step to the stop: not cut in two by a signal
+        try:
+            for expected in ("entry", "exit"):
+                while True:
+                    self.task.syscall_step()
+                    st = self.task.wait()
+                    if st.kind is StopKind.SYSCALL:
+                        testhooks.reached(f"inject-{expected}")
+                        break
+                    if st.kind is StopKind.SIGNAL:
+                        # A signal arrived meanwhile: keep it for the final resume.
+                        self.task.deferred_signals.append((st.signo, self.task.get_siginfo()))
+                        continue
+                    if st.kind is StopKind.EVENT and st.event in (PTRACE_EVENT_CLONE, PTRACE_EVENT_FORK,
+                                                                   PTRACE_EVENT_VFORK):
+                        self.last_clone = self.task.get_event_msg()
+                    # an interrupt or group stop while injecting: just go on
+        except BaseException:
+            state.let_go(failed=True)
+            raise
+        state.let_go()
         return self.task.get_regs()
 
     def checked(self, nr: int | str, *args: int, step: str | None = None) -> int:

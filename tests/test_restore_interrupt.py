@@ -176,3 +176,31 @@ def _ignores(pid: int, sig: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
     return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_restore_stopped_while_ptckpt_fills_pages_beside_the_tracee(sig, spawn, ptckpt, tmp_path):
+    """ptckpt's own thread is copying half of a big fill (resources/fillbeside) when the signal
+    comes: SIGINT/SIGTERM stop it and unwind the restore, SIGKILL takes the stub with
+    ptckpt; nothing is left, and the next restore brings the heap back whole."""
+    target = spawn("bigheap", 160)
+    image = tmp_path / "img"
+    assert ptckpt("dump", target.pid, "-D", image, "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_until(lambda: proc_stat(target.pid) is None, 5)
+    res = ptckpt("restore", "-D", image, "--detach", env=dict(os.environ, PTCKPT_TEST_DIE_AT=f"restore-fill-beside:2:{sig.name}"))
+    if sig == signal.SIGKILL:
+        assert res.returncode == -sig, (res.returncode, res.stderr)
+    else:
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 128 + sig and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+        assert f"interrupted by {sig.name}" in lines[0]
+    wait_until(lambda: not pid_alive(target.pid), 5, message=lambda: f"pid {target.pid} free: {_status(target.pid)}")
+    reap_orphans()
+    wait_until(lambda: proc_stat(target.pid) is None, 5)
+    res = ptckpt("-v", "restore", "-D", image, "--detach")
+    assert res.returncode == 0 and "copied by ptckpt beside" in res.stderr, res.stderr
+    target.adopt(target.pid)
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY 1 OK")
+    target.assert_ok()

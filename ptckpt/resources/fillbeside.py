@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Sequence
 
-from .. import procfs, progress
+from .. import procfs, progress, testhooks
 from ..formats.model import PAGE_SIZE
 from ..tracee import AddressSpace
 
@@ -152,6 +152,7 @@ class Beside:
                 self.view.madvise(mmap.MADV_DONTNEED, lo, at + done + n - lo)
                 progress.moved(n)
                 self.moved += n
+                testhooks.reached("restore-fill-beside")
 
     def join(self, *, abandon: bool = False) -> None:
         """Wait for the thread (told to stop first when `abandon`), then raise its error."""
