@@ -751,14 +751,21 @@ def _has_missing_registration(pid: int) -> bool:
         return False
 
 
-def why_killed(path: str) -> str | None:
-    """The log's line saying the server or its watchdog killed the processes, if any."""
-    try:
-        with open(path) as f:
-            lines = [line.strip() for line in f
-                     if " killed " in line or "checksum mismatch" in line or "page server went away" in line]
-    except OSError:
-        return None
+def why_killed(path: str, wait: float = 1.0) -> str | None:
+    """The log's line saying the server or its watchdog killed the processes, if any.  They
+    write it just after the kill, so a caller who saw the process die may be first: the log
+    is read again for up to `wait` seconds until that line is there."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(path) as f:
+                lines = [line.strip() for line in f
+                         if " killed " in line or "checksum mismatch" in line or "page server went away" in line]
+        except OSError:
+            return None
+        if any(" killed " in line for line in lines) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     if not lines:
         return None
     return "lazy restore: " + " ".join(line.split(": ", 1)[1] for line in lines[-2:])
