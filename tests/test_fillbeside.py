@@ -83,3 +83,22 @@ def test_memory_room_is_the_limit_of_the_tracees_memory_cgroup():
         finally:
             kill_pids([proc.pid])
             proc.wait()
+
+
+def test_a_page_file_that_cannot_be_mapped_leaves_the_whole_fill_to_the_tracee(tmp_path, monkeypatch):
+    """share(): where the view cannot be made (mmap refused), nothing of the split is lost:
+    the tracee gets every group back, whole."""
+    monkeypatch.setattr(fillbeside, "memory_room", lambda pid, need: True)
+
+    def refused(*_args, **_kw):
+        raise OSError(19, "No such device")
+    monkeypatch.setattr(fillbeside, "Beside", refused)
+
+    class _Mem:
+        pid = os.getpid()
+    groups = [[(0, 0x10000000, 64 * MIB)], [(64 * MIB, 0x20000000, 64 * MIB)]]
+    fd = _file(tmp_path, 4096 + 128 * MIB)
+    try:
+        assert fillbeside.share(_Mem(), groups, fd, 4096) == (groups, None)
+    finally:
+        os.close(fd)

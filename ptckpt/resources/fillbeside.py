@@ -34,6 +34,20 @@ _CHUNK = 8 << 20              # what the thread moves between looks at its stop 
 Group = list[tuple[int, int, int]]          # (file offset, vaddr, length), consecutive in the file
 
 
+def share(mem: AddressSpace, groups: Sequence[Group], pages_fd: int,
+          data_offset: int) -> tuple[list[Group], "Beside | None"]:
+    """(the groups the tracee reads, the thread copying the rest or None): split() and the
+    thread started; all the tracee's again where the page file cannot be mapped."""
+    tracee_part, ptckpt_part = split(mem.pid, groups, pages_fd, data_offset)
+    if not ptckpt_part:
+        return tracee_part, None
+    try:
+        return tracee_part, Beside(mem, pages_fd, data_offset, ptckpt_part)
+    except (OSError, ValueError) as e:         # mmap refused: the tracee reads it all
+        log.debug("fill: no view of the page file (%s): the tracee reads all", e)
+        return list(groups), None
+
+
 def split(pid: int, groups: Sequence[Group], pages_fd: int, data_offset: int) -> tuple[list[Group], list[Group]]:
     """(the tracee's groups, ptckpt's): half the bytes each (to a page), ptckpt's from the
     end, the group in the middle cut in two; all the tracee's when the total is small, the
@@ -42,11 +56,11 @@ def split(pid: int, groups: Sequence[Group], pages_fd: int, data_offset: int) ->
     if total < SPLIT_MIN or not _viewable(pages_fd, data_offset, groups) or not memory_room(pid, total):
         return list(groups), []
     left = total // 2 // PAGE_SIZE * PAGE_SIZE          # what the tracee keeps
-    theirs: list[Group] = []
-    mine: list[Group] = []
+    tracee_part: list[Group] = []
+    ptckpt_part: list[Group] = []
     for g in groups:
         if not left:
-            mine.append(g)
+            ptckpt_part.append(g)
             continue
         kept: Group = []
         for i, (o, v, n) in enumerate(g):
@@ -56,12 +70,11 @@ def split(pid: int, groups: Sequence[Group], pages_fd: int, data_offset: int) ->
                 continue
             if left:
                 kept.append((o, v, left))
-            rest = [(o + left, v + left, n - left), *g[i + 1:]]
+            ptckpt_part.append([(o + left, v + left, n - left), *g[i + 1:]])
             left = 0
-            mine.append(rest)
             break
-        theirs.append(kept)
-    return theirs, mine
+        tracee_part.append(kept)
+    return tracee_part, ptckpt_part
 
 
 def _viewable(pages_fd: int, data_offset: int, groups: Sequence[Group]) -> bool:

@@ -1200,11 +1200,10 @@ def fill_pages_in_target(remote, runs: Sequence[PageRun], pages_fd: int, data_of
     if fd < 0:
         return False
     beside = None
-    if mem is not None:
-        groups, theirs = fillbeside.split(mem.pid, groups, pages_fd, data_offset)
-        beside = fillbeside.Beside(mem, pages_fd, data_offset, theirs) if theirs else None
     failed = True
     try:
+        if mem is not None:
+            groups, beside = fillbeside.share(mem, groups, pages_fd, data_offset)
         for g in groups:
             iov = b"".join(struct.pack("<QQ", vaddr, n) for _o, vaddr, n in g)
             want, offset = sum(n for _o, _v, n in g), data_offset + g[0][0]
