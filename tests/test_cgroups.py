@@ -16,7 +16,7 @@ from conftest import wait_pid_free
 def _writable_hierarchy() -> tuple[str, str]:
     """(mount point, the controllers' key in /proc/PID/cgroup) of a hierarchy we may make a
     cgroup in: the v2 one, else v1 memory."""
-    for controllers, where in sorted(process._cgroup_mounts().items(), key=lambda kv: len(kv[0])):
+    for controllers, where in sorted(process.cgroup_mounts().items(), key=lambda kv: len(kv[0])):
         if controllers in (frozenset(), frozenset({"memory"})) and os.access(where, os.W_OK):
             return where, ",".join(sorted(controllers))
     pytest.skip("no writable cgroup hierarchy here")

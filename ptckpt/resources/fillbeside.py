@@ -22,9 +22,11 @@ import os
 import threading
 from typing import Sequence
 
-from .. import procfs, progress, testhooks
+from .. import progress, testhooks
+from ..errors import PtckptError
 from ..formats.model import PAGE_SIZE
 from ..tracee import AddressSpace
+from . import process
 
 log = logging.getLogger("ptckpt.restore")
 
@@ -94,20 +96,20 @@ def memory_room(pid: int, need: int) -> bool:
     cgroup v1's memory hierarchy where it is mounted, else v2's; False where neither can
     be read."""
     try:
-        lines = procfs.read_cgroup(pid).splitlines()
-        mounts = [m.split() for m in procfs.read_mounts("self")]
-    except (OSError, procfs.PtckptError):
+        mounts = process.cgroup_mounts()
+    except (OSError, PtckptError):
         return False
-    v1 = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")), None)
-    root = next((m[1] for m in mounts if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
-    limit_name, used_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
-    if v1 is None or root is None:
-        v1 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
-        root = next((m[1] for m in mounts if m[2] == "cgroup2"), None)
+    lines = [line.split(":", 2) for line in process.read_cgroups(pid).splitlines()]
+    v1 = next(((frozenset(c.split(",")), path) for _id, c, path in lines if "memory" in c.split(",")), None)
+    if v1 is not None:                 # v1's memory hierarchy (mounts are keyed by controllers)
+        root, group = mounts.get(v1[0]), v1[1]
+        limit_name, used_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+    else:                              # else v2's
+        root, group = mounts.get(frozenset()), next((path for _id, c, path in lines if not c), None)
         limit_name, used_name = "memory.max", "memory.current"
-        if v1 is None or root is None:
-            return False
-    parts = [p for p in v1.split("/") if p]
+    if root is None or group is None:
+        return False
+    parts = [p for p in group.split("/") if p]
     for depth in range(len(parts), 0, -1):
         where = os.path.join(root, *parts[:depth])
         try:

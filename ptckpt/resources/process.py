@@ -335,7 +335,7 @@ def read_cgroups(pid: int | str) -> str:
         return ""
 
 
-def _cgroup_mounts() -> dict[frozenset, str]:
+def cgroup_mounts() -> dict[frozenset, str]:
     """{controllers (v1; the empty set for the v2 hierarchy): where that hierarchy is mounted}."""
     out: dict[frozenset, str] = {}
     for line in procfs.read_mounts("self"):
@@ -361,7 +361,7 @@ def restore_cgroups(pid: int, recorded: str) -> list[str]:
         key, _, path = line.rpartition(":")
         if now.get(key) == line:
             continue
-        mounts = _cgroup_mounts() if mounts is None else mounts
+        mounts = cgroup_mounts() if mounts is None else mounts
         controllers = key.split(":", 1)[1]
         where = mounts.get(frozenset(c for c in controllers.split(",") if c))
         try:
