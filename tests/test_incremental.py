@@ -29,8 +29,9 @@ def _dump(ptckpt, target, image, *extra):
     return res
 
 
-def _restore_and_verify(ptckpt, target, image) -> int:
-    """Kill the original, restore `image`, ask the copy to verify; the count it has."""
+def _restore_and_verify(ptckpt, target, image, verified: str = r"VERIFY 1 OK COUNT \d+") -> int:
+    """Kill the original, restore `image`, ask the copy to verify (its line: `verified`);
+    the number that line ends with."""
     if target.alive():
         os.kill(target.pid, signal.SIGKILL)
         target.wait_exit(10)
@@ -39,7 +40,7 @@ def _restore_and_verify(ptckpt, target, image) -> int:
     assert res.returncode == 0, res.stderr
     target.adopt(int(res.stdout.split()[-1]))
     target.signal(signal.SIGUSR1)
-    line = target.wait_for_line(r"VERIFY 1 OK COUNT \d+").group(0)
+    line = target.wait_for_line(verified).group(0)
     target.assert_ok()
     return int(line.split()[-1])
 
@@ -242,16 +243,7 @@ def test_background_dump_of_a_map_that_changes_while_it_is_copied(spawn, ptckpt,
         if "changed before the freeze" in res.stderr:
             break
     assert "changed before the freeze" in res.stderr, res.stderr
-    os.kill(target.pid, signal.SIGKILL)
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
-    res = ptckpt("restore", "-D", image, "--detach", "--file-policy", "ignore")
-    assert res.returncode == 0, res.stderr
-    target.adopt(int(res.stdout.split()[-1]))
-    target.signal(signal.SIGUSR1)
-    after = int(target.wait_for_line(r"VERIFY 2 OK STEP (\d+)").group(1))
-    assert after > before
-    target.assert_ok()
+    assert _restore_and_verify(ptckpt, target, image, r"VERIFY 2 OK STEP \d+") > before
 
 
 @pytest.mark.parametrize("build", ["x86_64", pytest.param("-m32", marks=pytest.mark.proc_differs(
