@@ -124,15 +124,16 @@ def check_status(pid: int, tid: int, raw: dict[str, str]) -> None:
            who + "{why} ('{key}' in /proc status)")
 
 
-def check_numa(pid: int, remote=None) -> None:
+def check_numa(pid: int, remote=None, maps=None) -> None:
     """Refuse a NUMA memory policy (set_mempolicy or mbind).  /proc/PID/numa_maps shows the
     policy each mapping follows, "default" unless the task or the mapping chose one; the
     kernel makes it by walking every page table (~40 ms for 4 GiB).  When it is not being
     read already (procfs.read_ahead, as numa_by_file chose) the frozen process is asked
     instead (`remote`: a syscall scope in its leader): get_mempolicy for the task, then for
-    the start of each mapping, ~25 us each."""
+    the start of each mapping (`maps`, the frozen process's /proc maps, if read already),
+    ~25 us each."""
     if remote is not None and not procfs.reading_ahead(pid, "numa_maps"):
-        return _check_numa_injected(pid, remote)
+        return _check_numa_injected(pid, remote, maps)
     try:
         lines = procfs.read_numa_maps(pid)
     except procfs.GONE_OR_MISSING:
@@ -153,7 +154,7 @@ def _refuse_numa(pid: int, what: str) -> None:
                               why="a restore does not make it again", way_out="dump it before it sets one")
 
 
-def _check_numa_injected(pid: int, remote) -> None:
+def _check_numa_injected(pid: int, remote, maps=None) -> None:
     with remote.scratch(8) as mode:
         res = remote.syscall("get_mempolicy", int(mode), 0, 0, 0, 0)
         if res == -_ENOSYS:
@@ -163,7 +164,7 @@ def _check_numa_injected(pid: int, remote) -> None:
         task = struct.unpack("<i", remote.mem.read(mode, 4))[0]
         if task:
             _refuse_numa(pid, f"{_MPOL_NAMES.get(task, task)} for the whole task")
-        for m in procfs.read_maps(pid):
+        for m in maps if maps is not None else procfs.read_maps(pid):
             if m.path == "[vsyscall]":
                 continue
             if remote.syscall("get_mempolicy", int(mode), 0, 0, m.start, _MPOL_F_ADDR) < 0:

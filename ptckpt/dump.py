@@ -357,7 +357,8 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
     with AddressSpace(pid) as mem:
         # the smaps the freeze started reading (procfs.read_ahead) is taken once the leader's
         # injections are done: the kernel walks the page tables meanwhile
-        gadget = find_syscall_insn(mem, procfs.read_maps(pid))
+        maps = procfs.read_maps(pid)
+        gadget = find_syscall_insn(mem, maps)
         if not (parent is not None and cow):     # a background dump's last copy, meanwhile too
             plan.copy_early(pid, mem, memory.merge_spans(lent))
         vmas: list = []
@@ -377,7 +378,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     creds.check_threads(pid, statuses)
                     for tid, st in statuses.items():
                         claims.check_status(pid, tid, st.raw)
-                    claims.check_numa(pid, remote)
+                    claims.check_numa(pid, remote, maps)
                     claims.check_namespaces(pid)
                     claims.check_label(pid)
                     if group_stopped:

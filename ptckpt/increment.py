@@ -87,6 +87,11 @@ def _spans(vmas: Sequence[Vma]) -> list[tuple[int, int]]:
     return [(v.start, v.end) for v in vmas if v.kind is not VmaKind.VSYSCALL]
 
 
+def _triples(runs) -> list[tuple[int, int, int]]:
+    """(vaddr, npages, offset) of each PageRun: what an index holds."""
+    return [(r.vaddr, r.npages, r.offset) for r in runs]
+
+
 def _tracked_spans(vmas: Sequence[Vma]) -> list[tuple[int, int]]:
     return memory.merge_spans((v.start, v.end) for v in vmas if v.kind in memtrack.TRACKED_KINDS)
 
@@ -334,7 +339,7 @@ class MemoryPlan:
         read, unchanged = memory.plan_pages(pid, pre.guess, since)
         runs, _stats = memory.write_pages(mem, read, pre.pages, lent)
         pre.early = _Early(pre.guess, read, runs,
-                           self._index(pre, unchanged, [(r.vaddr, r.npages, r.offset) for r in runs]))
+                           self._index(pre, unchanged, _triples(runs)))
         pre.pages.drain()                         # written while the smaps is read, not after
 
     def _final_copy(self, pid: int, pre: _Precopy, vmas: Sequence[Vma], mem: AddressSpace, lent):
@@ -348,7 +353,7 @@ class MemoryPlan:
         read, unchanged = memory.plan_pages(pid, vmas, since)      # unchanged: sorted, merged
         if early is None:
             runs, _stats = memory.write_pages(mem, read, pre.pages, lent)
-            return self._index(pre, unchanged, [(r.vaddr, r.npages, r.offset) for r in runs])
+            return self._index(pre, unchanged, _triples(runs))
         log.info("pre-copy: the mappings of %d changed before the freeze: the copy made up for it", pid)
         # the early copy left out zero pages where it could: it stands in for a range here
         # only as one that may leave them out too
@@ -361,7 +366,7 @@ class MemoryPlan:
         kept = memory.clip_runs(sorted((r.vaddr, r.vaddr + r.npages * PAGE_SIZE, r.offset) for r in early.runs),
                                 wanted)
         return self._index(pre, unchanged, sorted([(a, (b - a) // PAGE_SIZE, off) for a, b, off in kept]
-                                                  + [(r.vaddr, r.npages, r.offset) for r in more]))
+                                                  + _triples(more)))
 
     @staticmethod
     def _index(pre: _Precopy, unchanged, copied_now: list[tuple[int, int, int]]):
