@@ -797,6 +797,9 @@ class Pty:
     input: bytes = b""                      # since format 14
     input_lines: tuple[int, ...] = ()       # since format 14
     hung_up: bool = False                   # since format 14
+    slave_uid: int = -1                     # since format 17: the slave's owner, group and
+    slave_gid: int = -1                     # permission bits (-1: not recorded, left as a
+    slave_mode: int = -1                    # new pty's)
 
 
 FD_STATE_TYPES = (EventfdState, TimerfdState, SignalfdState, InotifyState, MemfdState, MqueueState,

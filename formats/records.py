@@ -146,7 +146,7 @@ from ptckpt.formats.model import (
 )
 
 MAGIC = b"PTCK"
-FORMAT_VERSION = 16                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
+FORMAT_VERSION = 17                # 2: trees (desc, zombies, pipes, unix sockets, pdeath)
                                    # 3: files (build-ids, skipped fds, saved files)
                                    # 4: plugins (PLUGIN records, external fds)
                                    # 5: pid namespaces (virtual pids, the real ones beside)
@@ -163,6 +163,7 @@ FORMAT_VERSION = 16                # 2: trees (desc, zombies, pipes, unix socket
                                    # 14: pidfds (PIDFD); ptys: typed input not read yet, hung-up slaves
                                    # 15: 32-bit (ia32) threads' TLS entries (THREAD tls)
                                    # 16: page data on a page server (PAGE_SERVER in the pagemap)
+                                   # 17: a pty slave's owner and mode (PTY slave_uid/gid/mode)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -962,7 +963,8 @@ TerminalRecord = Record(Terminal, Struct(
 # group), TIOCGPTLCK, TIOCGPKT; the bytes read from the master that the slave had written;
 # those read from the slave that the master had written (n_tty's read buffer: canonical
 # reads line by line, then the unfinished line with ICANON off); a slave whose master was
-# closed is hung up (tty_vhangup: its ioctls fail with EIO).
+# closed is hung up (tty_vhangup: its ioctls fail with EIO); the slave's owner and mode
+# (fstat of it: /dev/pts/N, fchown and fchmod'd by its program or grantpt).
 PtyRecord = Record(Pty, Struct(
     "desc" / VarInt,
     "index" / VarInt,
@@ -979,6 +981,9 @@ PtyRecord = Record(Pty, Struct(
     "input" / Since(14, Blob),
     "input_lines" / Since(14, PrefixedArray(VarInt, VarInt)),
     "hung_up" / Since(14, Flag),
+    "slave_uid" / Since(17, Int32sl),
+    "slave_gid" / Since(17, Int32sl),
+    "slave_mode" / Since(17, Int32sl),
 ))
 
 

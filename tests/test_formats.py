@@ -384,10 +384,23 @@ def test_pty_format_14_fields():
     format-13 one has none of them and takes the defaults (no input, not hung up)."""
     pty = Pty(desc=3, index=1, termios=b"", rows=0, cols=0, xpixel=0, ypixel=0, sid=-1, fg_pgrp=-1,
               locked=False, packet=False, output=b"o", input=b"ab\nc", input_lines=(3,), hung_up=True)
-    payload = build_record(pty)
+    payload = build_record(pty)[:-12]                  # as format 14 wrote it
     assert payload.endswith(bytes.fromhex("01" "6f" "04" "61620a63" "0103" "01"))
+    assert parse_record(EntryKind.PTY, payload, version=14) == pty
     old = parse_record(EntryKind.PTY, payload[:-8], version=13)
     assert old == dataclasses.replace(pty, input=b"", input_lines=(), hung_up=False)
+
+
+def test_pty_format_17_slave_owner():
+    """A PTY record of format 17 ends with the slave's uid, gid and mode (int32 each); a
+    format-16 one has none and takes -1: not recorded, a restore leaves a new pty's."""
+    pty = Pty(desc=3, index=1, termios=b"", rows=0, cols=0, xpixel=0, ypixel=0, sid=-1, fg_pgrp=-1,
+              locked=False, packet=False, slave_uid=13333, slave_gid=44444, slave_mode=0o620)
+    payload = build_record(pty)
+    assert payload.endswith(bytes.fromhex("15340000" "9cad0000" "90010000"))
+    assert parse_record(EntryKind.PTY, payload) == pty
+    old = parse_record(EntryKind.PTY, payload[:-12], version=16)
+    assert old == dataclasses.replace(pty, slave_uid=-1, slave_gid=-1, slave_mode=-1)
 
 
 def test_thread_format_15_tls_entries():
@@ -404,7 +417,7 @@ def test_thread_format_15_tls_entries():
 def test_golden_bytes():
     """Pins the on-disk layout: a change here is a format change (bump FORMAT_VERSION)."""
     assert build_header(FileKind.CORE, 0x1122, 0xdeadbeef) == bytes.fromhex(
-        "5054434b" "0200" "1000" "2211000000000000" "efbeadde" "00000000")
+        "5054434b" "0200" "1100" "2211000000000000" "efbeadde" "00000000")
     assert encode_entry(PageSums(1 << 20, bytes(range(8)))) == bytes.fromhex(
         "1700" "0000" "0d000000" "00001000" "08" "0001020304050607")
     assert encode_entry(PageServerPages("h:1", "p/q", 0x2000, 0xdeadbeef)) == bytes.fromhex(

@@ -340,6 +340,7 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
                 raise UnsupportedResource(pid, f"{what} in packet mode with a status byte (TIOCPKT_*) "
                                                f"its program has not read yet (dump again once it has)")
         slave = fcntl.ioctl(copy, TIOCGPTPEER, os.O_RDWR | O_NOCTTY | O_CLOEXEC | os.O_NONBLOCK)
+        owner = os.fstat(slave)                 # /dev/pts/N: chown'd, chmod'd (grantpt, mesg n)
         typing = can_type_in()
         if not typing:
             # (an unfinished canonical line is not counted, and cannot be seen without taking it)
@@ -373,7 +374,8 @@ def dump_pty_frozen(pid: int, fd: int, desc: int) -> Pty:
             os.close(slave)
     return Pty(desc=desc, index=index, termios=tio.pack(), rows=win.rows, cols=win.cols, xpixel=win.xpixel,
                ypixel=win.ypixel, sid=-1 if sid is None else sid, fg_pgrp=-1 if fg is None else fg,
-               locked=locked, packet=packet, output=output, input=typed, input_lines=lines)
+               locked=locked, packet=packet, output=output, input=typed, input_lines=lines,
+               slave_uid=owner.st_uid, slave_gid=owner.st_gid, slave_mode=_stat.S_IMODE(owner.st_mode))
 
 
 def dump_ptys_frozen(masters: dict[int, tuple[int, int, Fd]], members: set[int]) -> list[Pty]:
@@ -605,6 +607,9 @@ def create_pty(rec: Pty, slaves: Sequence[int], master_flags: int = os.O_RDWR | 
             if not slaves:
                 os.close(opened.pop())
             return master, opened
+        step = "give it its owner and mode"
+        _set_owner(opened[0], rec)
+        step = "set it up"
         tio = Termios.unpack(rec.termios)
         _set_termios(opened[0], tio)
         _set_winsize(opened[0], WinSize(rec.rows, rec.cols, rec.xpixel, rec.ypixel))
@@ -632,6 +637,19 @@ def create_pty(rec: Pty, slaves: Sequence[int], master_flags: int = os.O_RDWR | 
     if not slaves:
         os.close(opened.pop())
     return master, opened
+
+
+def _set_owner(slave: int, rec: Pty) -> None:
+    """The slave's recorded owner, group and mode (an image before format 17 has none: a
+    new pty's stay).  Changed only where they differ, so that a restore by the user who
+    owned it needs no privilege."""
+    if rec.slave_uid < 0:
+        return
+    st = os.fstat(slave)
+    if (st.st_uid, st.st_gid) != (rec.slave_uid, rec.slave_gid):
+        os.fchown(slave, rec.slave_uid, rec.slave_gid)
+    if _stat.S_IMODE(st.st_mode) != rec.slave_mode:
+        os.fchmod(slave, rec.slave_mode)
 
 
 # --- restore half: in ptckpt -----------------------------------------------------
