@@ -328,12 +328,18 @@ SCHED_RESET_ON_FORK = 0x40000000
 
 
 def dump_sched(pid: int, tid: int) -> tuple[int, int, int]:
-    """(policy, rt_priority, nice) of one thread: each thread has its own."""
+    """(policy, rt_priority, nice) of one thread: each thread has its own.  The policy is
+    sched_getscheduler's, with SCHED_RESET_ON_FORK, which /proc/PID/stat leaves out."""
     st = procfs.read_stat(pid, tid)
-    if st.policy & ~SCHED_RESET_ON_FORK == SCHED_DEADLINE:
+    try:
+        policy = os.sched_getscheduler(tid)
+    except OSError as err:
+        raise PtckptError(f"cannot read the scheduling policy of thread {tid} of process {pid}: "
+                          f"{err.strerror}") from None
+    if policy & ~SCHED_RESET_ON_FORK == SCHED_DEADLINE:
         raise UnsupportedResource(pid, f"thread {tid} under SCHED_DEADLINE (its runtime, deadline "
                                   "and period are not restored yet)")
-    return (st.policy, st.rt_priority, st.nice)
+    return (policy, st.rt_priority, st.nice)
 
 
 def restore_sched(task: Task, thread: Thread) -> list[str]:
