@@ -557,7 +557,8 @@ class NetlinkSocket:
 
 @dataclass(frozen=True)
 class GhostFile:
-    """A file deleted while the tree still had it open or mapped: its bytes go into the image."""
+    """A file deleted while the tree still had it open or mapped: its bytes go into the image
+    (a device node, FIFO, socket or symbolic link, which has no bytes: what it was)."""
 
     dev: int                  # st_dev, st_ino of the deleted file (fds and VMAs name it so)
     ino: int
@@ -572,6 +573,8 @@ class GhostFile:
     extents: tuple[tuple[int, int], ...] = ()   # (offset, length) of each data extent (SEEK_DATA/SEEK_HOLE)
     handle: bytes = b""              # a name deleted while the file has other links: its file handle
     xattrs: tuple[tuple[str, bytes], ...] = ()  # extended attributes (name, value), ACLs among them
+    rdev: int = 0                    # since format 17: a device node's st_rdev
+    target: str = ""                 # since format 17: a symbolic link's target
 
 
 @dataclass(frozen=True)

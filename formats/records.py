@@ -163,7 +163,8 @@ FORMAT_VERSION = 17                # 2: trees (desc, zombies, pipes, unix socket
                                    # 14: pidfds (PIDFD); ptys: typed input not read yet, hung-up slaves
                                    # 15: 32-bit (ia32) threads' TLS entries (THREAD tls)
                                    # 16: page data on a page server (PAGE_SERVER in the pagemap)
-                                   # 17: a pty slave's owner and mode (PTY slave_uid/gid/mode)
+                                   # 17: a pty slave's owner and mode (PTY slave_uid/gid/mode); deleted
+                                   #     device nodes, FIFOs, sockets, symlinks (GHOST_FILE rdev, target)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -793,6 +794,8 @@ MsgImageRecord = Record(MsgImage, Struct(
 # before format 8: its whole contents, no extents).  A file with other links left
 # (st_nlink > 0) has its name_to_handle_at(2) file handle instead of its contents.
 # listxattr(2)/getxattr(2): its extended attributes (POSIX ACLs are system.posix_acl_*).
+# A device node's st_rdev and a symbolic link's readlinkat(2) target (format 17: an O_PATH
+# fd or a device opened, whose name was deleted).
 GhostFileRecord = Record(GhostFile, Struct(
     "dev" / Int64ul,
     "ino" / Int64ul,
@@ -807,6 +810,8 @@ GhostFileRecord = Record(GhostFile, Struct(
     "extents" / Since(8, PrefixedArray(VarInt, CSequence(Int64ul, Int64ul))),
     "handle" / Since(8, Blob),
     "xattrs" / Since(8, PrefixedArray(VarInt, CSequence(Text, Blob))),
+    "rdev" / Since(17, Int64ul),
+    "target" / Since(17, Text),
 ))
 
 

@@ -237,3 +237,25 @@ def test_a_log_open_for_appending_whose_old_bytes_changed_is_refused(spawn, ptck
     log.write_bytes(b"FIRST line\nand more\n")                   # rewritten, longer: not an append
     _one_line(ptckpt("restore", "-D", tmp_path / "img", "--detach"), ExitCode.INCOMPATIBLE,
               f"{log}: size 11 -> 20, mtime changed")
+
+
+def test_deleted_device_node_fifo_socket_and_symlinks_held(spawn, ptckpt, tmp_path):
+    """A device node opened and deleted (CRIU's deleted_dev), and a FIFO, a socket's name and a
+    symbolic link held O_PATH and deleted (its symlink01): each is made again for the restore
+    (mknod, mkfifo, symlink) with its type, permissions, owner, device numbers and target,
+    reopened and deleted again; a symbolic link held O_PATH|O_NOFOLLOW and not deleted is the
+    link again, not what it leads to."""
+    where = tmp_path / "nodes"
+    where.mkdir()
+    target = spawn("ghostnodes", where)
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        ghosts = {os.path.basename(g.path): g for g in image.ghost_files}
+    assert sorted(ghosts) == ["fifo", "link", "null", "sock"]
+    assert (os.major(ghosts["null"].rdev), os.minor(ghosts["null"].rdev)) == (1, 3)
+    assert ghosts["link"].target == "some/target"
+    _restore(ptckpt, tmp_path / "img")
+    target.signal(signal.SIGUSR1)
+    target.wait_for_line("VERIFY OK")
+    target.assert_ok()
+    assert sorted(os.listdir(where)) == ["kept"], "the ghosts are deleted again"

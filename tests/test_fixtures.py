@@ -61,7 +61,7 @@ def stop(pid: int) -> None:
 EXPECTED = {"appctl", "fdkinds", "files", "forkserver", "avx", "bigheap", "blocked_read", "counter", "filemap", "sleeper", "threads",
             "tcppair", "udpserver", "tcplisten", "netcount", "manyconn", "timers",
             "privs", "vmflags", "sharedfd", "deleted", "notify", "scribbler", "membarrier", "shmobjects",
-            "stopsig", "pidfds", "ptypair", "campaigner", "pauser", "clocks", "churner"}
+            "stopsig", "pidfds", "ptypair", "campaigner", "pauser", "clocks", "churner", "ghostnodes"}
 
 
 def test_every_fixture_compiles(fixture_bins):

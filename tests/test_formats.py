@@ -911,3 +911,15 @@ def test_page_run_outside_the_data_is_corrupt(image_dir):
     (image_dir / "pagemap-100.img").write_bytes(build_file_from_runs([(0x1000, 4, 0)]))
     with pytest.raises(CorruptImage, match="does not fit"):
         ImageReader(image_dir).open()
+
+
+def test_ghost_file_format_17_device_numbers_and_link_target():
+    """A GHOST_FILE record of format 17 ends with a device node's st_rdev (u64) and a symbolic
+    link's target; a format-16 one has neither and takes 0 and ""."""
+    ghost = GhostFile(dev=1, ino=2, path="/d/l", mode=0o120777, uid=0, gid=0, data=b"",
+                      rdev=0x103, target="t")
+    payload = build_record(ghost)
+    assert payload.endswith(bytes.fromhex("0301000000000000" "01" "74"))
+    assert parse_record(EntryKind.GHOST_FILE, payload) == ghost
+    old = parse_record(EntryKind.GHOST_FILE, payload[:-10], version=16)
+    assert old == dataclasses.replace(ghost, rdev=0, target="")

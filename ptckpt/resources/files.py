@@ -223,11 +223,12 @@ GHOST_LIMIT = 64 << 20          # bytes of one deleted file the image takes at m
 
 
 def ghost_key(what: Fd | Vma) -> tuple[str, int, int] | None:
-    """("ghost", st_dev, st_ino) of a deleted regular file or directory an fd or a file
-    mapping refers to."""
+    """("ghost", st_dev, st_ino) of a deleted file an fd or a file mapping refers to: a
+    regular file or directory, a device node opened, or anything an O_PATH fd holds (a
+    symbolic link, FIFO or socket too)."""
     if isinstance(what, Fd):
-        if what.path.endswith(DELETED) and (what.kind in (FdKind.REGULAR, FdKind.DIRECTORY) or (
-                what.kind is FdKind.PATH and (_stat.S_ISREG(what.mode) or _stat.S_ISDIR(what.mode)))):
+        if what.path.endswith(DELETED) and what.kind in (FdKind.REGULAR, FdKind.DIRECTORY, FdKind.PATH,
+                                                         FdKind.CHARDEV, FdKind.BLOCKDEV):
             return ("ghost", what.dev, what.ino)
         return None
     # A deleted POSIX shared memory object (shm_open, then shm_unlink: MPI's pattern) mapped
@@ -294,7 +295,15 @@ def dump_ghost_files(fds: dict[int, list[Fd]], vmas: dict[int, list[Vma]],
 def _read_ghost(pid: int, link: str, path: str, what: str) -> GhostFile:
     """A deleted file's (or directory's) identity, mode, owner, times, size and the bytes
     of its data extents, through a /proc link to it.  Holes stay holes: only the extents
-    SEEK_DATA/SEEK_HOLE find are read."""
+    SEEK_DATA/SEEK_HOLE find are read.  A device node, FIFO, socket or symbolic link is
+    not opened (a device's open has effects of its own): _special_ghost."""
+    try:
+        st = os.stat(link)
+    except OSError as err:
+        raise UnsupportedResource(pid, f"{what} -> {path}: the deleted file cannot be read "
+                                       f"({err.strerror})") from None
+    if not (_stat.S_ISREG(st.st_mode) or _stat.S_ISDIR(st.st_mode)):
+        return _special_ghost(pid, link, st, path, what)
     try:
         fd = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
@@ -330,6 +339,42 @@ def _xattrs(fd: int) -> tuple[tuple[str, bytes], ...]:
         with contextlib.suppress(OSError):             # removed meanwhile
             out.append((name, os.getxattr(fd, name)))
     return tuple(out)
+
+
+def _special_ghost(pid: int, link: str, st: os.stat_result, path: str, what: str) -> GhostFile:
+    """What a deleted device node, FIFO, socket or symbolic link was, to be made again with
+    mknod(2), mkfifo(3) or symlink(2): its type and permissions, owner, times, a device's
+    numbers, a link's target (read through a copy of the fd: readlinkat(fd, ""))."""
+    if (_stat.S_ISCHR(st.st_mode) or _stat.S_ISBLK(st.st_mode)) and not can_make_devices():
+        raise UnsupportedResource(pid, f"{what} -> {path}: a deleted device node; a restore makes it "
+                                       f"again with mknod, which needs CAP_MKNOD", way_out="dump and "
+                                       "restore as root, or close it before the dump")
+    target = ""
+    if _stat.S_ISLNK(st.st_mode):
+        fd = pidfd_getfd(pid, int(link.rsplit("/", 1)[1]))
+        try:
+            target = os.readlink("", dir_fd=fd)
+        except OSError as err:
+            raise UnsupportedResource(pid, f"{what} -> {path}: the deleted symbolic link cannot be read "
+                                           f"({err.strerror})") from None
+        finally:
+            os.close(fd)
+    return GhostFile(dev=st.st_dev, ino=st.st_ino, path=path.removesuffix(DELETED), mode=st.st_mode,
+                     uid=st.st_uid, gid=st.st_gid, data=b"", mtime_ns=st.st_mtime_ns,
+                     atime_ns=st.st_atime_ns, rdev=st.st_rdev, target=target)
+
+
+CAP_MKNOD = 27
+
+
+def can_make_devices() -> bool:
+    """mknod(2) of a device node needs CAP_MKNOD (in the initial user namespace)."""
+    try:
+        eff = procfs.read_status(os.getpid()).cap_eff
+        initial = procfs.read_id_map("self", "uid_map") == [(0, 0, 4294967295)]
+    except (OSError, PtckptError, ValueError):
+        return False
+    return initial and bool(eff >> CAP_MKNOD & 1)
 
 
 def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:
@@ -394,10 +439,9 @@ def unsupported_fds(fds: list[Fd], exempt: set[int] = frozenset()) -> list[str]:
     for f in fds:
         if f.desc in exempt:
             continue
-        if f.kind in (FdKind.PATH, FdKind.CHARDEV, FdKind.TTY) and f.path.endswith(DELETED) and not ghost_key(f):
-            what = ("symbolic link, FIFO, socket or device opened O_PATH" if f.kind is FdKind.PATH
-                    else "device node")
-            out.append(f"fd {f.fd} -> {f.path} (a deleted {what}: not supported; close it before the dump)")
+        if f.kind is FdKind.TTY and f.path.endswith(DELETED):
+            out.append(f"fd {f.fd} -> {f.path} (a deleted terminal device node: not supported; close it "
+                       f"before the dump)")
         if ended := ended_process_file(f.path):
             out.append(f"fd {f.fd} -> {f.path} ({_ENDED.format(pid=ended)})")
             continue
@@ -607,7 +651,10 @@ def create_ghost_files(ghosts: list[GhostFile]) -> GhostPaths:
                 raise RestoreFailed(f"cannot recreate the deleted file {g.path}: every name is taken")
             out[("ghost", g.dev, g.ino)] = path
             out.made.append(path)
-            _fill_file(fd, g)
+            if fd is None:
+                _give_attributes(g, path)
+            else:
+                _fill_file(fd, g)
     except BaseException:
         remove_ghost_files(out)
         raise
@@ -626,12 +673,29 @@ def _open_linked(g: GhostFile, fds: list[int]) -> str:
     return f"/proc/{os.getpid()}/fd/{fd}"
 
 
-def _make_one(g: GhostFile, path: str) -> int:
-    """Create a ghost's file (or directory) at `path`: an fd of it, to fill."""
+def _make_one(g: GhostFile, path: str) -> int | None:
+    """Create a ghost's file (or directory) at `path`: an fd of it, to fill; None for a
+    device node, FIFO, socket or symbolic link (never opened here: _give_attributes)."""
     if _stat.S_ISDIR(g.mode):
         os.mkdir(path, 0o700)
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC)
+    if _stat.S_ISLNK(g.mode):
+        os.symlink(g.target, path)
+        return None
+    if not _stat.S_ISREG(g.mode):
+        os.mknod(path, _stat.S_IFMT(g.mode) | 0o600, g.rdev)
+        return None
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+
+
+def _give_attributes(g: GhostFile, path: str) -> None:
+    """A special ghost's owner, permissions (a link has none) and times, by its path."""
+    with contextlib.suppress(OSError):
+        os.chown(path, g.uid, g.gid, follow_symlinks=False)
+    if not _stat.S_ISLNK(g.mode):
+        os.chmod(path, _stat.S_IMODE(g.mode))
+    if g.mtime_ns:
+        os.utime(path, ns=(g.atime_ns, g.mtime_ns), follow_symlinks=False)
 
 
 def _make_parents(directory: str, made: list[str]) -> None:
