@@ -748,6 +748,16 @@ def test_tcp_maxseg_comes_back(spawn, ptckpt, tmp_path, own_locks):
     assert after_ready(t, logged) == [opts]
 
 
+def test_buffer_locks_come_back(spawn, ptckpt, tmp_path, own_locks):
+    """SO_BUF_LOCK as the program left it (zdtm sock_opts02): set alone, set by a buffer
+    size, and cleared again after one (the size stays, the kernel may tune it again)."""
+    t = spawn("netkinds.py", "buflock")
+    locks = t.stdout_lines()[0]
+    assert locks == "BUFLOCK 1 3 1 0 SNDBUF 200000", locks
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == [locks]
+
+
 def test_tcp_close_connection_comes_back_closed(spawn, ptckpt, tmp_path, own_locks):
     """dump --tcp-close, CRIU's meaning (zdtm socket-dump-tcp-close): the restored program
     finds its connection over, both ways shut and no error pending: end of file at every read."""
