@@ -748,6 +748,18 @@ def test_tcp_maxseg_comes_back(spawn, ptckpt, tmp_path, own_locks):
     assert after_ready(t, logged) == [opts]
 
 
+def test_nonlocal_address_bound_with_freebind_comes_back(spawn, ptckpt, tmp_path, own_locks):
+    """UDP sockets bound (IPv4 and IPv6) to an address of no interface with IP_FREEBIND,
+    which the program turned off after its bind (zdtm sk-freebind-false): same address,
+    IP_FREEBIND off again."""
+    port = random.randrange(20000, 30000)
+    t = spawn("netkinds.py", "freebind-off", port)
+    names = t.stdout_lines()[:2]
+    assert names == [f"NAME 192.0.2.1 {port} FREEBIND 0", f"NAME 2001:db8::42 {port} FREEBIND 0"], names
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == names
+
+
 def test_buffer_locks_come_back(spawn, ptckpt, tmp_path, own_locks):
     """SO_BUF_LOCK as the program left it (zdtm sock_opts02): set alone, set by a buffer
     size, and cleared again after one (the size stays, the kernel may tune it again)."""

@@ -841,9 +841,25 @@ def _loopback(family: int) -> str:
     return "127.0.0.1" if family == socket.AF_INET else "::1"
 
 
+IP_FREEBIND = 15
+
+
 def _bind(s: socket.socket, r: InetSocket) -> None:
+    """Bind `s` to the record's address.  An address that is not (or no longer, or not yet:
+    an IPv6 one still tentative) one of this host's was bound with IP_FREEBIND or
+    IP_TRANSPARENT, which the program may have turned off since: bound again with
+    IP_FREEBIND for the bind alone, then set back as recorded."""
+    addr = _addr(r.family, r.src or ("0.0.0.0" if r.family == socket.AF_INET else "::"), r.sport)
     try:
-        s.bind(_addr(r.family, r.src or ("0.0.0.0" if r.family == socket.AF_INET else "::"), r.sport))
+        try:
+            s.bind(addr)
+        except OSError as err:
+            freebind = sockopts.option_value(r.options, socket.SOL_IP, IP_FREEBIND)
+            if err.errno != _errno.EADDRNOTAVAIL or freebind:
+                raise
+            s.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+            s.bind(addr)
+            s.setsockopt(socket.SOL_IP, IP_FREEBIND, freebind)
     except OSError as err:
         if err.errno == _errno.EADDRINUSE:
             raise OSError(err.errno, f"{describe(r)}: the address is in use (is the original still "
