@@ -597,6 +597,7 @@ def test_established_without_flags_is_refused(spawn, ptckpt, tmp_path, own_locks
     ("packet", ["fd ", "packet socket", "not supported"]),
     ("urgent", ["fd ", "urgent", "not supported"]),
     ("netlink-unread", ["fd ", "netlink", "not read", "not supported"]),
+    ("tcp-shut-unconnected", ["fd ", "shut down", "before it was ever connected", "not supported"]),
 ])
 def test_refused_kinds(spawn, ptckpt, tmp_path, own_locks, mode, words):
     """Each refused by name (13) before anything changed: the program then sees its socket
@@ -609,7 +610,7 @@ def test_refused_kinds(spawn, ptckpt, tmp_path, own_locks, mode, words):
     t.signal(signal.SIGUSR1)
     assert t.wait_exit(10) == 0, t.describe()
     after = {"raw": ["ALIVE raw type=3"], "packet": ["ALIVE packet type=3"],
-             "urgent": ["URGENT !", "DATA data"]}.get(mode)
+             "urgent": ["URGENT !", "DATA data"], "tcp-shut-unconnected": ["READ EOF"]}.get(mode)
     if after:
         assert t.out_lines()[-len(after):] == after
     else:
@@ -758,6 +759,18 @@ def test_nonlocal_address_bound_with_freebind_comes_back(spawn, ptckpt, tmp_path
     assert names == [f"NAME 192.0.2.1 {port} FREEBIND 0", f"NAME 2001:db8::42 {port} FREEBIND 0"], names
     logged = round_trip(ptckpt, t, tmp_path)
     assert after_ready(t, logged) == names
+
+
+def test_tcp_connections_over_come_back_over(spawn, ptckpt, tmp_path, own_locks):
+    """Connections that ended while the program held them (both ends shut their send side:
+    zdtm socket-tcp-close2) come back over: end of file at reads, EPIPE at sends; a socket
+    disconnected with connect(AF_UNSPEC) comes back unconnected (the MSS of the connection
+    it had is no option of the program's), and the peer it reset, its error read, over."""
+    t = spawn("netkinds.py", "tcp-over")
+    assert t.stdout_lines()[0] == "STATE CLOSE CLOSE CLOSE CLOSE", t.describe()
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == ["STATE CLOSE READ EOF SEND EPIPE"] * 2 + [
+        "STATE CLOSE READ ENOTCONN SEND EPIPE", "STATE CLOSE READ EOF SEND EPIPE"]
 
 
 def test_buffer_locks_come_back(spawn, ptckpt, tmp_path, own_locks):

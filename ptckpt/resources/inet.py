@@ -293,8 +293,16 @@ class InetDump:
                 raise ConnectionNotAllowed(s.pid, s.fd.fd, conn)
             return
         if s.state == tcp.CLOSE:
-            if _poll(s.sock) & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
+            events = _poll(s.sock, select.POLLRDHUP)
+            if events & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
                 self._refuse(s, "a reset TCP connection with a pending error or unread bytes")
+            if events & select.POLLRDHUP:
+                # a connection that is over: both ways shut by the kernel when it ended,
+                # reads give end of file, sends EPIPE; made as --tcp-close makes one
+                if not _segments(s.sock):
+                    self._refuse(s, "a TCP socket shut down (shutdown) before it was ever connected "
+                                    "(its shut send side does not show, and no restore makes one so)")
+                s.mode = InetMode.CLOSED
             return
         d = diag.by_ino.get(s.fd.ino)
         to = f" to {endpoint(d.dst, d.dport)}" if d is not None and d.dport else ""
@@ -414,6 +422,8 @@ class InetDump:
 
     def _plain(self, s: _Sock, diag: "_Index") -> InetSocket:
         options = sockopts.read_options(s.sock)
+        if s.proto == _TCP and s.state == tcp.CLOSE:
+            options = _without_stale_maxseg(s.sock, options)
         try:
             program, _locked = sockopts.read_filter(s.sock)
         except sockopts.EbpfFilter:
@@ -483,6 +493,21 @@ class InetDump:
         self.accepted.clear()
         self.copies.clear()
         self.silence.clear()
+
+
+def _segments(sock: socket.socket) -> int:
+    """tcp_info's tcpi_segs_out + tcpi_segs_in: 0 for a TCP socket never connected."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 144)
+    return sum(struct.unpack_from("II", info, 136)) if len(info) >= 144 else 1
+
+
+def _without_stale_maxseg(sock: socket.socket, options: tuple) -> tuple:
+    """A closed TCP socket answers TCP_MAXSEG with the MSS the program set (before a
+    connect, kept) or else with the MSS of the connection it had (tcpi_snd_mss, up to
+    65483 on loopback, more than a setsockopt takes): the latter is no setting of the
+    program's and is left out (the next connect works it out again)."""
+    snd_mss = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 20), 16)[0]
+    return tuple(o for o in options if o[:2] != _MAXSEG or sockopts.option_value([o], *_MAXSEG) != snd_mss)
 
 
 def _short(s: _Sock) -> str:
