@@ -773,6 +773,18 @@ def test_tcp_connections_over_come_back_over(spawn, ptckpt, tmp_path, own_locks)
         "STATE CLOSE READ ENOTCONN SEND EPIPE", "STATE CLOSE READ EOF SEND EPIPE"]
 
 
+@pytest.mark.parametrize("proto", [17, 136], ids=["udp", "udplite"])
+def test_shut_datagram_sockets_come_back(spawn, ptckpt, tmp_path, own_locks, proto):
+    """UDP and UDP-Lite sockets shut down (zdtm socket_udplite): one connected to port 0
+    (getpeername says ENOTCONN, yet it is connected), one never connected (its shutdown
+    said ENOTCONN, yet shut it): same state, same poll events (POLLRDHUP, POLLHUP)."""
+    t = spawn("netkinds.py", "dgram-shut", proto)
+    shut = t.stdout_lines()[0]
+    assert shut.startswith("SHUT 01 07 "), shut
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == [shut]
+
+
 def test_buffer_locks_come_back(spawn, ptckpt, tmp_path, own_locks):
     """SO_BUF_LOCK as the program left it (zdtm sock_opts02): set alone, set by a buffer
     size, and cleared again after one (the size stays, the kernel may tune it again)."""

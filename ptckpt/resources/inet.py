@@ -104,7 +104,7 @@ def describe(r: InetSocket) -> str:
     """'TCP 127.0.0.1:8080 -> 127.0.0.1:45000 (ESTABLISHED)', as show and messages print it."""
     proto = PROTOCOL_NAMES.get(r.protocol, str(r.protocol))
     here = endpoint(r.src, r.sport) if r.src or r.sport else "unbound"
-    connected = r.state == tcp.ESTABLISHED if is_ping(r.protocol) else r.dport
+    connected = r.dport or r.protocol != _TCP and r.state == tcp.ESTABLISHED
     there = f" -> {endpoint(r.dst, r.dport)}" if connected else ""
     state = tcp.state_name(r.state) if r.protocol == _TCP else ("connected" if connected else "")
     return f"{proto} {here}{there}" + (f" ({state})" if state else "")
@@ -251,6 +251,13 @@ class InetDump:
                 s.state, s.dst, s.dport = tcp.ESTABLISHED, row[1], 0
         elif s.dport:
             s.state = tcp.ESTABLISHED
+        elif s.sport:
+            # connected to port 0 (connect to 0.0.0.0:0 gives 127.0.0.1 port 0): getpeername
+            # says ENOTCONN; the kernel's table has the peer and the state
+            d = next(iter(inetdiag.inet_sockets(protocols=(s.proto,), families=(s.family,),
+                                                inodes={f.ino})), None)
+            if d is not None and d.state == tcp.ESTABLISHED:
+                s.state, s.dst = tcp.ESTABLISHED, d.dst
         if s.sport == 0 and s.src in ("0.0.0.0", "::"):
             s.src = ""
         return s
@@ -513,7 +520,7 @@ def _without_stale_maxseg(sock: socket.socket, options: tuple) -> tuple:
 def _short(s: _Sock) -> str:
     proto = PROTOCOL_NAMES.get(s.proto, str(s.proto))
     here = endpoint(s.src, s.sport) if s.sport else "unbound"
-    connected = s.state == tcp.ESTABLISHED if is_ping(s.proto) else s.dport
+    connected = s.dport or s.proto != _TCP and s.state == tcp.ESTABLISHED
     return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if connected else "")
 
 
@@ -823,14 +830,17 @@ class InetRestore:
                 for sender, port, payload in r.datagrams:
                     raw.udp(sender, port, to, r.sport, payload, protocol=r.protocol)
                 _check_refill(s, r)
-            if r.dport or is_ping(r.protocol) and r.state == tcp.ESTABLISHED:
+            if r.dport or r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, r.dport))
             sockopts.join_groups(s, r.multicast)
             sockopts.attach_filter(s, r.filter)
-            if r.shutdown & RCV_SHUTDOWN and r.shutdown & SEND_SHUTDOWN:
-                s.shutdown(socket.SHUT_RDWR)
-            elif r.shutdown:
-                s.shutdown(socket.SHUT_RD if r.shutdown & RCV_SHUTDOWN else socket.SHUT_WR)
+            if r.shutdown:
+                how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
+                try:
+                    s.shutdown(how)
+                except OSError as err:      # not connected: ENOTCONN, the socket shut all the same
+                    if err.errno != _errno.ENOTCONN:
+                        raise
         except BaseException:
             s.close()
             raise
