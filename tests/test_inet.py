@@ -761,6 +761,30 @@ def test_nonlocal_address_bound_with_freebind_comes_back(spawn, ptckpt, tmp_path
     assert after_ready(t, logged) == names
 
 
+def test_restore_tcp_close_closes_connections_dumped_established(spawn, ptckpt, tmp_path, own_locks):
+    """dump --tcp-established, restore --tcp-close (CRIU's restore option, zdtm
+    socket-tcp-close0): the connection comes back closed, as a dump --tcp-close makes it,
+    and the image's network lock goes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        t = spawn("netkinds.py", "tcp-close", listener.getsockname()[1], ready=False)
+        server, _ = listener.accept()
+        with server:
+            server.sendall(b"hello\n")
+            t.wait_for_line(r"^READY ")
+            logged = len(t.out_lines())
+            image = tmp_path / "img"
+            dump_ok(ptckpt, t.pid, image, "--kill", "--tcp-established")
+            killed(t)
+            assert len(own_locks()) == 1, "the connection is locked until a restore"
+            assert _restore(ptckpt, image, "--tcp-close") == t.pid
+            t.signal(signal.SIGUSR1)
+            lines = after_ready(t, logged)
+            assert own_locks() == [], "the lock went with the restore"
+    assert lines == ["READ1 EOF", "READ2 EOF", "STATE CLOSE", "SEND EPIPE"]
+
+
 def test_tcp_connections_over_come_back_over(spawn, ptckpt, tmp_path, own_locks):
     """Connections that ended while the program held them (both ends shut their send side:
     zdtm socket-tcp-close2) come back over: end of file at reads, EPIPE at sends; a socket

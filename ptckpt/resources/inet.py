@@ -666,10 +666,13 @@ def _zero_length_loop(out) -> bool:
 @dataclass
 class InetRestore:
     """The tree's inet sockets made again in ptckpt: {desc: fd} for the stubs, and the
-    repaired connections held until :meth:`finish`."""
+    repaired connections held until :meth:`finish`.  With `tcp_close` (restore
+    --tcp-close) the connections dumped in repair mode come back closed instead, as dump
+    --tcp-close makes them, and those that waited in an accept queue are dropped."""
 
     records: Sequence[InetSocket]
     netlock_id: str = ""
+    tcp_close: bool = False
     repaired: list[tuple[socket.socket, int]] = field(default_factory=list)
     made: dict[int, socket.socket] = field(default_factory=dict)
     temps: list[socket.socket] = field(default_factory=list)
@@ -678,7 +681,7 @@ class InetRestore:
         """Make every socket of `descs` (their Fd.ino names the record): {desc: fd}; the
         caller owns the fds.  Listeners first, then the connections queued on them."""
         by_ino = {r.ino: r for r in self.records}
-        pending = [r for r in self.records if r.mode is InetMode.PENDING]
+        pending = [r for r in self.records if r.mode is InetMode.PENDING and not self.tcp_close]
         clients = {p.ino: by_ino[p.peer] for p in pending if p.peer in by_ino}
         try:
             with rawpkt.RawSender(mark=netlock.PTCKPT_MARK) as raw:
@@ -690,9 +693,9 @@ class InetRestore:
                 for r in self.records:
                     if r.ino in self.made or r.mode is InetMode.PENDING:
                         continue
-                    if r.mode is InetMode.REPAIRED:
+                    if r.mode is InetMode.REPAIRED and not self.tcp_close:
                         self.made[r.ino] = self._repaired(r, raw)
-                    elif r.mode is InetMode.CLOSED:
+                    elif r.mode in (InetMode.CLOSED, InetMode.REPAIRED):
                         self.made[r.ino] = self._closed(r)
                     else:
                         self.made[r.ino] = self._datagram(r, raw)
