@@ -361,7 +361,8 @@ def restore(directory: str | os.PathLike, *,
             inherit_stdio: bool = False,
             hold_timeout: float | str = 30.0,
             page_server: str | None = None,
-            token_file: str | os.PathLike | None = None) -> Restored:
+            token_file: str | os.PathLike | None = None,
+            tcp_close: bool = False) -> Restored:
     """``ptckpt restore -D DIRECTORY --detach``: recreate the image's processes and return
     once they run.
 
@@ -393,6 +394,9 @@ def restore(directory: str | os.PathLike, *,
                      with ``page_server`` sent its page data to: fetched into memory before
                      the rebuild, or with `lazy` a block at a time as the tree touches it
     token_file       the page server's token (default $PTCKPT_TOKEN)
+    tcp_close        TCP connections dumped with tcp_established come back closed (over,
+                     both ways shut), those waiting in an accept queue are dropped, and the
+                     image's network lock goes (as CRIU's restore --tcp-close)
 
     Returns a :class:`Restored` handle.  The caller becomes a child subreaper, so that the
     tree's orphans come back to it."""
@@ -409,7 +413,8 @@ def restore(directory: str | os.PathLike, *,
     from .restore import shell_status
     become_subreaper()                  # orphans of the tree come back to the caller, not init
     result = _restore(os.fspath(directory), pidns=pidns, netns=netns, file_policy=policy,
-                      new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy, **remote)
+                      new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy, tcp_close=tcp_close,
+                      **remote)
     restored = _handle(result, injector)
     if result.exit_status is not None and not result.init_pid:
         restored._ended(shell_status(result.exit_status))

@@ -597,6 +597,7 @@ def test_established_without_flags_is_refused(spawn, ptckpt, tmp_path, own_locks
     ("packet", ["fd ", "packet socket", "not supported"]),
     ("urgent", ["fd ", "urgent", "not supported"]),
     ("netlink-unread", ["fd ", "netlink", "not read", "not supported"]),
+    ("tcp-shut-unconnected", ["fd ", "shut down", "before it was ever connected", "not supported"]),
 ])
 def test_refused_kinds(spawn, ptckpt, tmp_path, own_locks, mode, words):
     """Each refused by name (13) before anything changed: the program then sees its socket
@@ -609,7 +610,7 @@ def test_refused_kinds(spawn, ptckpt, tmp_path, own_locks, mode, words):
     t.signal(signal.SIGUSR1)
     assert t.wait_exit(10) == 0, t.describe()
     after = {"raw": ["ALIVE raw type=3"], "packet": ["ALIVE packet type=3"],
-             "urgent": ["URGENT !", "DATA data"]}.get(mode)
+             "urgent": ["URGENT !", "DATA data"], "tcp-shut-unconnected": ["READ EOF"]}.get(mode)
     if after:
         assert t.out_lines()[-len(after):] == after
     else:
@@ -746,6 +747,76 @@ def test_tcp_maxseg_comes_back(spawn, ptckpt, tmp_path, own_locks):
     assert opts == "OPTS maxseg=1200", opts
     logged = round_trip(ptckpt, t, tmp_path)
     assert after_ready(t, logged) == [opts]
+
+
+def test_nonlocal_address_bound_with_freebind_comes_back(spawn, ptckpt, tmp_path, own_locks):
+    """UDP sockets bound (IPv4 and IPv6) to an address of no interface with IP_FREEBIND,
+    which the program turned off after its bind (zdtm sk-freebind-false): same address,
+    IP_FREEBIND off again."""
+    port = random.randrange(20000, 30000)
+    t = spawn("netkinds.py", "freebind-off", port)
+    names = t.stdout_lines()[:2]
+    assert names == [f"NAME 192.0.2.1 {port} FREEBIND 0", f"NAME 2001:db8::42 {port} FREEBIND 0"], names
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == names
+
+
+def test_restore_tcp_close_closes_connections_dumped_established(spawn, ptckpt, tmp_path, own_locks):
+    """dump --tcp-established, restore --tcp-close (CRIU's restore option, zdtm
+    socket-tcp-close0): the connection comes back closed, as a dump --tcp-close makes it,
+    and the image's network lock goes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        t = spawn("netkinds.py", "tcp-close", listener.getsockname()[1], ready=False)
+        server, _ = listener.accept()
+        with server:
+            server.sendall(b"hello\n")
+            t.wait_for_line(r"^READY ")
+            logged = len(t.out_lines())
+            image = tmp_path / "img"
+            dump_ok(ptckpt, t.pid, image, "--kill", "--tcp-established")
+            killed(t)
+            assert len(own_locks()) == 1, "the connection is locked until a restore"
+            assert _restore(ptckpt, image, "--tcp-close") == t.pid
+            t.signal(signal.SIGUSR1)
+            lines = after_ready(t, logged)
+            assert own_locks() == [], "the lock went with the restore"
+    assert lines == ["READ1 EOF", "READ2 EOF", "STATE CLOSE", "SEND EPIPE"]
+
+
+def test_tcp_connections_over_come_back_over(spawn, ptckpt, tmp_path, own_locks):
+    """Connections that ended while the program held them (both ends shut their send side:
+    zdtm socket-tcp-close2) come back over: end of file at reads, EPIPE at sends; a socket
+    disconnected with connect(AF_UNSPEC) comes back unconnected (the MSS of the connection
+    it had is no option of the program's), and the peer it reset, its error read, over."""
+    t = spawn("netkinds.py", "tcp-over")
+    assert t.stdout_lines()[0] == "STATE CLOSE CLOSE CLOSE CLOSE", t.describe()
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == ["STATE CLOSE READ EOF SEND EPIPE"] * 2 + [
+        "STATE CLOSE READ ENOTCONN SEND EPIPE", "STATE CLOSE READ EOF SEND EPIPE"]
+
+
+@pytest.mark.parametrize("proto", [17, 136], ids=["udp", "udplite"])
+def test_shut_datagram_sockets_come_back(spawn, ptckpt, tmp_path, own_locks, proto):
+    """UDP and UDP-Lite sockets shut down (zdtm socket_udplite): one connected to port 0
+    (getpeername says ENOTCONN, yet it is connected), one never connected (its shutdown
+    said ENOTCONN, yet shut it): same state, same poll events (POLLRDHUP, POLLHUP)."""
+    t = spawn("netkinds.py", "dgram-shut", proto)
+    shut = t.stdout_lines()[0]
+    assert shut.startswith("SHUT 01 07 "), shut
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == [shut]
+
+
+def test_buffer_locks_come_back(spawn, ptckpt, tmp_path, own_locks):
+    """SO_BUF_LOCK as the program left it (zdtm sock_opts02): set alone, set by a buffer
+    size, and cleared again after one (the size stays, the kernel may tune it again)."""
+    t = spawn("netkinds.py", "buflock")
+    locks = t.stdout_lines()[0]
+    assert locks == "BUFLOCK 1 3 1 0 SNDBUF 200000", locks
+    logged = round_trip(ptckpt, t, tmp_path)
+    assert after_ready(t, logged) == [locks]
 
 
 def test_tcp_close_connection_comes_back_closed(spawn, ptckpt, tmp_path, own_locks):

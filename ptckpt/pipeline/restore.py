@@ -75,6 +75,7 @@ class RestoreOptions:
     group: object = None
     page_server: str | None = None  # the page data a dump sent there (ptckpt.pagestream) ...
     token: bytes = b""              # ... with this token
+    tcp_close: bool = False         # connections dumped with --tcp-established come back closed
 
 
 class PageSource(NamedTuple):
@@ -143,7 +144,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
             hold_timeout: float = 30.0, lazy: bool = False, before_resume=None,
-            group=None, page_server: str | None = None, token: bytes = b"") -> RestoreResult:
+            group=None, page_server: str | None = None, token: bytes = b"",
+            tcp_close: bool = False) -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -172,7 +174,10 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     its sockets are made: copies of one server image listen on the same ports at
     once.  A TCP connection to a peer outside the image cannot go there (refused).
     TCP connections dumped with --tcp-established are rebuilt in repair mode and
-    leave it, and the image's network lock goes, once every process is rebuilt.
+    leave it, and the image's network lock goes, once every process is rebuilt.  With
+    `tcp_close` they come back closed instead (as dump --tcp-close makes them: over, both
+    ways shut), the connections that waited in an accept queue are dropped, and the lock
+    goes all the same (as CRIU's restore --tcp-close).
 
     With `lazy` the processes run before their private anonymous memory is in: a page
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
@@ -188,7 +193,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     group this restore is a member of, where the plugins' ctx.barrier(name) meets the others.
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
-                          before_resume=before_resume, group=group, page_server=page_server, token=token)
+                          before_resume=before_resume, group=group, page_server=page_server, token=token,
+                          tcp_close=tcp_close)
     run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
                                     ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
@@ -319,7 +325,7 @@ def plan(run: RestoreRun) -> None:
     run.verdict = filepolicy.evaluate([i for i in identities if i not in moved], run.opts.file_policy)
     if run.verdict.refused:
         raise filepolicy.FilesChanged(run.verdict.refused)
-    if run.opts.netns:
+    if run.opts.netns and not run.opts.tcp_close:
         outside = [r for r in image.inet_sockets if r.mode is InetMode.REPAIRED and not r.peer]
         if outside:
             raise UnsupportedResource(run.root, f"{inet.describe(outside[0])} leads outside the image: "
@@ -333,7 +339,7 @@ def plan(run: RestoreRun) -> None:
 
 def open_sources(run: RestoreRun) -> None:
     image = run.image
-    run.net = inet.InetRestore(image.inet_sockets, image.inventory.netlock)
+    run.net = inet.InetRestore(image.inet_sockets, image.inventory.netlock, tcp_close=run.opts.tcp_close)
     run.undo.on_failure(run.net.abort)
     run.cleanup.callback(run.credentials.close)
     run.cleanup.callback(pidfds.close_all, run.pidfds_made)

@@ -104,7 +104,7 @@ def describe(r: InetSocket) -> str:
     """'TCP 127.0.0.1:8080 -> 127.0.0.1:45000 (ESTABLISHED)', as show and messages print it."""
     proto = PROTOCOL_NAMES.get(r.protocol, str(r.protocol))
     here = endpoint(r.src, r.sport) if r.src or r.sport else "unbound"
-    connected = r.state == tcp.ESTABLISHED if is_ping(r.protocol) else r.dport
+    connected = r.dport or r.protocol != _TCP and r.state == tcp.ESTABLISHED
     there = f" -> {endpoint(r.dst, r.dport)}" if connected else ""
     state = tcp.state_name(r.state) if r.protocol == _TCP else ("connected" if connected else "")
     return f"{proto} {here}{there}" + (f" ({state})" if state else "")
@@ -251,6 +251,13 @@ class InetDump:
                 s.state, s.dst, s.dport = tcp.ESTABLISHED, row[1], 0
         elif s.dport:
             s.state = tcp.ESTABLISHED
+        elif s.sport:
+            # connected to port 0 (connect to 0.0.0.0:0 gives 127.0.0.1 port 0): getpeername
+            # says ENOTCONN; the kernel's table has the peer and the state
+            d = next(iter(inetdiag.inet_sockets(protocols=(s.proto,), families=(s.family,),
+                                                inodes={f.ino})), None)
+            if d is not None and d.state == tcp.ESTABLISHED:
+                s.state, s.dst = tcp.ESTABLISHED, d.dst
         if s.sport == 0 and s.src in ("0.0.0.0", "::"):
             s.src = ""
         return s
@@ -293,8 +300,16 @@ class InetDump:
                 raise ConnectionNotAllowed(s.pid, s.fd.fd, conn)
             return
         if s.state == tcp.CLOSE:
-            if _poll(s.sock) & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
+            events = _poll(s.sock, select.POLLRDHUP)
+            if events & select.POLLERR or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
                 self._refuse(s, "a reset TCP connection with a pending error or unread bytes")
+            if events & select.POLLRDHUP:
+                # a connection that is over: both ways shut by the kernel when it ended,
+                # reads give end of file, sends EPIPE; made as --tcp-close makes one
+                if not _segments(s.sock):
+                    self._refuse(s, "a TCP socket shut down (shutdown) before it was ever connected "
+                                    "(its shut send side does not show, and no restore makes one so)")
+                s.mode = InetMode.CLOSED
             return
         d = diag.by_ino.get(s.fd.ino)
         to = f" to {endpoint(d.dst, d.dport)}" if d is not None and d.dport else ""
@@ -414,6 +429,8 @@ class InetDump:
 
     def _plain(self, s: _Sock, diag: "_Index") -> InetSocket:
         options = sockopts.read_options(s.sock)
+        if s.proto == _TCP and s.state == tcp.CLOSE:
+            options = _without_stale_maxseg(s.sock, options)
         try:
             program, _locked = sockopts.read_filter(s.sock)
         except sockopts.EbpfFilter:
@@ -485,10 +502,25 @@ class InetDump:
         self.silence.clear()
 
 
+def _segments(sock: socket.socket) -> int:
+    """tcp_info's tcpi_segs_out + tcpi_segs_in: 0 for a TCP socket never connected."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 144)
+    return sum(struct.unpack_from("II", info, 136)) if len(info) >= 144 else 1
+
+
+def _without_stale_maxseg(sock: socket.socket, options: tuple) -> tuple:
+    """A closed TCP socket answers TCP_MAXSEG with the MSS the program set (before a
+    connect, kept) or else with the MSS of the connection it had (tcpi_snd_mss, up to
+    65483 on loopback, more than a setsockopt takes): the latter is no setting of the
+    program's and is left out (the next connect works it out again)."""
+    snd_mss = struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 20), 16)[0]
+    return tuple(o for o in options if o[:2] != _MAXSEG or sockopts.option_value([o], *_MAXSEG) != snd_mss)
+
+
 def _short(s: _Sock) -> str:
     proto = PROTOCOL_NAMES.get(s.proto, str(s.proto))
     here = endpoint(s.src, s.sport) if s.sport else "unbound"
-    connected = s.state == tcp.ESTABLISHED if is_ping(s.proto) else s.dport
+    connected = s.dport or s.proto != _TCP and s.state == tcp.ESTABLISHED
     return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if connected else "")
 
 
@@ -634,10 +666,13 @@ def _zero_length_loop(out) -> bool:
 @dataclass
 class InetRestore:
     """The tree's inet sockets made again in ptckpt: {desc: fd} for the stubs, and the
-    repaired connections held until :meth:`finish`."""
+    repaired connections held until :meth:`finish`.  With `tcp_close` (restore
+    --tcp-close) the connections dumped in repair mode come back closed instead, as dump
+    --tcp-close makes them, and those that waited in an accept queue are dropped."""
 
     records: Sequence[InetSocket]
     netlock_id: str = ""
+    tcp_close: bool = False
     repaired: list[tuple[socket.socket, int]] = field(default_factory=list)
     made: dict[int, socket.socket] = field(default_factory=dict)
     temps: list[socket.socket] = field(default_factory=list)
@@ -646,7 +681,7 @@ class InetRestore:
         """Make every socket of `descs` (their Fd.ino names the record): {desc: fd}; the
         caller owns the fds.  Listeners first, then the connections queued on them."""
         by_ino = {r.ino: r for r in self.records}
-        pending = [r for r in self.records if r.mode is InetMode.PENDING]
+        pending = [r for r in self.records if r.mode is InetMode.PENDING and not self.tcp_close]
         clients = {p.ino: by_ino[p.peer] for p in pending if p.peer in by_ino}
         try:
             with rawpkt.RawSender(mark=netlock.PTCKPT_MARK) as raw:
@@ -658,9 +693,9 @@ class InetRestore:
                 for r in self.records:
                     if r.ino in self.made or r.mode is InetMode.PENDING:
                         continue
-                    if r.mode is InetMode.REPAIRED:
+                    if r.mode is InetMode.REPAIRED and not self.tcp_close:
                         self.made[r.ino] = self._repaired(r, raw)
-                    elif r.mode is InetMode.CLOSED:
+                    elif r.mode in (InetMode.CLOSED, InetMode.REPAIRED):
                         self.made[r.ino] = self._closed(r)
                     else:
                         self.made[r.ino] = self._datagram(r, raw)
@@ -798,14 +833,17 @@ class InetRestore:
                 for sender, port, payload in r.datagrams:
                     raw.udp(sender, port, to, r.sport, payload, protocol=r.protocol)
                 _check_refill(s, r)
-            if r.dport or is_ping(r.protocol) and r.state == tcp.ESTABLISHED:
+            if r.dport or r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, r.dport))
             sockopts.join_groups(s, r.multicast)
             sockopts.attach_filter(s, r.filter)
-            if r.shutdown & RCV_SHUTDOWN and r.shutdown & SEND_SHUTDOWN:
-                s.shutdown(socket.SHUT_RDWR)
-            elif r.shutdown:
-                s.shutdown(socket.SHUT_RD if r.shutdown & RCV_SHUTDOWN else socket.SHUT_WR)
+            if r.shutdown:
+                how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
+                try:
+                    s.shutdown(how)
+                except OSError as err:      # not connected: ENOTCONN, the socket shut all the same
+                    if err.errno != _errno.ENOTCONN:
+                        raise
         except BaseException:
             s.close()
             raise
@@ -841,9 +879,25 @@ def _loopback(family: int) -> str:
     return "127.0.0.1" if family == socket.AF_INET else "::1"
 
 
+IP_FREEBIND = 15
+
+
 def _bind(s: socket.socket, r: InetSocket) -> None:
+    """Bind `s` to the record's address.  An address that is not (or no longer, or not yet:
+    an IPv6 one still tentative) one of this host's was bound with IP_FREEBIND or
+    IP_TRANSPARENT, which the program may have turned off since: bound again with
+    IP_FREEBIND for the bind alone, then set back as recorded."""
+    addr = _addr(r.family, r.src or ("0.0.0.0" if r.family == socket.AF_INET else "::"), r.sport)
     try:
-        s.bind(_addr(r.family, r.src or ("0.0.0.0" if r.family == socket.AF_INET else "::"), r.sport))
+        try:
+            s.bind(addr)
+        except OSError as err:
+            freebind = sockopts.option_value(r.options, socket.SOL_IP, IP_FREEBIND)
+            if err.errno != _errno.EADDRNOTAVAIL or freebind:
+                raise
+            s.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+            s.bind(addr)
+            s.setsockopt(socket.SOL_IP, IP_FREEBIND, freebind)
     except OSError as err:
         if err.errno == _errno.EADDRINUSE:
             raise OSError(err.errno, f"{describe(r)}: the address is in use (is the original still "

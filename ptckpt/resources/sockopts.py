@@ -15,7 +15,8 @@ what it is given: the recorded value is halved); :func:`attach_filter`,
 
 SO_REUSEADDR is special for TCP connections rebuilt with TCP_REPAIR: repair mode
 overwrites it, so ptckpt.resources.tcp puts it back when repair mode ends.  A buffer
-size the kernel grew by itself (TCP autotuning) is set as a fixed size again.
+size the kernel grew by itself (TCP autotuning) is set again, then unlocked (SO_BUF_LOCK
+0), so that the kernel goes on tuning it; the locks a program set come back as they were.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SOL_SOCKET, SOL_IP, SOL_TCP, SOL_IPV6, SOL_UDP, SOL_NETLINK = socket.SOL_SOCKET,
 AF_NETLINK = socket.AF_NETLINK
 SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 7, 8, 32, 33
 SO_REUSEADDR, SO_ATTACH_FILTER, SO_GET_FILTER, SO_LOCK_FILTER = 2, 26, 26, 44
+SO_BUF_LOCK = 72                 # SOCK_SNDBUF_LOCK 1 | SOCK_RCVBUF_LOCK 2 (Linux 5.14)
 IPV6_V6ONLY = 26
 MCAST_JOIN_GROUP, MCAST_MSFILTER = 42, 48
 MCAST_EXCLUDE, MCAST_INCLUDE = 0, 1
@@ -70,6 +72,7 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_SOCKET, "SO_ZEROCOPY", 60, 0, None, None),
     (SOL_SOCKET, "SO_SNDBUF", SO_SNDBUF, 0, None, None),
     (SOL_SOCKET, "SO_RCVBUF", SO_RCVBUF, 0, None, None),
+    (SOL_SOCKET, "SO_BUF_LOCK", SO_BUF_LOCK, 0, None, None),   # after the sizes, which set it
     (SOL_IP, "IP_TOS", 1, 0, None, None),
     (SOL_IP, "IP_TTL", 2, 0, None, None),
     (SOL_IP, "IP_PKTINFO", 8, 0, None, None),
@@ -187,7 +190,12 @@ def option_value(options: Iterable[tuple[int, int, bytes]], level: int, opt: int
 
 def apply_options(sock: socket.socket, options: Sequence[tuple[int, int, bytes]], *,
                   skip: frozenset = frozenset()) -> None:
-    """Set each option again (those in `skip`, (level, optname), are the caller's)."""
+    """Set each option again (those in `skip`, (level, optname), are the caller's).
+
+    Setting a buffer size also locks it (SO_BUF_LOCK: the kernel no longer tunes it):
+    the locks are put back as they were after the sizes, cleared where none was recorded
+    (a size the kernel had grown by itself, or one the program unlocked again)."""
+    forced = False
     for level, opt, value in options:
         if (level, opt) in skip:
             continue
@@ -195,6 +203,7 @@ def apply_options(sock: socket.socket, options: Sequence[tuple[int, int, bytes]]
             # getsockopt answers twice what setsockopt was given (the kernel's bookkeeping)
             force = SO_SNDBUFFORCE if opt == SO_SNDBUF else SO_RCVBUFFORCE
             sock.setsockopt(level, force, max(_INT.unpack(value)[0] // 2, 1))
+            forced = True
             continue
         if level == SOL_SOCKET and opt == 25:          # SO_BINDTODEVICE: the name, NUL-trimmed
             value = value.split(b"\0", 1)[0]
@@ -204,6 +213,9 @@ def apply_options(sock: socket.socket, options: Sequence[tuple[int, int, bytes]]
             sock.setsockopt(level, opt, value)
         except OSError as err:
             raise OSError(err.errno, f"setsockopt {option_name(level, opt)}: {err.strerror}") from None
+    if forced and not any((lv, o) == (SOL_SOCKET, SO_BUF_LOCK) for lv, o, _v in options):
+        with contextlib.suppress(OSError):       # ENOPROTOOPT: a kernel without SO_BUF_LOCK
+            sock.setsockopt(SOL_SOCKET, SO_BUF_LOCK, 0)
 
 
 # --- socket filters ----------------------------------------------------------------
