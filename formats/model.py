@@ -478,6 +478,8 @@ class UnixSocket:
     queue_creds: tuple[tuple[int, int, int], ...] = ()   # per queue item, the (pid, uid, gid) its
                               # reader gets with it (SCM_CREDENTIALS, SO_PASSCRED on; pid as the
                               # tree sees it, 0: none); () when the reader gets none (format 9)
+    name_dir: str = ""        # a relative name: the directory it was bound in, "" when unknown (the
+                              # holder's cwd is taken then) or for an absolute name (format 17)
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,8 @@ FORMAT_VERSION = 17                # 2: trees (desc, zombies, pipes, unix socket
                                    # 15: 32-bit (ia32) threads' TLS entries (THREAD tls)
                                    # 16: page data on a page server (PAGE_SERVER in the pagemap)
                                    # 17: a pty slave's owner and mode (PTY slave_uid/gid/mode); deleted
-                                   #     device nodes, FIFOs, sockets, symlinks (GHOST_FILE rdev, target)
+                                   #     device nodes, FIFOs, sockets, symlinks (GHOST_FILE rdev, target);
+                                   #     a relative unix socket name's directory (UNIX_SOCKET name_dir)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -631,7 +632,8 @@ class _OptionsAdapter(Adapter):
 # UNIX_DIAG_RQLEN (listen backlog), UNIX_DIAG_SHUTDOWN; the receive queue read
 # with MSG_PEEK and SO_PEEK_OFF (socket(7)); UNIX_DIAG_ICONS (pending connections,
 # read by accept(2) on a copy of the listener); UNIX_DIAG_VFS against stat(2) of the
-# bound path (deleted or replaced names; the socket file's mode and owner).
+# bound path (deleted or replaced names; the socket file's mode and owner); SIOCUNIXFILE
+# (the directory a relative name was bound in).
 UnixSocketRecord = Record(UnixSocket, Struct(
     "ino" / Int64ul,
     "type" / Int16ul,
@@ -651,6 +653,7 @@ UnixSocketRecord = Record(UnixSocket, Struct(
     "file_gid" / Since(8, Int32ul),
     "queue_fds" / Since(8, PrefixedArray(VarInt, PrefixedArray(VarInt, VarInt))),
     "queue_creds" / Since(9, PrefixedArray(VarInt, Array(3, Int64sl))),
+    "name_dir" / Since(17, Text),
 ))
 
 # --- POSIX_TIMER, ITIMER ----------------------------------------------------------

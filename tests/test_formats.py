@@ -403,6 +403,18 @@ def test_pty_format_17_slave_owner():
     assert old == dataclasses.replace(pty, slave_uid=-1, slave_gid=-1, slave_mode=-1)
 
 
+def test_unix_socket_format_17_name_dir():
+    """A UNIX_SOCKET record of format 17 ends with the directory its relative name was bound
+    in; a format-16 one has none and takes "": the holder's cwd at restore."""
+    sock = UnixSocket(ino=9, type=2, state=7, name=b"r.sock", peer=0, peer_name=b"", backlog=0,
+                      shutdown=0, queue=(), deleted=True, name_dir="/srv/run")
+    payload = build_record(sock)
+    assert payload.endswith(b"\x08/srv/run")
+    assert parse_record(EntryKind.UNIX_SOCKET, payload) == sock
+    old = parse_record(EntryKind.UNIX_SOCKET, payload[:-9], version=16)
+    assert old == dataclasses.replace(sock, name_dir="")
+
+
 def test_thread_format_15_tls_entries():
     """A THREAD record of format 15 ends with its TLS entries (a 32-bit thread's struct
     user_desc fields); a format-14 one has none and takes the default ()."""
@@ -471,9 +483,10 @@ def test_unix_socket_queue_credentials_since_format_9():
                       queue=(b"a", b"b"), queue_creds=((5, 0, 0), (6, 4321, 4322)))
     raw = build_record(sock)
     assert raw.endswith(bytes.fromhex("02" "050000000000000000000000000000000000000000000000"
-                                      "0600000000000000e110000000000000e210000000000000"))
+                                      "0600000000000000e110000000000000e210000000000000"
+                                      "00"))                                # name_dir (format 17)
     assert parse_record(EntryKind.UNIX_SOCKET, raw) == sock
-    old = parse_record(EntryKind.UNIX_SOCKET, raw[:-49], version=8)        # a format-8 image
+    old = parse_record(EntryKind.UNIX_SOCKET, raw[:-50], version=8)        # a format-8 image
     assert old == dataclasses.replace(sock, queue_creds=())
 
 

@@ -453,3 +453,39 @@ def test_make_controlling_tty_and_foreground_by_injection():
         _close(master, slave)
         if kid is not None:        # reparented to pytest (a subreaper) when the leader died
             wait_until(lambda: reap_orphans([kid]) or not os.path.exists(f"/proc/{kid}"), 5)
+
+
+def _vt_after(t) -> list[str]:
+    t.signal(signal.SIGUSR1)
+    assert t.wait_exit(10) == 0, t.describe()
+    return t.out_lines()[-1:]
+
+
+def test_a_virtual_console_as_controlling_terminal_is_refused_at_dump(spawn, ptckpt, tmp_path):
+    """A session leader whose controlling terminal is a virtual console it opened (through a
+    node of its own), not a shell job's terminal: the restore could not make it a
+    controlling terminal again (it reopened /dev/tty and failed), so the dump refuses it by
+    name, and the program runs on with its console."""
+    from ptckpt.errors import ExitCode
+    from test_restore import _one_line
+    t = spawn("vtholder.py", "ctty")
+    assert "CTTY yes" in t.preamble
+    res = ptckpt("dump", t.pid, "-D", tmp_path / "img", "--kill")
+    _one_line(res, ExitCode.UNSUPPORTED_RESOURCE, f"process {t.pid}", "fd 4", ".vt", "4:5",
+              "controlling terminal", "O_NOCTTY")
+    assert not (tmp_path / "img").exists()
+    assert _vt_after(t) == ["RDEV 4:5"]
+
+
+def test_a_virtual_console_opened_noctty_comes_back_by_its_node(spawn, ptckpt, tmp_path):
+    """The same console opened O_NOCTTY is reopened through its node: the same device."""
+    from conftest import wait_pid_free
+    from test_restore import _restore
+    t = spawn("vtholder.py", "noctty")
+    assert "CTTY no" in t.preamble
+    res = ptckpt("dump", t.pid, "-D", tmp_path / "img", "--kill")
+    assert res.returncode == 0, res.stderr
+    t.wait_exit(10)
+    wait_pid_free(t.pid)
+    _restore(ptckpt, tmp_path / "img")
+    assert _vt_after(t) == ["RDEV 4:5"]

@@ -99,6 +99,32 @@ def test_deleted_and_replaced_socket_paths_stay_deleted(spawn, ptckpt, tmp_path,
     assert not [n for n in os.listdir(tmp_path) if ".ptckpt-aside" in n]
 
 
+def test_relative_names_bound_before_a_chdir(spawn, ptckpt, tmp_path):
+    """Relative names are bound and connected to from the directory they were bound in, not
+    the process's cwd at dump (it moved to / after binding): a datagram socket whose name
+    is now a FIFO's keeps its connected sender, and the FIFO stays; an accepted socket
+    keeps its listener's relative name."""
+    t = spawn("unixkinds.py", "relative")
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as image:
+        dirs = {(u.name, u.name_dir) for u in image.unix_sockets if u.name}
+    assert (b"r.sock", f"{t.out_path}.rel") in dirs
+    _restore(ptckpt, tmp_path / "img")
+    assert _after(t, 4) == ["CWD /", "DGRAM [b'rel'] r.sock r.sock", "FIFO True", "STREAM [b'to l'] l.sock"]
+
+
+@pytest.mark.parametrize("stype", ["stream", "seqpacket"])
+def test_deleted_names_in_a_removed_directory(spawn, ptckpt, tmp_path, stype):
+    """Sockets bound to names whose directory was removed after them come back (the
+    directory made for the while and removed again); two datagram sockets bound in turn to
+    one deleted name each keep their own sender."""
+    t = spawn("unixkinds.py", "gone-dir", stype)
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    _restore(ptckpt, tmp_path / "img")
+    assert _after(t, 3) == ["DGRAM [b'one'] [b'three']", "STREAM [b'first'] [b'second']", "SUB gone"]
+    assert os.listdir(f"{t.out_path}.g") == []
+
+
 SCM_LINES = ["PIPE b'pipe' b'through pipe'", "FILE b'file' b'345'", "SOCK b'sock' b'inside' b'back'",
              "PLAIN b'plain'"]
 

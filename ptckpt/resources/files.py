@@ -569,7 +569,7 @@ def restore_plan_problems(fds: list[Fd], handed: Mapping[int, int] = {}) -> list
             out.append(f"fd {f.fd} -> {f.path} (a deleted file the image does not hold)")
             continue
         if (f.kind in BY_PATH_KINDS or is_controlling_tty(f) or nsfs.own_entry(f)
-                or (f.kind is FdKind.TTY and f.path.startswith("/dev/"))):
+                or (f.kind is FdKind.TTY and f.path.startswith("/"))):   # by path: its node
             continue
         out.append(f"fd {f.fd} -> {f.path} ({f.kind.name.lower()})")
     return out

@@ -64,7 +64,17 @@ def refuse_unsupported(images: dict[int, ProcessImage], fds: dict[int, list[Fd]]
     shell job's stdio and the tree's own ptys aside); the owners of the shell job's stdio
     are dropped from `images` (its owner is left alone)."""
     tree = {p: list(im.task.tids) for p, im in images.items()}
+    shell_ttys = {f.rdev for flist in fds.values() for f in flist if f.desc in stdio and f.kind in files.TTY_KINDS}
     for p, flist in fds.items():
+        for f in flist:
+            # A restore reopens the controlling terminal as /dev/tty: the shell job's (ptckpt
+            # restore's own), or a pty of the tree's; no other terminal becomes one again.
+            if f.kind is FdKind.TTY and files.is_controlling_tty(f) and f.rdev not in shell_ttys:
+                raise UnsupportedResource(p, f"fd {f.fd} -> {f.path} (the terminal {os.major(f.rdev)}:"
+                                             f"{os.minor(f.rdev)}, its session's controlling terminal, "
+                                             f"which is not the terminal of a shell job: a restore "
+                                             f"cannot make it a controlling terminal again; open it "
+                                             f"with O_NOCTTY, or run the job on it as a shell job)")
         # the shell job's stdio is ptckpt restore's own at restore: its owner is left alone
         shell = {f.fd for f in flist if f.desc in stdio}
         images[p] = dataclasses.replace(images[p], owners=tuple(o for o in images[p].owners if o.fd not in shell))

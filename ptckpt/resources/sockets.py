@@ -7,7 +7,9 @@ consuming it (MSG_PEEK with SO_PEEK_OFF on a pidfd_getfd copy).  A socket whose
 peer lives outside the tree, or that an outside socket is connected to (or waits
 to be accepted by), is refused naming both ends.  A bound path is compared with
 the socket's file (UNIX_DIAG_VFS): the file's mode and owner are kept, or the
-name is marked deleted when the path was unlinked or names another file now.
+name is marked deleted when the path was unlinked or names another file now.  A
+relative name keeps the directory it was bound in (the socket file's path, through
+SIOCUNIXFILE): the binder may have moved to another cwd since.
 
 Connections waiting in a listener's accept queue become pending records, in queue
 order.  What their clients sent waits in the server ends, which no fd reaches: when
@@ -24,7 +26,10 @@ their clients (a stand-in, closed again, for one that had closed) connecting
 and sending what they had sent; datagram sockets bound and connected by name.
 Then every queue is refilled from the other end (or sent to the socket's name),
 and shutdowns are applied.  A deleted name is bound at its path (what is there
-now moved aside meanwhile) and unlinked once every connection by name is made.
+now moved aside meanwhile, and its directories made again for the while when they are
+gone too), its socket file then moved to a name of ptckpt's, which connections to that
+socket use (several sockets may have had the name), and unlinked once every connection
+by name is made.
 The stubs inherit the sockets and dup3() them into place (restore.build_handoff).
 
 Fds in flight (SCM_RIGHTS): :func:`peek_queues_frozen` peeks at every queue once,
@@ -203,7 +208,7 @@ def dump_unix_sockets(fds: Mapping[int, Sequence[Fd]], skip: set[int],
             options=_options(pid, f),
             queue_fds=tuple(tuple(desc_of[n] for n in p) for p in passed) if any(passed) else (),
             queue_creds=() if d.listening else creds,
-            **_socket_file(pid, d),
+            **_socket_file(pid, d, _name_dir(pid, f, d)),
         ))
     return out
 
@@ -256,19 +261,53 @@ def _accept_all(pid: int, f: Fd, count: int) -> list[tuple[bytes, ...]]:
     return out
 
 
-def _socket_file(pid: int, d) -> dict:
+def _socket_file(pid: int, d, name_dir: str = "") -> dict:
     """A bound path's socket file: its mode and owner, or deleted=True when the path names
-    another file now, or none (unlinked)."""
+    another file now, or none (unlinked); and name_dir, the directory a relative name was
+    bound in, when it is known."""
     if not d.path:
         return {}
-    path = d.path if d.path.startswith(b"/") else os.path.join(f"/proc/{pid}/cwd".encode(), d.path)
+    where = {"name_dir": name_dir} if name_dir else {}
+    base = os.fsencode(name_dir) if name_dir else f"/proc/{pid}/cwd".encode()
+    path = d.path if d.path.startswith(b"/") else os.path.join(base, d.path)
     try:
         st = os.lstat(path)
     except OSError:
-        return {"deleted": True}
+        return {"deleted": True, **where}
     if (st.st_dev, st.st_ino) != (d.vfs_dev, d.vfs_ino):
-        return {"deleted": True}
-    return {"file_mode": st.st_mode, "file_uid": st.st_uid, "file_gid": st.st_gid}
+        return {"deleted": True, **where}
+    return {"file_mode": st.st_mode, "file_uid": st.st_uid, "file_gid": st.st_gid, **where}
+
+
+SIOCUNIXFILE = 0x89E0           # an O_PATH fd on a unix socket's file (CAP_NET_ADMIN)
+
+
+def _name_dir(pid: int, f: Fd, d) -> str:
+    """The directory a relative name was bound in: the socket file's path (SIOCUNIXFILE;
+    ' (deleted)' when unlinked) less the name.  The binder's cwd may be another one by now
+    (it chdir()ed after bind) and its /proc cwd would mislead.  "" for an absolute or no
+    name, or when the kernel does not tell (then a restore takes the holder's cwd)."""
+    if not d.path or d.path.startswith(b"/"):
+        return ""
+    copy = pidfd_getfd(pid, f.fd)
+    try:
+        with socket.socket(fileno=os.dup(copy)) as sock:
+            file = fcntl.ioctl(sock.fileno(), SIOCUNIXFILE)
+    except OSError:
+        return ""
+    finally:
+        os.close(copy)
+    try:
+        link = os.fsencode(os.readlink(f"/proc/self/fd/{file}"))
+    except OSError:
+        return ""
+    finally:
+        os.close(file)
+    link = link.removesuffix(b" (deleted)")
+    tail = b"/" + os.path.normpath(d.path).lstrip(b"/")
+    if not link.endswith(tail):
+        return ""
+    return os.fsdecode(link[:-len(tail)] or b"/")
 
 
 def _refuse_outside(holders: dict[int, tuple[int, Fd]], diag: dict, members: set[int],
@@ -497,7 +536,7 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
         if desc in descs and descs[desc].ino in made:
             return made[descs[desc].ino].fileno()
         raise RestoreFailed(f"unix socket: a description in flight (desc {desc}) was not made")
-    names = _Names(cwd_of)
+    names = _Names(cwd_of, {r.ino: r.name_dir for r in records if r.name_dir})
     try:
         listeners = _make_listeners(records, made, names)
         _make_connected(records, by_ino, listeners, made, senders, temps, names)
@@ -506,7 +545,7 @@ def create_unix_sockets(records: Sequence[UnixSocket], descs: Mapping[int, Fd],
             refilled.add(e.ino)
         for r in records:                            # datagram connections, by name (in the tree or not)
             if r.type == socket.SOCK_DGRAM and r.peer_name:
-                _call(f"connect to {_show(r.peer_name)}", made[r.ino].connect, _addr(r.peer_name))
+                names.connect(made[r.ino], r.peer_name, r.peer if r.peer in by_ino else 0, holder=r.ino)
         waits = _refill_queues(records, by_ino, made, senders, refilled, credited, later, fd_of, names, temps)
         for r in records:
             if r.ino in made and r.ino in waits:
@@ -615,7 +654,7 @@ def _accepted_pair(a: UnixSocket, b: UnixSocket, listeners: dict, temps: list,
         temps.append(listener)
     c = _new(client, names)
     try:
-        names.connect(c, server.name, server.ino)
+        names.connect(c, server.name, server.ino if listener in temps else server.listener or server.ino)
         s, _ = listener.accept()
     except BaseException:
         c.close()
@@ -638,29 +677,50 @@ class _Names:
     """Binds the image's socket names, and takes the deleted ones away again.
 
     A relative name is bound (and connected to) from the directory it was bound in
-    (`cwd_of`: socket inode -> directory).  A name whose file had been unlinked or
-    replaced before the dump is bound at its path all the same, so that getsockname()
-    gives it back, whatever holds that path now being moved aside for the while; once
-    every connection by name is made, :meth:`unlink_deleted` removes those files and
-    puts back what was there, the last bound first."""
+    (`name_dir`: socket inode -> directory, from the dump; else `cwd_of`: socket inode ->
+    its holder's cwd).  A name whose file had been unlinked or replaced before the dump is
+    bound at its path all the same, so that getsockname() gives it back, whatever holds
+    that path now being moved aside for the while, and the directories it needs that are
+    gone made for the while; once every connection by name is made,
+    :meth:`unlink_deleted` removes those files and directories and puts back what was
+    there, the last bound first."""
 
-    def __init__(self, cwd_of: Mapping[int, str]):
+    def __init__(self, cwd_of: Mapping[int, str], name_dir: Mapping[int, str] | None = None):
         self.cwd_of = cwd_of
-        self.deleted: list[tuple[str, str | None]] = []    # (absolute path, where its occupant waits)
+        self.name_dir = name_dir or {}
+        self.socket_files: dict[int, str] = {}             # a deleted name's socket: its file now
+        self.made_dirs: list[str] = []                     # directories made for deleted names
 
-    def _cwd(self, name: bytes, ino: int) -> str | None:
-        return self.cwd_of.get(ino) if _is_path(name) and not name.startswith(b"/") else None
+    def _cwd(self, name: bytes, ino: int, holder: int = 0) -> str | None:
+        if not _is_path(name) or name.startswith(b"/"):
+            return None
+        return self.name_dir.get(ino) or self.cwd_of.get(ino) or self.cwd_of.get(holder)
 
-    def connect(self, s: socket.socket, name: bytes, ino: int, why: str = "") -> None:
-        with _in_directory(self._cwd(name, ino)):
-            _call(f"connect to {_show(name)}{' ' + why if why else ''}", s.connect, _addr(name))
+    def target(self, name: bytes, ino: int, holder: int = 0) -> tuple[str | None, str | bytes]:
+        """(directory to be in, address) that reaches socket `ino`, bound to `name`: a deleted
+        name's socket file where it waits (several sockets may have had one name), else the
+        name from the directory it was bound in (`ino` 0: a socket outside the tree; a
+        relative name is then taken from the cwd of the holder of socket `holder`)."""
+        if ino in self.socket_files:
+            path = self.socket_files[ino]
+            return os.path.dirname(path), os.path.basename(path)
+        return self._cwd(name, ino, holder), _addr(name)
+
+    def connect(self, s: socket.socket, name: bytes, ino: int, why: str = "", holder: int = 0) -> None:
+        """Connect `s` to `name`, bound by socket `ino` (see target)."""
+        where, addr = self.target(name, ino, holder)
+        with _in_directory(where):
+            _call(f"connect to {_show(name)}{' ' + why if why else ''}", s.connect, addr)
 
     def bind(self, s: socket.socket, r: UnixSocket) -> None:
-        with _in_directory(self._cwd(r.name, r.ino)):
+        where = self._cwd(r.name, r.ino)
+        if r.deleted and _is_path(r.name):
+            self._make_dirs(os.path.dirname(os.path.join(where or os.getcwd(), os.fsdecode(r.name))))
+        with _in_directory(where):
             if not _is_path(r.name):
                 _call(f"bind to {_show(r.name)}", s.bind, _addr(r.name))
             elif r.deleted:
-                self._bind_deleted(s, r.name)
+                self._bind_deleted(s, r.name, r.ino)
             else:
                 _bind(s, r.name)
                 if r.file_mode:
@@ -668,28 +728,47 @@ class _Names:
                     with contextlib.suppress(OSError):
                         os.chown(r.name, r.file_uid, r.file_gid)
 
-    def _bind_deleted(self, s: socket.socket, name: bytes) -> None:
+    def _bind_deleted(self, s: socket.socket, name: bytes, ino: int) -> None:
+        """Bind to a deleted name, then move its socket file away to a name of ptckpt's (in
+        socket_files, where connections find it: the name may be another socket's too, or
+        the file now there) and put back what was at the path."""
         path = os.path.abspath(os.fsdecode(name))
+        n = len(self.socket_files)
         aside = None
         if os.path.lexists(path):
-            aside = os.path.join(os.path.dirname(path), f".ptckpt-aside-{os.getpid()}-{len(self.deleted)}")
+            aside = os.path.join(os.path.dirname(path), f".ptckpt-aside-{os.getpid()}-{n}")
             _call(f"move {path} aside to bind the deleted name {_show(name)}", os.rename, path, aside)
         try:
             _call(f"bind to the deleted name {_show(name)}", s.bind, _addr(name))
-        except BaseException:
+            kept = os.path.join(os.path.dirname(path), f".ptckpt-sock-{os.getpid()}-{n}")
+            try:
+                _call(f"move the socket file of the deleted name {_show(name)}", os.rename, path, kept)
+            except BaseException:
+                os.unlink(path)
+                raise
+        finally:
             if aside is not None:
                 os.rename(aside, path)
-            raise
-        self.deleted.append((path, aside))
+        self.socket_files[ino] = kept
+
+    def _make_dirs(self, path: str) -> None:
+        """The directories down to `path` that are gone (a deleted name's directory may have
+        been removed after it), made for the while; unlink_deleted removes them again."""
+        path = os.path.abspath(path)
+        if os.path.isdir(path):
+            return
+        self._make_dirs(os.path.dirname(path))
+        _call(f"make the directory {path} (gone) for a deleted socket name", os.mkdir, path, 0o700)
+        self.made_dirs.append(path)
 
     def unlink_deleted(self) -> None:
-        while self.deleted:
-            path, aside = self.deleted.pop()
+        for path in self.socket_files.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            if aside is not None:
-                with contextlib.suppress(OSError):
-                    os.rename(aside, path)
+        self.socket_files.clear()
+        while self.made_dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.made_dirs.pop())
 
 
 def _bind(s: socket.socket, name: bytes) -> None:
@@ -732,10 +811,10 @@ def _refill(r: UnixSocket, sender: socket.socket | None, fd_of, names: "_Names")
     with the fds in flight beside each item (fd_of: desc -> ptckpt's fd)."""
     fds = [[fd_of(d) for d in item] for item in r.queue_fds]
     if sender is None and r.type == socket.SOCK_DGRAM and r.name:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, \
-                _in_directory(names._cwd(r.name, r.ino)):
+        where, addr = names.target(r.name, r.ino)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, _in_directory(where):
             _call(f"refill the queue of {_show(r.name)}", sockdiag.send_queue, s, list(r.queue),
-                  socket.SOCK_DGRAM, fds, _addr(r.name))
+                  socket.SOCK_DGRAM, fds, addr)
         return
     if sender is None:
         raise RestoreFailed(f"socket:[{r.ino}] has {len(r.queue)} queued messages and no end to "
