@@ -146,6 +146,10 @@ class Task:
     loginuid: int = 2**32 - 1       # /proc/PID/loginuid (audit); unset (since format 8)
     stop_signal: int = 0            # state "T": the signal of its group stop (SIGSTOP, SIGTSTP,
                                     # SIGTTIN, SIGTTOU); 0: not recorded, SIGSTOP (since format 13)
+    # the cgroup directories it and its threads are in, their ancestors and descendants, as
+    # ptckpt.resources.process.dump_cgroup_dirs writes them: a restore makes those gone since
+    # (since format 17)
+    cgroup_dirs: str = ""
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,9 @@ class Thread:
     # GDT TLS entries of a 32-bit (ia32) thread: (entry_number, base_addr, limit, flags) of
     # struct user_desc, the used ones (since format 15)
     tls: tuple[tuple[int, int, int, int], ...] = ()
+    # /proc/PID/task/TID/cgroup where it differs from its process's (cgroup v1 moves threads
+    # one by one), else "" (since format 17)
+    cgroups: str = ""
 
 
 @dataclass(frozen=True)

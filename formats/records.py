@@ -165,7 +165,9 @@ FORMAT_VERSION = 17                # 2: trees (desc, zombies, pipes, unix socket
                                    # 16: page data on a page server (PAGE_SERVER in the pagemap)
                                    # 17: a pty slave's owner and mode (PTY slave_uid/gid/mode); deleted
                                    #     device nodes, FIFOs, sockets, symlinks (GHOST_FILE rdev, target);
-                                   #     a relative unix socket name's directory (UNIX_SOCKET name_dir)
+                                   #     a relative unix socket name's directory (UNIX_SOCKET name_dir);
+                                   #     cgroups: the directories a process needs (TASK
+                                   #     cgroup_dirs), a thread's own (THREAD cgroups)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -410,6 +412,7 @@ TaskRecord = Record(Task, Struct(
     "coredump_filter" / Since(8, Int32sl),    # /proc/PID/coredump_filter (core(5))
     "loginuid" / Since(8, Int32ul),           # /proc/PID/loginuid
     "stop_signal" / Since(13, Int32ul),       # the group stop's signal (PTRACE_EVENT_STOP status)
+    "cgroup_dirs" / Since(17, Text),          # its cgroup directories, one tab-separated line each
 ))
 
 # --- CREDS -------------------------------------------------------------------
@@ -522,6 +525,7 @@ ThreadRecord = Record(Thread, Struct(
     # struct user_desc (asm/ldt.h) of each used GDT TLS entry, PTRACE_GET_THREAD_AREA:
     # entry_number, base_addr, limit, flags (seg_32bit .. useable as the kernel packs them)
     "tls" / Since(15, PrefixedArray(VarInt, Array(4, Int32ul))),
+    "cgroups" / Since(17, Text),              # /proc/PID/task/TID/cgroup, "" when its process's
 ))
 
 # --- SIGACTION ---------------------------------------------------------------

@@ -176,6 +176,14 @@ def _check_task(name: str, task) -> None:
         hierarchy, _, rest = line.partition(":")
         if not hierarchy.isdigit() or ":" not in rest or not rest.split(":", 1)[1].startswith("/"):
             _fail(name, f"TASK cgroup line {line!r} is not ID:CONTROLLERS:/PATH")
+    for line in task.cgroup_dirs.splitlines():
+        fields = line.split("\t")
+        shape = {"d": 6, "f": 6, "p": 4}.get(fields[0])
+        if shape != len(fields) or not fields[2].startswith("/") or (
+                shape == 6 and not (set(fields[3]) <= set("01234567") and fields[3]
+                                    and fields[4].isdigit() and fields[5].isdigit())):
+            _fail(name, f"TASK cgroup directory line {line!r} is not d|f CONTROLLERS /PATH MODE UID GID "
+                        f"or p CONTROLLERS /PATH VALUE")
     for field, low, high in (("nice", -20, 19), ("rt_priority", 0, 99), ("oom_score_adj", -1000, 1000),
                              ("personality", 0, 2**32 - 1), ("sched_policy", 0, 2**31 - 1),
                              ("timerslack_ns", 0, 2**63 - 1), ("dumpable", 0, 2), ("mdwe", 0, 2**31 - 1),
@@ -203,6 +211,11 @@ def _check_threads(name: str, pid: int, proc: ProcessImage, xstate_size: int) ->
     tids = {t.tid for t in proc.threads}
     if pid not in tids:
         _fail(name, f"no THREAD for the leader {pid}")
+    for t in proc.threads:
+        for line in t.cgroups.splitlines():
+            hierarchy, _, rest = line.partition(":")
+            if not hierarchy.isdigit() or ":" not in rest or not rest.split(":", 1)[1].startswith("/"):
+                _fail(name, f"THREAD {t.tid} cgroup line {line!r} is not ID:CONTROLLERS:/PATH")
     for t in proc.threads:
         check_enums(name, t)
         if not 0 < t.tid < PID_MAX:

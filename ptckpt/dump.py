@@ -386,6 +386,10 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     plan.prepare(pid, vpid, remote)
                     vmas = _frozen_vmas(pid, plan, parent, cow)
                     aio.check_in_flight_frozen(pid, remote, vmas)
+        thread_records = [dataclasses.replace(t, cgroups=process.thread_cgroups(pid, t.tid, task_record.cgroups))
+                          for t in thread_records]
+        task_record = dataclasses.replace(task_record, cgroup_dirs=process.dump_cgroup_dirs(
+            [task_record.cgroups] + [t.cgroups for t in thread_records]))
         fds = plan.visible_fds(pid, files.dump_fds(pid))
         _check_fdinfo(pid, fds)
         aio_rings = aio.dump_aio_rings_frozen(pid, mem, vmas)

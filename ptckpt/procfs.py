@@ -1760,10 +1760,10 @@ def read_net_table(pid: int | str, name: str, *, procfs: str = "/proc") -> list[
 
 
 @_wrap_exceptions
-def read_cgroup(pid: int | str, *, procfs: str = "/proc") -> str:
-    """/proc/PID/cgroup as printed: "hierarchy-id:controllers:path" per line (man 7
-    cgroups), "0::/path" for the v2 hierarchy."""
-    return _read_text(f"{procfs}/{pid}/cgroup")
+def read_cgroup(pid: int | str, tid: int | None = None, *, procfs: str = "/proc") -> str:
+    """/proc/PID/cgroup (or one thread's, /proc/PID/task/TID/cgroup) as printed:
+    "hierarchy-id:controllers:path" per line (man 7 cgroups), "0::/path" for the v2 hierarchy."""
+    return _read_text(f"{procfs}/{pid}/cgroup" if tid is None else f"{procfs}/{pid}/task/{tid}/cgroup")
 
 
 @_wrap_exceptions

@@ -765,6 +765,8 @@ def fix_up(leader, vpid: int, proc: ProcessImage, runs, sources,
                                               compat=threads.compat_process(proc.threads, proc.task.pid))
             log.info("fix up %d: threads", proc.task.pid)
             tasks = _create_threads_frozen(remote, mem, leader, proc)
+            for t in proc.threads:
+                warnings += process.restore_thread_cgroups(leader.tgid, tasks[t.tid].tid, t.cgroups)
             _restore_signals_frozen(remote, mem, leader, vpid, proc, tasks)
             if not creds_later:
                 warnings += _restore_creds_frozen(remote, mem, leader, proc, tasks)

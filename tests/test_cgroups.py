@@ -1,9 +1,13 @@
 """A restored process goes back into the cgroups it was in at dump (it starts in ptckpt
-restore's); one it cannot join is a warning, not a silence (ptckpt.resources.process)."""
+restore's), each thread into its own; a cgroup gone since the dump is made again as it was
+(owner, modes, control files, the empty cgroups below it); one it cannot join is a warning,
+not a silence (ptckpt.resources.process)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 import uuid
 
 import pytest
@@ -60,17 +64,106 @@ def test_the_restored_process_is_back_in_its_cgroup(spawn, ptckpt, tmp_path, cgr
     assert "cgroup" not in res.stderr
 
 
-def test_a_cgroup_gone_since_the_dump_is_a_warning(spawn, ptckpt, tmp_path, cgroup):
+def test_a_cgroup_gone_since_the_dump_is_made_again(spawn, ptckpt, tmp_path, cgroup):
+    """Its owner and mode, a control file's owner and mode, a limit and an empty cgroup below
+    it: all as at dump, the process in it."""
     path, key, rel = cgroup
+    prop, value = ("cgroup.max.descendants", "7\n") if key == "" else ("memory.limit_in_bytes", "268435456\n")
     target = spawn("counter")
+    os.mkdir(os.path.join(path, "empty"))
+    os.chown(path, 1000, 1001)
+    os.chmod(path, 0o751)
+    os.chown(os.path.join(path, "cgroup.procs"), 1002, 1003)
+    with open(os.path.join(path, prop), "w") as f:
+        f.write(value)
     with open(os.path.join(path, "cgroup.procs"), "w") as f:
         f.write(str(target.pid))
     assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
     target.wait_exit(10)
     wait_pid_free(target.pid)
+    os.rmdir(os.path.join(path, "empty"))
     os.rmdir(path)
     res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
     assert res.returncode == 0, res.stderr
     target.adopt(target.pid)
-    assert "stays in cgroup" in res.stderr and rel in res.stderr
-    assert not _line(target.pid, key).endswith(":" + rel)
+    assert "cgroup" not in res.stderr
+    assert _line(target.pid, key).endswith(":" + rel)
+    st = os.stat(path)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1001, 0o751)
+    st = os.stat(os.path.join(path, "cgroup.procs"))
+    assert (st.st_uid, st.st_gid) == (1002, 1003)
+    assert open(os.path.join(path, prop)).read() == value
+    assert os.path.isdir(os.path.join(path, "empty"))
+    os.rmdir(os.path.join(path, "empty"))
+
+
+def test_a_hierarchy_not_mounted_at_restore_is_a_warning(spawn, ptckpt, tmp_path, named_hierarchy):
+    """Where the process's cgroup cannot be joined (its hierarchy mounted nowhere), the
+    restore says so."""
+    where, key = named_hierarchy
+    os.mkdir(os.path.join(where, "sub"))
+    target = spawn("counter")
+    with open(os.path.join(where, "sub", "cgroup.procs"), "w") as f:
+        f.write(str(target.pid))
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    subprocess.run(["umount", where], check=True)
+    try:
+        res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+        assert res.returncode == 0, res.stderr
+        target.adopt(target.pid)
+        assert "stays in cgroup" in res.stderr and "/sub" in res.stderr
+    finally:
+        subprocess.run(["mount", "-t", "cgroup", "-o", f"none,{key}", "none", where], check=True)
+
+
+@pytest.fixture
+def named_hierarchy():
+    """A cgroup v1 hierarchy of the test's own, with no controller (name=...), mounted at a
+    temporary directory: (mount point, its key in /proc/PID/cgroup)."""
+    key = f"name=ptckpt{uuid.uuid4().hex[:6]}"
+    where = tempfile.mkdtemp(prefix="ptckpt-cg-")
+    if subprocess.run(["mount", "-t", "cgroup", "-o", f"none,{key}", "none", where]).returncode:
+        os.rmdir(where)
+        pytest.skip("cannot mount a named cgroup v1 hierarchy here")
+    yield where, key
+    for top, _dirs, _files in sorted(os.walk(where), key=lambda t: -t[0].count("/")):
+        if top != where:
+            for tid in open(os.path.join(top, "tasks")).read().split():
+                try:
+                    with open(os.path.join(where, "tasks"), "w") as f:
+                        f.write(tid)
+                except OSError:
+                    pass
+            os.rmdir(top)
+    subprocess.run(["umount", where])
+    os.rmdir(where)
+
+
+def test_a_thread_goes_back_to_its_own_cgroup(spawn, ptckpt, tmp_path, named_hierarchy):
+    """cgroup v1 moves threads one by one: a thread in a cgroup other than its process's
+    is restored there (and the cgroups, removed since the dump, made again)."""
+    where, key = named_hierarchy
+    os.makedirs(os.path.join(where, "proc", "thread"))
+    target = spawn("threads")
+    with open(os.path.join(where, "proc", "cgroup.procs"), "w") as f:
+        f.write(str(target.pid))
+    moved = target.tids[1]
+    with open(os.path.join(where, "proc", "thread", "tasks"), "w") as f:
+        f.write(str(moved))
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    os.rmdir(os.path.join(where, "proc", "thread"))
+    os.rmdir(os.path.join(where, "proc"))
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    assert "cgroup" not in res.stderr
+
+    def line(tid):
+        return next(l for l in open(f"/proc/{target.pid}/task/{tid}/cgroup").read().splitlines()
+                    if l.split(":")[1] == key)
+    assert line(moved).endswith(":/proc/thread")
+    assert all(line(t).endswith(":/proc") for t in [target.pid] + target.tids if t != moved)

@@ -415,14 +415,29 @@ def test_unix_socket_format_17_name_dir():
     assert old == dataclasses.replace(sock, name_dir="")
 
 
+def test_cgroups_format_17_dirs_and_thread_cgroups():
+    """A TASK record of format 17 ends with its cgroup directories, a THREAD record with its
+    own cgroups (a VarInt-prefixed text each); format-16 ones have neither and take ""."""
+    task = dataclasses.replace(make_task(), cgroup_dirs="d\tname=x\t/a\t755\t0\t0\n")
+    payload = build_record(task)
+    assert payload.endswith(b"\x14" + task.cgroup_dirs.encode())
+    assert parse_record(EntryKind.TASK, payload) == task
+    assert parse_record(EntryKind.TASK, payload[:-21], version=16) == dataclasses.replace(task, cgroup_dirs="")
+    thread = dataclasses.replace(make_thread(5), cgroups="1:name=x:/a/b\n")
+    payload = build_record(thread)
+    assert payload.endswith(b"\x0e" + thread.cgroups.encode())
+    assert parse_record(EntryKind.THREAD, payload) == thread
+    assert parse_record(EntryKind.THREAD, payload[:-15], version=16) == dataclasses.replace(thread, cgroups="")
+
+
 def test_thread_format_15_tls_entries():
     """A THREAD record of format 15 ends with its TLS entries (a 32-bit thread's struct
     user_desc fields); a format-14 one has none and takes the default ()."""
     thread = dataclasses.replace(make_thread(5), tls=((12, 0xF7EE1580, 0xFFFFF, 0x51),))
     payload = build_record(thread)
-    assert payload.endswith(bytes.fromhex("01" "0c000000" "8015eef7" "ffff0f00" "51000000"))
-    assert parse_record(EntryKind.THREAD, payload, version=15) == thread
-    old = parse_record(EntryKind.THREAD, payload[:-17], version=14)
+    assert payload.endswith(bytes.fromhex("01" "0c000000" "8015eef7" "ffff0f00" "51000000" "00"))
+    assert parse_record(EntryKind.THREAD, payload) == thread
+    old = parse_record(EntryKind.THREAD, payload[:-18], version=14)
     assert old == dataclasses.replace(thread, tls=())
 
 
@@ -452,9 +467,10 @@ def test_golden_bytes():
         "00" "00000000" "00" "00" "00" "00" "00"            # thp_disable mdwe memory_merge spec_ctrl
         "ffffffff" "ffffffff"                               # coredump_filter loginuid
                                                             # shares_files shares_fs cgroups (format 8)
-        "00000000")                                         # stop_signal (format 13)
+        "00000000"                                          # stop_signal (format 13)
+        "00")                                               # cgroup_dirs (format 17)
     # A format-1 image has no format-2 fields: they take their defaults.
-    old = parse_record(EntryKind.TASK, build_record(task)[:-27], version=1)
+    old = parse_record(EntryKind.TASK, build_record(task)[:-28], version=1)
     assert (old.pdeath_signal, old.child_subreaper) == (0, False)
     assert dataclasses.replace(old, pdeath_signal=15, child_subreaper=True) == task
 
@@ -462,8 +478,8 @@ def test_golden_bytes():
 def test_stop_signal_and_membarrier_since_format_13():
     task = dataclasses.replace(make_task(), state="T", stop_signal=20)
     raw = build_record(task)
-    assert raw.endswith(bytes.fromhex("14000000")) and parse_record(EntryKind.TASK, raw) == task
-    old = parse_record(EntryKind.TASK, raw[:-4], version=12)             # a format-12 image
+    assert raw.endswith(bytes.fromhex("14000000" "00")) and parse_record(EntryKind.TASK, raw) == task
+    old = parse_record(EntryKind.TASK, raw[:-5], version=12)             # a format-12 image
     assert old == dataclasses.replace(task, stop_signal=0)
     mm = Mm(*range(1, 12), exe_file="/bin/x", auxv=((6, 4096),), membarrier=0x14)
     raw = build_record(mm)

@@ -104,6 +104,8 @@ def test_a_mapping_kind_no_version_knows(counter_image, ptckpt, tmp_path):
     # from the 10,000-mutant run of bench/image_fuzz: IndexError, OverflowError (os.makedev)
     (lambda p: dataclasses.replace(p, task=dataclasses.replace(p.task, cgroups="4memory/x\n")),
      ("cgroup line", "ID:CONTROLLERS:/PATH")),
+    (lambda p: dataclasses.replace(p, task=dataclasses.replace(p.task, cgroup_dirs="d\tname=x\t/a\t9\t0\n")),
+     ("cgroup directory line", "MODE UID GID")),
     (lambda p: dataclasses.replace(p, vmas=(dataclasses.replace(p.vmas[0], dev_major=1 << 20),) + p.vmas[1:]),
      ("device", "out of range")),
     (lambda p: dataclasses.replace(p, task=dataclasses.replace(p.task, state="T", stop_signal=9)),
@@ -111,7 +113,7 @@ def test_a_mapping_kind_no_version_knows(counter_image, ptckpt, tmp_path):
     (lambda p: dataclasses.replace(p, mm=dataclasses.replace(p.mm, membarrier=1 << 3)),
      ("membarrier", "0x8", "unknown bits")),
 ], ids=["overlapping-mappings", "unaligned-mapping", "thread-twice", "short-xstate", "signal-4114",
-        "fd-twice", "cgroup-line", "device-number", "stop-signal-9", "membarrier-bits"])
+        "fd-twice", "cgroup-line", "cgroup-dir-line", "device-number", "stop-signal-9", "membarrier-bits"])
 def test_records_that_contradict_each_other(counter_image, ptckpt, tmp_path, change, words):
     _refused_alike(ptckpt, _edited(counter_image, tmp_path / "bad", proc=change), *words)
 

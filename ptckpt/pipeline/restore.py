@@ -364,6 +364,8 @@ def open_sources(run: RestoreRun) -> None:
 
 def create(run: RestoreRun) -> None:
     image, procs, events, opts = run.image, run.procs, run.events, run.opts
+    made, cgroup_warnings = process.make_cgroup_dirs([p.task.cgroup_dirs for p in procs.values()])
+    run.undo.on_failure(process.remove_cgroup_dirs, made)
     ns_fd = netns_mod.new_netns() if opts.netns else -1
     if ns_fd >= 0:
         run.cleanup.callback(os.close, ns_fd)
@@ -389,7 +391,8 @@ def create(run: RestoreRun) -> None:
     run.result = RestoreResult(pid=run.stub.pid, vpid=run.root, init_pid=run.stub.init_pid,
                                   pty_master=run.handoff.pty_master,
                                   warnings=[f"the image left out {u}" for u in left_out]
-                                  + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted])
+                                  + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted]
+                                  + cgroup_warnings)
     run.created = {run.root: run.stub.task}
 
 

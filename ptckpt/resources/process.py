@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import resource
 import struct
 import time
@@ -347,6 +348,234 @@ def cgroup_mounts() -> dict[frozenset, str]:
                                                                "nosuid", "nodev", "clone_children")}
             out.setdefault(frozenset(names), where)
     return out
+
+
+# The control files a cgroup directory made again by a restore gets back, in the order they
+# are written (a period before its quota or runtime, a limit before its memsw limit, a
+# cpuset's cpus and mems before anything joins), per v1 controller ("" : the v2 hierarchy,
+# whose files exist only where their controller is on).  Only a value that differs from
+# the new directory's is written.
+CGROUP_PROPERTIES: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu.shares", "cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.rt_period_us",
+            "cpu.rt_runtime_us"),
+    "cpuset": ("cpuset.cpus", "cpuset.mems", "cpuset.cpu_exclusive", "cpuset.mem_exclusive",
+               "cpuset.mem_hardwall", "cpuset.memory_migrate", "cpuset.memory_spread_page",
+               "cpuset.memory_spread_slab", "cpuset.sched_load_balance",
+               "cpuset.sched_relax_domain_level"),
+    "memory": ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes",
+               "memory.soft_limit_in_bytes", "memory.kmem.tcp.limit_in_bytes",
+               "memory.swappiness", "memory.move_charge_at_immigrate"),
+    "devices": ("devices.list",),
+    "pids": ("pids.max",),
+    "blkio": ("blkio.weight", "blkio.leaf_weight"),
+    "net_cls": ("net_cls.classid",),
+    "": ("cgroup.type", "cgroup.subtree_control", "cgroup.max.descendants", "cgroup.max.depth",
+         "cpuset.cpus", "cpuset.mems", "cpu.weight", "cpu.max", "io.weight", "memory.min",
+         "memory.low", "memory.high", "memory.max", "memory.swap.max", "pids.max"),
+}
+CGROUP_V1_PROPERTIES = ("notify_on_release", "cgroup.clone_children")
+
+
+def _esc(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def _unesc(text: str) -> str:
+    return re.sub(r"\\(.)", lambda m: {"t": "\t", "n": "\n"}.get(m.group(1), m.group(1)), text)
+
+
+def _hierarchy(line: str) -> tuple[str, str]:
+    """(controllers, path) of one /proc/PID/cgroup line."""
+    _id, controllers, path = line.split(":", 2)
+    return controllers, path
+
+
+def thread_cgroups(pid: int, tid: int, process_cgroups: str) -> str:
+    """/proc/PID/task/TID/cgroup where it differs from its process's (cgroup v1 moves a
+    thread by itself through `tasks`), else ""."""
+    if tid == pid:
+        return ""
+    try:
+        mine = procfs.read_cgroup(pid, tid)
+    except (OSError, PtckptError):
+        return ""
+    return "" if mine == process_cgroups else mine
+
+
+def _properties(controllers: str) -> tuple[str, ...]:
+    names = [c for c in controllers.split(",") if c and not c.startswith("name=")]
+    if not controllers:
+        return CGROUP_PROPERTIES[""]
+    return CGROUP_V1_PROPERTIES + tuple(p for c in names for p in CGROUP_PROPERTIES.get(c, ()))
+
+
+def dump_cgroup_dirs(cgroups: list[str]) -> str:
+    """The cgroup directories a process needs, for a restore to make those gone since: in
+    each hierarchy it (or a thread of it, `cgroups` are /proc/PID/cgroup texts) is in below
+    the root, that cgroup's ancestors, itself and its descendants, parents first.  One
+    tab-separated line each (backslash escapes \\t, \\n and \\\\ in names and values):
+      d CONTROLLERS PATH MODE UID GID      a directory (PATH from the hierarchy's root)
+      f CONTROLLERS PATH MODE UID GID      a file in it (its control files' owners, modes)
+      p CONTROLLERS PATH VALUE             a control file's value (CGROUP_PROPERTIES)
+    A hierarchy mounted nowhere here is left out (a restore cannot join it either, and
+    says so)."""
+    mounts = None
+    seen: set[tuple[str, str]] = set()
+    out: list[str] = []
+    for text in cgroups:
+        for line in text.splitlines():
+            controllers, path = _hierarchy(line)
+            if path == "/" or (controllers, path) in seen:
+                continue
+            mounts = cgroup_mounts() if mounts is None else mounts
+            where = mounts.get(frozenset(c for c in controllers.split(",") if c))
+            if where is None:
+                continue
+            parts = path.strip("/").split("/")
+            chain = ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
+            below = []
+            for top, dirs, _files in os.walk(os.path.join(where, path.lstrip("/"))):
+                dirs.sort()
+                below.append("/" + os.path.relpath(top, where))
+            for rel in chain + below:
+                if (controllers, rel) in seen:
+                    continue
+                seen.add((controllers, rel))
+                out += _one_cgroup_dir(where, controllers, rel)
+    return "".join(line + "\n" for line in out)
+
+
+def _one_cgroup_dir(where: str, controllers: str, rel: str) -> list[str]:
+    full = os.path.join(where, rel.lstrip("/"))
+    try:
+        st = os.stat(full)
+        names = sorted(os.listdir(full))
+    except OSError:
+        return []                             # gone meanwhile: nothing of it to keep
+    out = [f"d\t{controllers}\t{_esc(rel)}\t{st.st_mode & 0o7777:o}\t{st.st_uid}\t{st.st_gid}"]
+    for name in names:
+        with contextlib.suppress(OSError):
+            fst = os.lstat(os.path.join(full, name))
+            if not os.path.isdir(os.path.join(full, name)):
+                out.append(f"f\t{controllers}\t{_esc(rel + '/' + name)}\t{fst.st_mode & 0o7777:o}"
+                           f"\t{fst.st_uid}\t{fst.st_gid}")
+    for prop in _properties(controllers):
+        if prop in names:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(full, prop)) as f:
+                    out.append(f"p\t{controllers}\t{_esc(rel + '/' + prop)}\t{_esc(f.read())}")
+    return out
+
+
+def make_cgroup_dirs(recorded: list[str]) -> tuple[list[str], list[str]]:
+    """Make again the cgroup directories of `recorded` (TASK cgroup_dirs texts) that are
+    gone, parents first, each with its owner and mode, its files' owners and modes and its
+    control files' values as at dump; one that exists is left as it is.  Returns (the
+    directories made, for an undo; warnings)."""
+    dirs: dict[tuple[str, str], dict] = {}
+    for text in recorded:
+        for line in text.splitlines():
+            kind, controllers, *rest = line.split("\t")
+            rest[0] = _unesc(rest[0])
+            at = rest[0] if kind == "d" else os.path.dirname(rest[0])
+            entry = dirs.setdefault((controllers, at), {"stat": None, "files": [], "props": []})
+            if kind == "d":
+                entry["stat"] = tuple(int(v, 8 if i == 0 else 10) for i, v in enumerate(rest[1:4]))
+            elif kind == "f" and (os.path.basename(rest[0]), *rest[1:]) not in entry["files"]:
+                entry["files"].append((os.path.basename(rest[0]), *rest[1:]))
+            elif kind == "p" and all(n != os.path.basename(rest[0]) for n, _v in entry["props"]):
+                entry["props"].append((os.path.basename(rest[0]), _unesc(rest[1])))
+    made: list[str] = []
+    warnings: list[str] = []
+    mounts = cgroup_mounts() if dirs else {}
+    for (controllers, rel), entry in sorted(dirs.items(), key=lambda kv: kv[0][1].count("/")):
+        where = mounts.get(frozenset(c for c in controllers.split(",") if c))
+        if where is None or entry["stat"] is None:
+            continue
+        full = os.path.join(where, rel.lstrip("/"))
+        if os.path.isdir(full):
+            continue
+        mode, uid, gid = entry["stat"]
+        try:
+            os.mkdir(full)
+        except OSError as err:
+            warnings.append(f"cgroup {controllers or 'v2'}:{rel} could not be made again: {err.strerror}")
+            continue
+        made.append(full)
+        warnings += _set_cgroup_dir(full, f"{controllers or 'v2'}:{rel}", mode, uid, gid, entry)
+    return made, warnings
+
+
+def _set_cgroup_dir(full: str, what: str, mode: int, uid: int, gid: int, entry: dict) -> list[str]:
+    warnings = []
+    for name, value in entry["props"]:
+        path = os.path.join(full, name)
+        try:
+            with open(path) as f:
+                if f.read() == value:
+                    continue
+            if name == "devices.list":
+                _write(os.path.join(full, "devices.deny"), "a")
+                for rule in value.splitlines():
+                    _write(os.path.join(full, "devices.allow"), rule)
+            elif name == "cgroup.subtree_control":
+                _write(path, " ".join("+" + c for c in value.split()))
+            else:
+                _write(path, value.strip() or "\n")
+        except OSError as err:
+            warnings.append(f"cgroup {what}: {name} could not be set back to {value.strip()!r}: "
+                            f"{err.strerror}")
+    try:
+        for name, fmode, fuid, fgid in entry["files"]:
+            path = os.path.join(full, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if (st.st_uid, st.st_gid) != (int(fuid), int(fgid)):
+                    os.chown(path, int(fuid), int(fgid))
+                if st.st_mode & 0o7777 != int(fmode, 8):
+                    os.chmod(path, int(fmode, 8))
+        os.chown(full, uid, gid)
+        os.chmod(full, mode)
+    except OSError as err:
+        warnings.append(f"cgroup {what}: its owners and modes could not be set back: {err.strerror}")
+    return warnings
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def remove_cgroup_dirs(made: list[str]) -> None:
+    """Undo make_cgroup_dirs (a failed restore): the directories it made, children first."""
+    for full in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(full)
+
+
+def restore_thread_cgroups(pid: int, tid: int, recorded: str) -> list[str]:
+    """Put a restored thread back in its own cgroups (THREAD cgroups): its tid into each
+    v1 hierarchy's `tasks`, v2's `cgroup.threads` (a threaded cgroup)."""
+    if not recorded:
+        return []
+    now = {line.rsplit(":", 1)[0]: line for line in procfs.read_cgroup(pid, tid).splitlines()}
+    mounts = cgroup_mounts()
+    warnings = []
+    for line in recorded.splitlines():
+        key, _, path = line.rpartition(":")
+        if now.get(key) == line:
+            continue
+        controllers = key.split(":", 1)[1]
+        where = mounts.get(frozenset(c for c in controllers.split(",") if c))
+        try:
+            if where is None:
+                raise OSError(f"hierarchy '{controllers or 'v2'}' is not mounted here")
+            _write(os.path.join(where, path.lstrip("/"), "cgroup.threads" if not controllers else "tasks"),
+                   str(tid))
+        except OSError as err:
+            warnings.append(f"thread {tid} of process {pid} stays in cgroup {now.get(key, '?')} (it "
+                            f"was in {line}): {getattr(err, 'strerror', None) or err}")
+    return warnings
 
 
 def restore_cgroups(pid: int, recorded: str) -> list[str]:
