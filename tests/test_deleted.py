@@ -207,10 +207,13 @@ def test_what_cannot_come_back_is_refused_at_dump(spawn, ptckpt, tmp_path):
         node = spawn(str(idle_script(tmp_path, "node.py", "import os, time\n"
                                      f"p = os.open({str(tmp_path / 'N')!r}, os.O_RDWR)\n"
                                      f"os.unlink({str(tmp_path / 'N')!r})\n")), out=False)
-        for target, words in ((node, [f"{tmp_path / 'N'} (deleted)", "a deleted device node"]),
-                              (owner, ["SIGIO owner", f"process {os.getpid()}", "outside the dumped tree"]),
-                              (held, [f"{fifo} (deleted)", "holds it too"])):
-            _one_line(ptckpt("dump", target.pid, "-D", tmp_path / f"img{target.pid}"),
+        # a deleted device node is made again with mknod: refused by a dump that lacks CAP_MKNOD
+        for target, words, prefix in (
+                (node, [f"{tmp_path / 'N'} (deleted)", "a deleted device node", "CAP_MKNOD"],
+                 ("setpriv", "--bounding-set", "-mknod")),
+                (owner, ["SIGIO owner", f"process {os.getpid()}", "outside the dumped tree"], ()),
+                (held, [f"{fifo} (deleted)", "holds it too"], ())):
+            _one_line(ptckpt("dump", target.pid, "-D", tmp_path / f"img{target.pid}", prefix=prefix),
                       ExitCode.UNSUPPORTED_RESOURCE, *words)
             assert target.alive() and not (tmp_path / f"img{target.pid}").exists()
     finally:

@@ -238,7 +238,13 @@ def _dump_and_restore_in_pane(tmux, ptckpt, ptckpt_cmd, tmp_path, session: str, 
 
 
 def _links(pid: int) -> dict[int, str]:
-    return {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+    """What each fd of `pid` is; an fd closed between the listing and its readlink (top opens
+    and closes files of /proc all the time) is left out."""
+    out = {}
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out[int(n)] = os.readlink(f"/proc/{pid}/fd/{n}")
+    return out
 
 
 def _ends_with_status(tmux, session: str, pid: int, status: int = 0) -> None:

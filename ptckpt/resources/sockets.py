@@ -298,8 +298,8 @@ def _name_dir(pid: int, f: Fd, d) -> str:
     finally:
         os.close(copy)
     try:
-        link = os.fsencode(os.readlink(f"/proc/self/fd/{file}"))
-    except OSError:
+        link = os.fsencode(procfs.readlink_fd(os.getpid(), file))
+    except (OSError, procfs.FdGone):
         return ""
     finally:
         os.close(file)
