@@ -626,22 +626,31 @@ def write_pages(mem: AddressSpace, ranges, pages, shared: Sequence[tuple[int, in
 
 
 def _read_running(mem: AddressSpace, buf, batch, lost: list, shared=()):
-    """_read_batch for a process that runs: a range it unmapped meanwhile is dropped from
-    the batch (the rest moves up in `buf`) and added to `lost`."""
+    """_read_batch for a process that runs: what it unmapped meanwhile is dropped from the
+    batch (the rest moves up in `buf`) and added to `lost`.  A range is cut where the
+    mappings now end, so that the part of it still mapped is kept: a range can span two
+    mappings the kernel had merged, and one of them be gone now."""
     try:
         _read_batch(mem, buf, batch, shared)
         return batch
     except PtckptError:
         pass
+    try:
+        mapped = merge_spans((m.start, m.end) for m in procfs.read_maps(mem.pid))
+    except (OSError, PtckptError):
+        mapped = []
     kept, done = [], 0
     for s, e, d in batch:
-        try:
-            mem.read_unpinned(buf[done:done + e - s], s)
-        except PtckptError:
-            lost.append((s, e))
-            continue
-        kept.append((s, e, d))
-        done += e - s
+        pieces = _intersect(s, e, mapped)
+        lost.extend(subtract_spans([(s, e)], pieces))
+        for a, b in pieces:
+            try:
+                mem.read_unpinned(buf[done:done + b - a], a)
+            except PtckptError:
+                lost.append((a, b))
+                continue
+            kept.append((a, b, d))
+            done += b - a
     return kept
 
 

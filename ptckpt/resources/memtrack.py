@@ -198,10 +198,26 @@ class Tracker:
         return untracked
 
     def unprotect(self, start: int, end: int) -> None:
-        """Clear the protection of [start, end): its pages count as written next time."""
+        """Clear the protection of [start, end): its pages count as written next time.  The
+        kernel refuses a range with a hole in it: then each part still mapped is cleared on
+        its own (a part left protected would count as not written, and be lost)."""
+        if self._unprotect(start, end):
+            return
+        try:
+            maps = procfs.read_maps(self.pid)
+        except (OSError, PtckptError):
+            return                                # it ended: nothing left to mark
+        for m in maps:
+            if m.start < end and start < m.end:
+                self._unprotect(max(m.start, start), min(m.end, end))   # not ours (unregistered): written anyway
+
+    def _unprotect(self, start: int, end: int) -> bool:
         arg = bytearray(struct.pack("<QQQ", start, end - start, 0))
-        with contextlib.suppress(OSError):        # unmapped: nothing left to mark
+        try:
             fcntl.ioctl(self.ours, UFFDIO_WRITEPROTECT, arg)
+        except OSError:
+            return False
+        return True
 
     def commit(self, image_id: str, vpid: int) -> None:
         """Record that the protection is relative to image `image_id` (committed)."""
