@@ -362,7 +362,9 @@ def restore(directory: str | os.PathLike, *,
             hold_timeout: float | str = 30.0,
             page_server: str | None = None,
             token_file: str | os.PathLike | None = None,
-            tcp_close: bool = False) -> Restored:
+            tcp_close: bool = False,
+            cgroup_root: Sequence[str] = (),
+            cgroups: str = "join") -> Restored:
     """``ptckpt restore -D DIRECTORY --detach``: recreate the image's processes and return
     once they run.
 
@@ -397,6 +399,13 @@ def restore(directory: str | os.PathLike, *,
     tcp_close        TCP connections dumped with tcp_established come back closed (over,
                      both ways shut), those waiting in an accept queue are dropped, and the
                      image's network lock goes (as CRIU's restore --tcp-close)
+    cgroup_root      "[CONTROLLER:]PATH" items: the tree's cgroups go under PATH (its
+                     common cgroup in a hierarchy replaced by PATH), in the hierarchy of
+                     CONTROLLER (cpu, name=systemd, v2 ...), or without one in every
+                     hierarchy no item names (as CRIU's --cgroup-root)
+    cgroups          "join" (the default: the cgroups of the dump, made again where gone)
+                     or "ignore": no cgroup joined or made, the tree stays in the caller's
+                     (as CRIU's --manage-cgroups=ignore)
 
     Returns a :class:`Restored` handle.  The caller becomes a child subreaper, so that the
     tree's orphans come back to it."""
@@ -404,6 +413,14 @@ def restore(directory: str | os.PathLike, *,
         raise UsageError("--new-pty-program needs --new-pty")
     policy = parse_file_policy(file_policy)
     hold = parse_duration(hold_timeout)
+    from .resources.process import parse_cgroup_roots
+    if cgroups not in ("join", "ignore"):
+        raise UsageError(f"cgroups {cgroups!r}: join or ignore")
+    if isinstance(cgroup_root, str):
+        cgroup_root = [cgroup_root]
+    roots = parse_cgroup_roots(cgroup_root)
+    if roots and cgroups == "ignore":
+        raise UsageError("--cgroup-root and --cgroups ignore exclude each other")
     remote = _page_server(page_server, token_file)
     loaded, injector = _restore_plugins(plugins, remap_path=remap_path, set_env=set_env, unset_env=unset_env,
                                         reconnect=reconnect, remap_addr=remap_addr, inject=inject, seed=seed,
@@ -414,7 +431,7 @@ def restore(directory: str | os.PathLike, *,
     become_subreaper()                  # orphans of the tree come back to the caller, not init
     result = _restore(os.fspath(directory), pidns=pidns, netns=netns, file_policy=policy,
                       new_pty=new_pty, plugins=loaded, hold_timeout=hold, lazy=lazy, tcp_close=tcp_close,
-                      **remote)
+                      cgroup_roots=roots, cgroups=cgroups, **remote)
     restored = _handle(result, injector)
     if result.exit_status is not None and not result.init_pid:
         restored._ended(shell_status(result.exit_status))

@@ -264,6 +264,10 @@ def restore(
     page_server: Annotated[Optional[str], typer.Option("--page-server", metavar="ADDRESS", help="HOST:PORT or unix:PATH of the `ptckpt page-server` a dump --page-server sent the memory pages to: they are fetched into memory before the rebuild, or with --lazy as the processes touch them.")] = None,
     token_file: Annotated[Optional[str], typer.Option("--token-file", metavar="FILE", help="With --page-server: the page server's token (default $PTCKPT_TOKEN).")] = None,
     tcp_close: Annotated[bool, typer.Option("--tcp-close", help="TCP connections dumped with --tcp-established come back closed (state CLOSE, both ways shut: reads give EOF, writes EPIPE), as CRIU's restore --tcp-close; connections not yet accepted are dropped; the network lock goes.")] = False,
+    cgroup_root: Annotated[Optional[list[str]], typer.Option("--cgroup-root", metavar="[CONTROLLER:]PATH",
+                                                             help="Restore the tree's cgroups under PATH: in each hierarchy the tree's common cgroup is replaced by PATH (made if missing), what is below it follows. With CONTROLLER (cpu, name=systemd, v2 ...) only in that hierarchy; without, in every hierarchy no other --cgroup-root names. As CRIU's --cgroup-root. Repeatable.")] = None,
+    cgroups: Annotated[str, typer.Option("--cgroups", metavar="MODE",
+                                         help="join (the default): the tree goes back into its cgroups, made again where gone; ignore: no cgroup is joined or made, the tree stays in ptckpt's (as CRIU's --manage-cgroups=ignore).")] = "join",
 ) -> None:
     """Recreate the checkpointed process so that it continues where it was frozen.
 
@@ -286,7 +290,8 @@ def restore(
                                unset_env=unset_env or (), reconnect=reconnect, remap_addr=remap_addr or (),
                                inject=inject or (), seed=seed, faults_log=faults_log, new_pty=new_pty,
                                new_pty_program=new_pty_program, inherit_stdio=inherit_stdio,
-                               page_server=page_server, token_file=token_file, tcp_close=tcp_close)
+                               page_server=page_server, token_file=token_file, tcp_close=tcp_close,
+                               cgroup_root=cgroup_root or (), cgroups=cgroups)
     except PtckptError as err:
         raise _fail(err) from None
     _render_restore(tree, as_json=as_json, detach=detach, pidfile=pidfile)

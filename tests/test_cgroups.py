@@ -167,3 +167,59 @@ def test_a_thread_goes_back_to_its_own_cgroup(spawn, ptckpt, tmp_path, named_hie
                     if l.split(":")[1] == key)
     assert line(moved).endswith(":/proc/thread")
     assert all(line(t).endswith(":/proc") for t in [target.pid] + target.tids if t != moved)
+
+
+def test_cgroup_root_puts_the_tree_under_another_root(spawn, ptckpt, tmp_path, named_hierarchy):
+    """--cgroup-root CONTROLLER:PATH (CRIU's): the tree's common cgroup in that hierarchy is
+    replaced by PATH, made with the cgroups below it, a thread in its own there too; the
+    cgroups above the common one are not made again."""
+    where, key = named_hierarchy
+    os.makedirs(os.path.join(where, "old", "proc", "thread"))
+    target = spawn("threads")
+    with open(os.path.join(where, "old", "proc", "cgroup.procs"), "w") as f:
+        f.write(str(target.pid))
+    moved = target.tids[1]
+    with open(os.path.join(where, "old", "proc", "thread", "tasks"), "w") as f:
+        f.write(str(moved))
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    for gone in ("old/proc/thread", "old/proc", "old"):
+        os.rmdir(os.path.join(where, gone))
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--cgroup-root", f"{key}:/new/root")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    assert key not in res.stderr
+
+    def line(tid):
+        return next(l for l in open(f"/proc/{target.pid}/task/{tid}/cgroup").read().splitlines()
+                    if l.split(":")[1] == key)
+    assert line(moved).endswith(":/new/root/thread")
+    assert all(line(t).endswith(":/new/root") for t in [target.pid] + target.tids if t != moved)
+    assert not os.path.exists(os.path.join(where, "old"))
+
+
+def test_cgroups_ignore_leaves_the_tree_in_the_restorers_cgroups(spawn, ptckpt, tmp_path, named_hierarchy):
+    """--cgroups ignore (CRIU's --manage-cgroups=ignore): no cgroup is joined or made."""
+    where, key = named_hierarchy
+    os.mkdir(os.path.join(where, "sub"))
+    target = spawn("counter")
+    with open(os.path.join(where, "sub", "cgroup.procs"), "w") as f:
+        f.write(str(target.pid))
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    os.rmdir(os.path.join(where, "sub"))
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--cgroups", "ignore")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    assert "cgroup" not in res.stderr
+    assert _line(target.pid, key) == _line(os.getpid(), key)
+    assert not os.path.exists(os.path.join(where, "sub"))
+
+
+def test_cgroup_root_and_cgroups_ignore_exclude_each_other(ptckpt, tmp_path):
+    res = ptckpt("restore", "-D", tmp_path, "--cgroups", "ignore", "--cgroup-root", "/new")
+    assert res.returncode != 0 and "exclude each other" in res.stderr
+    res = ptckpt("restore", "-D", tmp_path, "--cgroup-root", "new")
+    assert res.returncode != 0 and "absolute cgroup path" in res.stderr

@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -76,6 +76,8 @@ class RestoreOptions:
     page_server: str | None = None  # the page data a dump sent there (ptckpt.pagestream) ...
     token: bytes = b""              # ... with this token
     tcp_close: bool = False         # connections dumped with --tcp-established come back closed
+    cgroup_roots: tuple = ()        # ((controller or "", new root), ...): --cgroup-root
+    cgroups: str = "join"           # or "ignore": the tree stays in the restorer's cgroups
 
 
 class PageSource(NamedTuple):
@@ -130,6 +132,7 @@ class RestoreRun:
     blocks: dict[int, int] = field(default_factory=dict)
     joins: bool = False
     leads: bool = False
+    cgroup_warnings: list = field(default_factory=list)
 
     @property
     def root(self) -> int:
@@ -145,7 +148,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
             new_pty: bool = False, plugins: Sequence[Plugin] = (),
             hold_timeout: float = 30.0, lazy: bool = False, before_resume=None,
             group=None, page_server: str | None = None, token: bytes = b"",
-            tcp_close: bool = False) -> RestoreResult:
+            tcp_close: bool = False, cgroup_roots: Mapping[str, str] | None = None,
+            cgroups: str = "join") -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
 
     Every file reopened by path is compared with what the image recorded (size, mtime,
@@ -179,6 +183,12 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     ways shut), the connections that waited in an accept queue are dropped, and the lock
     goes all the same (as CRIU's restore --tcp-close).
 
+    The tree goes back into its cgroups (made again where gone), or with `cgroup_roots`
+    ({controller, "" for every other hierarchy: new root}, as process.parse_cgroup_roots
+    makes) into the same cgroups under another root: the tree's common cgroup in a
+    hierarchy is replaced by the new root.  With `cgroups` "ignore" no cgroup is joined
+    or made: the tree stays in the restorer's (as CRIU's --manage-cgroups=ignore).
+
     With `lazy` the processes run before their private anonymous memory is in: a page
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
     name it, its watchdog and their log.
@@ -194,7 +204,8 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     """
     opts = RestoreOptions(pidns, netns, file_policy, new_pty, tuple(plugins), hold_timeout, lazy,
                           before_resume=before_resume, group=group, page_server=page_server, token=token,
-                          tcp_close=tcp_close)
+                          tcp_close=tcp_close, cgroup_roots=tuple(sorted((cgroup_roots or {}).items())),
+                          cgroups=cgroups)
     run = _staged(directory, opts, (("before resume", call_before_resume), ("hand off", hand_off),
                                     ("resume", resume)))
     run.result.seconds = time.monotonic() - run.started
@@ -300,6 +311,10 @@ def collect(run: RestoreRun) -> None:
         handles = [ProcessHandle(0, p, run.procs[p]) for p in run.members]
         run.events.run("pre_restore", handles)
         run.procs = {h.vpid: h.image for h in handles}
+    if opts.cgroups == "ignore":
+        run.procs = process.ignore_cgroups(run.procs)
+    else:
+        run.procs, run.cgroup_warnings = process.reroot_cgroups(run.procs, dict(opts.cgroup_roots))
     check_external(run.procs, run.events)
 
 
@@ -392,7 +407,7 @@ def create(run: RestoreRun) -> None:
                                   pty_master=run.handoff.pty_master,
                                   warnings=[f"the image left out {u}" for u in left_out]
                                   + [f"changed since the dump: {w}" for w in verdict.warnings + verdict.accepted]
-                                  + cgroup_warnings)
+                                  + run.cgroup_warnings + cgroup_warnings)
     run.created = {run.root: run.stub.task}
 
 

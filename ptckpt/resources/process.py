@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from .. import procfs
-from ..errors import PtckptError, UnsupportedResource
+from ..errors import PtckptError, UnsupportedResource, UsageError
 from ..formats.model import Mm, ProcessImage, Rlimit, Task
 from ..tracee import KCMP_FILES, KCMP_FS, RemoteSyscalls, same_kernel_object
 from . import membarrier
@@ -604,6 +604,120 @@ def restore_cgroups(pid: int, recorded: str) -> list[str]:
     return warnings
 
 
+
+
+def parse_cgroup_roots(items) -> dict[str, str]:
+    """`--cgroup-root [CONTROLLER:]PATH` items: {controller ("" for every hierarchy no item
+    names): PATH}.  A controller is one of a v1 hierarchy's (cpu, name=systemd ...) or
+    "v2"."""
+    roots: dict[str, str] = {}
+    for item in items:
+        controller, path = ("", item) if item.startswith("/") else item.rsplit(":", 1) if ":" in item else ("", item)
+        parts = [p for p in path.split("/") if p]
+        if not path.startswith("/") or any(p in (".", "..") for p in parts):
+            raise UsageError(f"--cgroup-root {item}: PATH must be an absolute cgroup path, as /newroot "
+                             f"(or CONTROLLER:/newroot)")
+        path = "/" + "/".join(parts)
+        if roots.get(controller, path) != path:
+            raise UsageError(f"--cgroup-root given twice for {controller or 'every hierarchy'}")
+        roots[controller] = path
+    return roots
+
+
+def _new_root(controllers: str, roots: dict[str, str]) -> str | None:
+    """The root `roots` give the hierarchy of `controllers` (/proc/PID/cgroup's field; "" for
+    v2), or None."""
+    names = [c for c in controllers.split(",") if c] or ["v2"]
+    found = {roots[n] for n in names if n in roots}
+    if len(found) > 1:
+        raise UsageError(f"--cgroup-root gives the hierarchy {controllers} two roots: {', '.join(sorted(found))}")
+    return found.pop() if found else roots.get("")
+
+
+def _under(path: str, root: str) -> str | None:
+    """The part of `path` below `root` ("" for root itself, "/a/b" below), or None."""
+    if root == "/":
+        return "" if path == "/" else path
+    if path == root:
+        return ""
+    return path[len(root):] if path.startswith(root + "/") else None
+
+
+def reroot_cgroups(procs: dict, roots: dict[str, str]) -> tuple[dict, list[str]]:
+    """The process images `procs` ({vpid: ProcessImage}) with their cgroups moved for
+    `--cgroup-root` (`roots`, parse_cgroup_roots): in each hierarchy a root applies to, the
+    tree's common cgroup (the deepest one every process and thread is in or below) is
+    replaced by the new root, whatever is below it follows, and the cgroup directories
+    recorded above it are left out (the new root's missing ancestors are made plain).
+    Returns (the images, warnings: a controller no hierarchy of the image has)."""
+    if not roots:
+        return procs, []
+    texts = [p.task.cgroups for p in procs.values()] + [t.cgroups for p in procs.values() for t in p.threads]
+    paths: dict[str, list[str]] = {}
+    for text in texts:
+        for line in text.splitlines():
+            controllers, path = _hierarchy(line)
+            paths.setdefault(controllers, []).append(path)
+    moves: dict[str, tuple[str, str]] = {}                  # controllers: (common root, new root)
+    for controllers, members in paths.items():
+        new = _new_root(controllers, roots)
+        if new is None:
+            continue
+        common = os.path.commonpath(members) if all(m.startswith("/") for m in members) else None
+        if common is not None:
+            moves[controllers] = (common, new)
+    named = {n for c in paths for n in (c.split(",") if c else ["v2"])}
+    warnings = [f"--cgroup-root {c}:{r}: the image has no cgroup hierarchy with {c}"
+                for c, r in roots.items() if c and c not in named]
+
+    def move(path: str, controllers: str) -> str | None:
+        if controllers not in moves:
+            return path
+        common, new = moves[controllers]
+        rest = _under(path, common)
+        return None if rest is None else (new.rstrip("/") + rest) or "/"
+
+    def member_text(text: str) -> str:
+        out = []
+        for line in text.splitlines():
+            hid, controllers, path = line.split(":", 2)
+            out.append(f"{hid}:{controllers}:{move(path, controllers)}")
+        return "".join(line + "\n" for line in out)
+
+    def dirs_text(text: str) -> str:
+        out = []
+        for line in text.splitlines():
+            kind, controllers, rel, *rest = line.split("\t")
+            if controllers in moves:
+                at = move(_unesc(rel), controllers)
+                if at is None:
+                    continue                                # above the common root: not the tree's
+                rel = _esc(at)
+            out.append("\t".join([kind, controllers, rel, *rest]))
+        return "".join(line + "\n" for line in out)
+
+    made = ""
+    for controllers, (_common, new) in moves.items():      # the new root's path, parents first
+        parts = new.strip("/").split("/") if new != "/" else []
+        for i in range(1, len(parts) + 1):
+            made += f"d\t{controllers}\t{_esc('/' + '/'.join(parts[:i]))}\t755\t{os.getuid()}\t{os.getgid()}\n"
+    out = {}
+    for i, (vpid, proc) in enumerate(procs.items()):
+        task = dataclasses.replace(proc.task, cgroups=member_text(proc.task.cgroups),
+                                   cgroup_dirs=(made if i == 0 else "") + dirs_text(proc.task.cgroup_dirs))
+        threads = tuple(dataclasses.replace(t, cgroups=member_text(t.cgroups)) if t.cgroups else t
+                        for t in proc.threads)
+        out[vpid] = dataclasses.replace(proc, task=task, threads=threads)
+    return out, warnings
+
+
+def ignore_cgroups(procs: dict) -> dict:
+    """The process images `procs` with no cgroups to join or make (`--cgroups ignore`): the
+    tree stays in the restorer's."""
+    return {vpid: dataclasses.replace(
+        proc, task=dataclasses.replace(proc.task, cgroups="", cgroup_dirs=""),
+        threads=tuple(dataclasses.replace(t, cgroups="") for t in proc.threads))
+        for vpid, proc in procs.items()}
 
 
 def expendable(pid: int) -> None:
