@@ -521,8 +521,8 @@ class InetSocket:
 
     ino: int                                   # socket inode (a PENDING one: a number of ptckpt's)
     family: int                                # AF_INET 2, AF_INET6 10
-    type: int                                  # SOCK_STREAM 1, SOCK_DGRAM 2
-    protocol: int                              # IPPROTO_TCP 6, IPPROTO_UDP 17
+    type: int                                  # SOCK_STREAM 1, SOCK_DGRAM 2, SOCK_RAW 3
+    protocol: int                              # IPPROTO_TCP 6, IPPROTO_UDP 17 (raw: any)
     state: int
     mode: int = InetMode.PLAIN
     src: str = ""

@@ -109,8 +109,9 @@ SOCKETS: dict[tuple[str, str, str], Kind] = {key: Kind("socket", " ".join(key), 
        for fam in ("AF_INET", "AF_INET6")},
     ("AF_INET", "SOCK_DGRAM", "1"): ("resources.inet (ICMP ping socket: echo id, peer, options)",),
     ("AF_INET6", "SOCK_DGRAM", "58"): ("resources.inet (ICMPv6 ping socket: echo id, peer, options)",),
-    ("AF_INET", "SOCK_RAW", "*"): ("", "a raw socket"),
-    ("AF_INET6", "SOCK_RAW", "*"): ("", "a raw socket"),
+    **{(fam, "SOCK_RAW", "*"): ("resources.inet (raw IP socket, any protocol: address, peer, options "
+                                "such as IP_HDRINCL and ICMP filters; made again with CAP_NET_RAW, "
+                                "packets queued refused)",) for fam in ("AF_INET", "AF_INET6")},
     ("AF_PACKET", "*", "*"): ("", "a packet socket"),
 }.items()}
 

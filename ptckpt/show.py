@@ -308,11 +308,15 @@ def _plural(n: int, word: str) -> str:
 
 
 def _inet_row(r: InetSocket, where: str) -> list[str]:
-    is_tcp = r.protocol == socket.IPPROTO_TCP
+    is_tcp = r.protocol == socket.IPPROTO_TCP and not inet.is_raw(r)
     local = inet.endpoint(r.src, r.sport) if r.src or r.sport else "-"
-    connected = r.state == 1 if inet.is_ping(r.protocol) else bool(r.dport)
+    connected = r.state == 1 if inet.is_ping(r.protocol) or inet.is_raw(r) else bool(r.dport)
     peer = inet.endpoint(r.dst, r.dport) if connected else "-"
-    if not is_tcp:
+    if inet.is_raw(r):
+        local, peer = r.src or "-", r.dst if connected else "-"
+        state = "connected" if connected else "bound" if r.src else "unbound"
+        recv = send = "-"
+    elif not is_tcp:
         state = "connected" if connected else "bound" if r.sport else "unbound"
         size = sum(len(d[2]) for d in r.datagrams)
         recv, send = f"{size} ({_plural(len(r.datagrams), 'dgram')})", "-"
@@ -335,7 +339,7 @@ def _inet_row(r: InetSocket, where: str) -> list[str]:
             recv = send = "-"                # a listener, an unconnected socket; a closed one's are dropped
     if r.shutdown in _SHUTDOWN and r.mode != InetMode.CLOSED:
         state += f", {_SHUTDOWN[r.shutdown]}"
-    kind = inet.PROTOCOL_NAMES.get(r.protocol, str(r.protocol))
+    kind = inet.proto_name(r.type, r.protocol)
     return [_FAMILIES.get(r.family, str(r.family)), kind, local, peer, state, recv, send]
 
 

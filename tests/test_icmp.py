@@ -1,7 +1,7 @@
-"""ICMP "ping" sockets and UDP-Lite sockets through `ptckpt dump` and `ptckpt restore`
+"""ICMP "ping" sockets, UDP-Lite sockets and raw IP sockets through `ptckpt dump` and `ptckpt restore`
 (fixtures/pingkinds.py): the restored program pings the loopback address on its restored
 socket and checks the reply, or reads the UDP-Lite datagrams that were queued at the dump.
-Real processes, the real kernel; `spawn` kills what it started."""
+Raw sockets (fixtures/rawkinds.py) are used after the restore too.  Real processes, the real kernel; `spawn` kills what it started."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from ptckpt.formats.image import ImageReader
 
+from conftest import needs
 from test_restore import _dump_kill, _one_line, _restore
 
 EXIT_UNSUPPORTED = 13
@@ -120,3 +121,61 @@ def test_udplite_queue_and_coverage(spawn, ptckpt, tmp_path, family):
     assert _restore(ptckpt, tmp_path / "img") == t.pid
     assert _finish(t)[-4:] == ["OPTS send=20 recv=20", f"DGRAM {send_port} one",
                                f"DGRAM {send_port} two", f"DGRAM {send_port} three"]
+
+
+# --- raw IP sockets (fixtures/rawkinds.py) ----------------------------------------------
+
+def _need_raw() -> None:
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP).close()
+    except PermissionError:
+        pytest.skip("no CAP_NET_RAW here")
+
+
+def test_raw_sockets_come_back(spawn, ptckpt, tmp_path):
+    """zdtm's socket-raw and sock_ip_opts: raw sockets of both families and several
+    protocols come back with their protocol, bound address, peer and options (IP_HDRINCL,
+    IP_TTL, IP_TOS, IP_FREEBIND, IP_PKTINFO, ICMP_FILTER, ICMPV6_FILTER, IPV6_FREEBIND,
+    IPV6_RECVPKTINFO, IPV6_CHECKSUM, ...), and work: a datagram built whole goes out, the
+    connected ICMP socket gets its echo reply through its filter, the ICMPv6 one the one
+    type its filter passes, the connected IPv6 one its own packet with its checksum."""
+    _need_raw()
+    t = spawn("rawkinds.py", "raw")
+    before = t.stdout_lines()[:5]
+    assert [line.split()[1] for line in before] == ["udp4", "icmp4", "raw4", "icmp6", "exp6"], before
+    _dump_kill(ptckpt, t, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as im:
+        recs = {(r.family, r.protocol): r for r in im.inet_sockets}
+    assert {r.type for r in recs.values()} == {socket.SOCK_RAW}
+    assert recs[(socket.AF_INET, socket.IPPROTO_ICMP)].dst == "127.0.0.1"
+    assert (recs[(socket.AF_INET6, 253)].src, recs[(socket.AF_INET6, 253)].dst) == ("::1", "::1")
+    assert _restore(ptckpt, tmp_path / "img") == t.pid
+    lines = _finish(t)
+    assert lines[-9:-4] == before, "same protocol, address and options"
+    assert lines[-4:] == ["SENT udp4 built by hand", "ECHO icmp4 0 127.0.0.1", "GOT icmp6 200 type 200",
+                          "GOT exp6 to myself"]
+
+
+def test_raw_socket_with_a_queued_packet_is_refused(spawn, ptckpt, tmp_path):
+    """A packet queued on a raw socket and not read: refused by name, one line; the program
+    goes on and reads it."""
+    _need_raw()
+    t = spawn("rawkinds.py", "raw-queued")
+    res = ptckpt("dump", t.pid, "-D", tmp_path / "img", "--kill")
+    _one_line(res, EXIT_UNSUPPORTED, f"process {t.pid}", "raw IP protocol 17 127.0.0.13",
+              "packets queued", "dump again")
+    assert not (tmp_path / "img").exists()
+    assert _finish(t)[-1] == "PACKET queued"
+
+
+@needs("setpriv")
+def test_raw_socket_refused_by_a_dump_without_cap_net_raw(spawn, ptckpt, tmp_path):
+    """A dump that lacks CAP_NET_RAW refuses a raw socket (its restore, by the same user,
+    could not make it); the program goes on."""
+    _need_raw()
+    t = spawn("rawkinds.py", "raw")
+    res = ptckpt("dump", t.pid, "-D", tmp_path / "img", "--kill",
+                 prefix=("setpriv", "--inh-caps=-net_raw", "--bounding-set=-net_raw"))
+    _one_line(res, EXIT_UNSUPPORTED, f"process {t.pid}", "raw IP protocol", "CAP_NET_RAW")
+    assert not (tmp_path / "img").exists()
+    assert _finish(t)[-1] == "GOT exp6 to myself"

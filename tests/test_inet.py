@@ -593,7 +593,6 @@ def test_established_without_flags_is_refused(spawn, ptckpt, tmp_path, own_locks
 
 
 @pytest.mark.parametrize("mode,words", [
-    ("raw", ["fd ", "raw socket", "not supported"]),
     ("packet", ["fd ", "packet socket", "not supported"]),
     ("urgent", ["fd ", "urgent", "not supported"]),
     ("netlink-unread", ["fd ", "netlink", "not read", "not supported"]),
@@ -609,7 +608,7 @@ def test_refused_kinds(spawn, ptckpt, tmp_path, own_locks, mode, words):
                            f"process {t.pid}", *words)
     t.signal(signal.SIGUSR1)
     assert t.wait_exit(10) == 0, t.describe()
-    after = {"raw": ["ALIVE raw type=3"], "packet": ["ALIVE packet type=3"],
+    after = {"packet": ["ALIVE packet type=3"],
              "urgent": ["URGENT !", "DATA data"], "tcp-shut-unconnected": ["READ EOF"]}.get(mode)
     if after:
         assert t.out_lines()[-len(after):] == after

@@ -17,7 +17,7 @@ from ptckpt.resources import files, memory
 # (fixture, its arguments; "DIR": an empty directory of the test's)
 FIXTURES = [("fdkinds", "DIR"), ("files", "DIR"), ("notify", "fanotify", "DIR"), ("deleted", "DIR"),
             ("pidfds",), ("ptypair", "queues"), ("nsfds.py", "own"), ("pingkinds.py", "ping-connected", "4"),
-            ("pingkinds.py", "udplite", "6"), ("unixkinds.py", "scm", "dgram"), ("netkinds.py", "netlink-bound"),
+            ("pingkinds.py", "udplite", "6"), ("unixkinds.py", "scm", "dgram"), ("netkinds.py", "netlink-bound"), ("rawkinds.py", "raw"),
             ("netkinds.py", "tcp-bound"), ("udpserver",), ("shmobjects",), ("threads",), ("forkserver",)]
 # restored kinds no fixture above holds, and the tests that hold them
 ELSEWHERE = {

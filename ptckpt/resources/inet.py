@@ -1,5 +1,5 @@
-"""Inet sockets held inside a tree: TCP, UDP, UDP-Lite and ICMP "ping" sockets over IPv4
-and IPv6.
+"""Inet sockets held inside a tree: TCP, UDP, UDP-Lite, ICMP "ping" and raw sockets over
+IPv4 and IPv6.
 
 Dump half: :class:`InetDump` looks at every AF_INET/AF_INET6 socket of a frozen tree
 through a copy of its fd (pidfd_getfd) and decides, before it changes anything, how
@@ -16,6 +16,14 @@ each comes back (:class:`~ptckpt.formats.model.InetMode`):
   /proc/PID/net/icmp and icmp6) and their options.  A reply or error queued and not
   read yet is refused: a ping socket has no SO_PEEK_OFF, so no dump can read its
   queue without taking it from the program;
+* raw sockets (SOCK_RAW, any protocol): PLAIN, from their protocol, bound address (a
+  raw socket has no port: the one getsockname gives is its protocol), peer (read from
+  /proc/PID/net/raw and raw6, as getpeername refuses a peer with no port), options (their
+  own among them: IP_HDRINCL, ICMP_FILTER, ICMPV6_FILTER, IPV6_CHECKSUM, ...), groups and
+  filter.  Making one needs CAP_NET_RAW: a dump without it refuses them, as the restore
+  by the same user would fail.  A packet queued and not read is refused: a raw socket has
+  no SO_PEEK_OFF, and no packet can be queued again on it without every other raw
+  socket of that protocol seeing it too;
 * established and half-closed TCP connections: REPAIRED with ``--tcp-established``
   (locked with :mod:`ptckpt.netlock` as soon as the tree is frozen,
   :meth:`InetDump.lock_frozen`, then read in repair mode, :mod:`.tcp`), CLOSED
@@ -88,12 +96,23 @@ def is_inet(f: Fd) -> bool:
     kind = dict(f.details).get("type", "")
     proto = dict(f.details).get("protocol", "")
     ping = str(PING_PROTOCOLS[inet_family(f)])
-    return (kind == "SOCK_STREAM" and proto in ("0", "6")) or (
+    return (kind == "SOCK_STREAM" and proto in ("0", "6")) or kind == "SOCK_RAW" or (
         kind == "SOCK_DGRAM" and proto in ("0", "17", str(UDPLITE), ping))
 
 
 def is_ping(proto: int) -> bool:
     return proto in (ICMP, ICMPV6)
+
+
+def is_raw(r: InetSocket) -> bool:
+    return r.type == socket.SOCK_RAW
+
+
+def proto_name(type_: int, proto: int) -> str:
+    """'UDP', 'TCP', ...; a raw socket: 'raw IP protocol 17' (what it sends and receives)."""
+    if type_ == socket.SOCK_RAW:
+        return f"raw IP protocol {proto}"
+    return PROTOCOL_NAMES.get(proto, str(proto))
 
 
 def endpoint(addr: str, port: int) -> str:
@@ -102,7 +121,11 @@ def endpoint(addr: str, port: int) -> str:
 
 def describe(r: InetSocket) -> str:
     """'TCP 127.0.0.1:8080 -> 127.0.0.1:45000 (ESTABLISHED)', as show and messages print it."""
-    proto = PROTOCOL_NAMES.get(r.protocol, str(r.protocol))
+    proto = proto_name(r.type, r.protocol)
+    if is_raw(r):
+        here = r.src or "unbound"
+        there = f" -> {r.dst}" if r.state == tcp.ESTABLISHED else ""
+        return f"{proto} {here}{there}"
     here = endpoint(r.src, r.sport) if r.src or r.sport else "unbound"
     connected = r.dport or r.protocol != _TCP and r.state == tcp.ESTABLISHED
     there = f" -> {endpoint(r.dst, r.dport)}" if connected else ""
@@ -131,6 +154,7 @@ class _Sock:
     family: int
     proto: int
     state: int
+    type: int = socket.SOCK_STREAM
     src: str = ""
     sport: int = 0
     dst: str = ""
@@ -236,7 +260,18 @@ class InetDump:
             raise
         self.copies.append(sock)
         s = _Sock(pid, f, sock, sock.family, sock.proto or (_TCP if sock.type == socket.SOCK_STREAM else _UDP),
-                  state=tcp.CLOSE)
+                  state=tcp.CLOSE, type=sock.type)
+        if s.type == socket.SOCK_RAW:
+            # the "port" getsockname gives is the protocol, the peer has no port (getpeername
+            # says ENOTCONN): the kernel's table of raw sockets has the peer and the state
+            s.proto = sock.proto
+            s.src = sock.getsockname()[0]
+            if s.src in ("0.0.0.0", "::"):
+                s.src = ""
+            row = ping_table(pid, s.family, raw=True).get(f.ino)
+            if row is not None and row[0] == tcp.ESTABLISHED:
+                s.state, s.dst = tcp.ESTABLISHED, row[1]
+            return s
         with contextlib.suppress(OSError):
             s.src, s.sport = sock.getsockname()[:2]
         with contextlib.suppress(OSError):
@@ -267,6 +302,9 @@ class InetDump:
 
     def _classify(self, s: _Sock, diag, inodes: set[int], fds) -> None:
         """Decide how `s` comes back; refuse what cannot (nothing is changed here)."""
+        if s.type == socket.SOCK_RAW:
+            self._classify_raw(s)
+            return
         if is_ping(s.proto):
             events = _poll(s.sock, select.POLLRDHUP)
             if events & select.POLLERR:
@@ -315,6 +353,26 @@ class InetDump:
         to = f" to {endpoint(d.dst, d.dport)}" if d is not None and d.dport else ""
         self._refuse(s, f"a TCP socket in state {tcp.state_name(s.state)}{to} (a connection being set up "
                         f"cannot be frozen: dump again once it is established)")
+
+    def _classify_raw(self, s: _Sock) -> None:
+        """A raw socket: made again by ptckpt at restore, which needs CAP_NET_RAW (a dump
+        without it refuses, as the restore would); its queues cannot be refilled."""
+        try:
+            socket.socket(s.family, socket.SOCK_RAW, s.proto).close()
+        except PermissionError:
+            self._refuse(s, "a raw socket, which only a restore with CAP_NET_RAW can make again, and "
+                            "this dump has not got it (dump and restore as root, or with CAP_NET_RAW)")
+        events = _poll(s.sock, select.POLLRDHUP)
+        if events & select.POLLERR:
+            self._refuse(s, "an error queued and not read yet (IP_RECVERR; a raw socket's error queue "
+                            "cannot be read without taking it: let the program read it, or dump again "
+                            "once it did)")
+        if events & select.POLLIN and not events & select.POLLRDHUP or tcp.ioctl_int(s.sock, tcp.SIOCINQ):
+            self._refuse(s, "packets queued and not read yet (a raw socket cannot be peeked past its "
+                            "first packet, nor its queue filled again without other sockets seeing the "
+                            "packets: dump again once the program read them)")
+        if tcp.ioctl_int(s.sock, tcp.SIOCOUTQ):
+            self._refuse(s, "a packet being built and not sent yet (MSG_MORE: dump again once it is sent)")
 
     def _classify_pending(self, s: _Sock, diag, inodes: set[int], fds) -> None:
         listener = diag.by_ino.get(s.fd.ino)
@@ -429,7 +487,7 @@ class InetDump:
 
     def _plain(self, s: _Sock, diag: "_Index") -> InetSocket:
         options = sockopts.read_options(s.sock)
-        if s.proto == _TCP and s.state == tcp.CLOSE:
+        if s.proto == _TCP and s.type == socket.SOCK_STREAM and s.state == tcp.CLOSE:
             options = _without_stale_maxseg(s.sock, options)
         try:
             program, _locked = sockopts.read_filter(s.sock)
@@ -437,13 +495,18 @@ class InetDump:
             self._refuse(s, "an eBPF socket filter (SO_ATTACH_BPF), which cannot be read back")
         groups: tuple = ()
         datagrams: tuple = ()
-        if s.proto in DATAGRAM_PROTOCOLS:
+        if s.proto in DATAGRAM_PROTOCOLS or s.type == socket.SOCK_RAW:
             try:
                 groups = sockopts.multicast_groups(s.sock, sockopts.host_groups())
             except sockopts.SourceFilter as why:
                 self._refuse(s, f"a source-filtered multicast membership ({why})")
-            datagrams = tuple(peek_datagrams(s.sock))
+            if s.type != socket.SOCK_RAW:
+                datagrams = tuple(peek_datagrams(s.sock))
         backlog = _listener_counts(s.sock)[0] if s.proto == _TCP and s.state == tcp.LISTEN else 0
+        if s.type == socket.SOCK_RAW:
+            return InetSocket(ino=s.fd.ino, family=s.family, type=socket.SOCK_RAW, protocol=s.proto,
+                              state=s.state, src=s.src, dst=s.dst, shutdown=_ping_shutdown(s.sock),
+                              options=options, multicast=groups, filter=program)
         return InetSocket(ino=s.fd.ino, family=s.family,
                           type=socket.SOCK_STREAM if s.proto == _TCP else socket.SOCK_DGRAM,
                           protocol=s.proto, state=s.state if s.proto != _TCP or s.state == tcp.LISTEN else tcp.CLOSE,
@@ -518,7 +581,9 @@ def _without_stale_maxseg(sock: socket.socket, options: tuple) -> tuple:
 
 
 def _short(s: _Sock) -> str:
-    proto = PROTOCOL_NAMES.get(s.proto, str(s.proto))
+    proto = proto_name(s.type, s.proto)
+    if s.type == socket.SOCK_RAW:
+        return f"{proto} {s.src or 'unbound'}" + (f" -> {s.dst}" if s.state == tcp.ESTABLISHED else "")
     here = endpoint(s.src, s.sport) if s.sport else "unbound"
     connected = s.dport or s.proto != _TCP and s.state == tcp.ESTABLISHED
     return f"{proto} {here}" + (f" -> {endpoint(s.dst, s.dport)}" if connected else "")
@@ -583,12 +648,13 @@ def _ping_shutdown(sock: socket.socket) -> int:
     return RCV_SHUTDOWN if events & select.POLLRDHUP else 0
 
 
-def ping_table(pid: int | str, family: int) -> dict[int, tuple[int, str]]:
-    """{inode: (state, peer address)} of the ping sockets of the network namespace of `pid`,
-    from /proc/PID/net/icmp or icmp6 (net/ipv4/ping.c ping_v4_format_sock: addresses as
+def ping_table(pid: int | str, family: int, raw: bool = False) -> dict[int, tuple[int, str]]:
+    """{inode: (state, peer address)} of the ping sockets (`raw`: the raw sockets) of the
+    network namespace of `pid`, from /proc/PID/net/icmp or icmp6 (raw, raw6: the same
+    columns) (net/ipv4/ping.c ping_v4_format_sock: addresses as
     the hex of their 32-bit words in host byte order, then ":port" (the echo id), the
     state, queues, ..., the inode as the tenth field)."""
-    name = "icmp" if family == socket.AF_INET else "icmp6"
+    name = ("raw" if raw else "icmp") + ("" if family == socket.AF_INET else "6")
     out: dict[int, tuple[int, str]] = {}
     try:
         lines = procfs.read_net_table(pid, name)[1:]
@@ -686,7 +752,7 @@ class InetRestore:
         try:
             with rawpkt.RawSender(mark=netlock.PTCKPT_MARK) as raw:
                 for r in self.records:
-                    if r.mode is InetMode.PLAIN and r.protocol == _TCP:
+                    if r.mode is InetMode.PLAIN and r.protocol == _TCP and r.type == socket.SOCK_STREAM:
                         self.made[r.ino] = self._plain_tcp(r)
                 for p in pending:
                     self._queue(p, clients.get(p.ino))
@@ -697,6 +763,8 @@ class InetRestore:
                         self.made[r.ino] = self._repaired(r, raw)
                     elif r.mode in (InetMode.CLOSED, InetMode.REPAIRED):
                         self.made[r.ino] = self._closed(r)
+                    elif is_raw(r):
+                        self.made[r.ino] = self._raw(r)
                     else:
                         self.made[r.ino] = self._datagram(r, raw)
             out: dict[int, int] = {}
@@ -835,6 +903,33 @@ class InetRestore:
                 _check_refill(s, r)
             if r.dport or r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, r.dport))
+            sockopts.join_groups(s, r.multicast)
+            sockopts.attach_filter(s, r.filter)
+            if r.shutdown:
+                how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
+                try:
+                    s.shutdown(how)
+                except OSError as err:      # not connected: ENOTCONN, the socket shut all the same
+                    if err.errno != _errno.ENOTCONN:
+                        raise
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def _raw(self, r: InetSocket) -> socket.socket:
+        """A raw socket: its protocol, options (IP_HDRINCL, ICMP_FILTER, ... among them),
+        address (a raw socket has no port), peer, groups, filter and shutdown."""
+        try:
+            s = socket.socket(r.family, socket.SOCK_RAW, r.protocol)
+        except PermissionError:
+            raise OSError(_errno.EPERM, f"{describe(r)}: making a raw socket needs CAP_NET_RAW") from None
+        try:
+            sockopts.apply_options(s, r.options)
+            if r.src:
+                _bind(s, r)
+            if r.state == tcp.ESTABLISHED:
+                s.connect(_addr(r.family, r.dst, 0))
             sockopts.join_groups(s, r.multicast)
             sockopts.attach_filter(s, r.filter)
             if r.shutdown:

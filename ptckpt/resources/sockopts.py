@@ -1,7 +1,8 @@
 """Socket options: the ones a program set are read at dump and set again at restore.
 
 Dump half: :func:`read_options` reads every option of :data:`OPTIONS` that applies to
-the socket (by family and protocol) with getsockopt(2) on a copy of its fd, and keeps
+the socket (by family and protocol, a raw socket's rows by RAW whatever its protocol)
+with getsockopt(2) on a copy of its fd, and keeps
 those whose value differs from what a new socket of the same kind has: what the
 program (or the kernel on its behalf) changed.  :func:`read_filter` and
 :func:`multicast_groups` read what getsockopt cannot list by itself: a classic BPF
@@ -47,12 +48,13 @@ _INT = struct.Struct("i")
 _TCP, _UDP, _UDPLITE = socket.IPPROTO_TCP, socket.IPPROTO_UDP, 136
 _DGRAM = (_UDP, _UDPLITE)                   # UDP's options hold for UDP-Lite too
 _PING = (socket.IPPROTO_ICMP, socket.IPPROTO_ICMPV6)
-SOL_UDPLITE = 136
+RAW = -1                                    # a raw socket (SOCK_RAW, any protocol): its rows name it so
+SOL_UDPLITE, SOL_RAW, SOL_ICMPV6 = 136, 255, 58
 OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_IPV6, "IPV6_V6ONLY", IPV6_V6ONLY, 0, (socket.AF_INET6,), None),
     (SOL_SOCKET, "SO_REUSEADDR", SO_REUSEADDR, 0, None, None),
     (SOL_SOCKET, "SO_REUSEPORT", 15, 0, None, None),
-    (SOL_SOCKET, "SO_BROADCAST", 6, 0, None, _DGRAM + _PING),
+    (SOL_SOCKET, "SO_BROADCAST", 6, 0, None, _DGRAM + _PING + (RAW,)),
     (SOL_SOCKET, "SO_DONTROUTE", 5, 0, None, None),
     (SOL_SOCKET, "SO_NO_CHECK", 11, 0, None, None),
     (SOL_SOCKET, "SO_PASSCRED", 16, 0, None, None),
@@ -73,6 +75,7 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_SOCKET, "SO_SNDBUF", SO_SNDBUF, 0, None, None),
     (SOL_SOCKET, "SO_RCVBUF", SO_RCVBUF, 0, None, None),
     (SOL_SOCKET, "SO_BUF_LOCK", SO_BUF_LOCK, 0, None, None),   # after the sizes, which set it
+    (SOL_IP, "IP_HDRINCL", 3, 0, (socket.AF_INET,), (RAW,)),
     (SOL_IP, "IP_TOS", 1, 0, None, None),
     (SOL_IP, "IP_TTL", 2, 0, None, None),
     (SOL_IP, "IP_PKTINFO", 8, 0, None, None),
@@ -82,18 +85,24 @@ OPTIONS: tuple[tuple[int, str, int, int, tuple | None, tuple | None], ...] = (
     (SOL_IP, "IP_RECVTOS", 13, 0, None, None),
     (SOL_IP, "IP_FREEBIND", 15, 0, None, None),
     (SOL_IP, "IP_TRANSPARENT", 19, 0, None, None),
+    (SOL_IP, "IP_NODEFRAG", 22, 0, (socket.AF_INET,), (RAW,)),
     (SOL_IP, "IP_BIND_ADDRESS_NO_PORT", 24, 0, None, None),
-    (SOL_IP, "IP_MULTICAST_IF", 32, 4, (socket.AF_INET,), _DGRAM),
-    (SOL_IP, "IP_MULTICAST_TTL", 33, 0, None, _DGRAM),
-    (SOL_IP, "IP_MULTICAST_LOOP", 34, 0, None, _DGRAM),
-    (SOL_IP, "IP_MULTICAST_ALL", 49, 0, (socket.AF_INET,), _DGRAM),
+    (SOL_IP, "IP_MULTICAST_IF", 32, 4, (socket.AF_INET,), _DGRAM + (RAW,)),
+    (SOL_IP, "IP_MULTICAST_TTL", 33, 0, None, _DGRAM + (RAW,)),
+    (SOL_IP, "IP_MULTICAST_LOOP", 34, 0, None, _DGRAM + (RAW,)),
+    (SOL_IP, "IP_MULTICAST_ALL", 49, 0, (socket.AF_INET,), _DGRAM + (RAW,)),
     (SOL_IPV6, "IPV6_UNICAST_HOPS", 16, 0, (socket.AF_INET6,), None),
-    (SOL_IPV6, "IPV6_MULTICAST_IF", 17, 0, (socket.AF_INET6,), _DGRAM),
-    (SOL_IPV6, "IPV6_MULTICAST_HOPS", 18, 0, (socket.AF_INET6,), _DGRAM),
-    (SOL_IPV6, "IPV6_MULTICAST_LOOP", 19, 0, (socket.AF_INET6,), _DGRAM),
+    (SOL_IPV6, "IPV6_MULTICAST_IF", 17, 0, (socket.AF_INET6,), _DGRAM + (RAW,)),
+    (SOL_IPV6, "IPV6_MULTICAST_HOPS", 18, 0, (socket.AF_INET6,), _DGRAM + (RAW,)),
+    (SOL_IPV6, "IPV6_MULTICAST_LOOP", 19, 0, (socket.AF_INET6,), _DGRAM + (RAW,)),
     (SOL_IPV6, "IPV6_RECVERR", 25, 0, (socket.AF_INET6,), None),
     (SOL_IPV6, "IPV6_RECVPKTINFO", 49, 0, (socket.AF_INET6,), None),
     (SOL_IPV6, "IPV6_TCLASS", 67, 0, (socket.AF_INET6,), None),
+    (SOL_IPV6, "IPV6_FREEBIND", 78, 0, (socket.AF_INET6,), None),
+    (SOL_IPV6, "IPV6_CHECKSUM", 7, 0, (socket.AF_INET6,), (RAW,)),
+    (SOL_IPV6, "IPV6_HDRINCL", 36, 0, (socket.AF_INET6,), (RAW,)),
+    (SOL_RAW, "ICMP_FILTER", 1, 4, (socket.AF_INET,), (RAW,)),          # IPPROTO_ICMP only
+    (SOL_ICMPV6, "ICMPV6_FILTER", 1, 32, (socket.AF_INET6,), (RAW,)),   # IPPROTO_ICMPV6 only
     (SOL_TCP, "TCP_NODELAY", 1, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_MAXSEG", 2, 0, None, (_TCP,)),
     (SOL_TCP, "TCP_CORK", 3, 0, None, (_TCP,)),
@@ -155,7 +164,7 @@ def _applicable(family: int, proto: int) -> tuple[tuple[int, int, int], ...]:
 
 def _read_all(sock: socket.socket) -> dict[tuple[int, int], bytes]:
     out = {}
-    for level, opt, size in _applicable(int(sock.family), sock.proto):
+    for level, opt, size in _applicable(int(sock.family), RAW if sock.type == socket.SOCK_RAW else sock.proto):
         value = _read(sock, level, opt, size)
         if value is not None:
             out[(level, opt)] = value
