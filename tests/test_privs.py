@@ -112,10 +112,12 @@ OWN = KEPT + ("Seccomp", "Seccomp_filters")
 @pytest.mark.parametrize("mode, differ", [
     ("thread-creds", {"CapEff": ("0000000000002020", "0000000000002000")}),     # CAP_KILL dropped
     ("thread-seccomp", {"Seccomp_filters": ("1", "2")}),        # the process's filter, then its own
+    ("thread-ids", {"Uid": ("1000\t1000\t1000\t1000", "1001\t1001\t1001\t1001"),
+                    "Gid": ("1000\t1000\t1000\t1000", "1001\t1001\t1001\t1001")}),
 ])
 def test_threads_keep_credentials_of_their_own(spawn, ptckpt, tmp_path, mode, differ, pidns):
     """Credentials are per thread: a thread that changed its own (capabilities, a seccomp
-    filter over the process's) gets them back, and the main thread keeps the process's;
+    filter over the process's, its uids and gids) gets them back, and the main thread keeps the process's;
     each thread reads its own state again (privs checks it every 10 ms)."""
     target = spawn("privs", mode)
     before = target.wait_for_line(r"^STATE ").string
