@@ -301,6 +301,9 @@ class Thread:
     # /proc/PID/task/TID/cgroup where it differs from its process's (cgroup v1 moves threads
     # one by one), else "" (since format 17)
     cgroups: str = ""
+    # its own credentials (uids, gids, capability sets, securebits, no_new_privs, seccomp
+    # mode and filter chain) where they differ from its process's, else () (since format 17)
+    creds: tuple[Creds, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ FORMAT_VERSION = 17                # 2: trees (desc, zombies, pipes, unix socket
                                    #     device nodes, FIFOs, sockets, symlinks (GHOST_FILE rdev, target);
                                    #     a relative unix socket name's directory (UNIX_SOCKET name_dir);
                                    #     cgroups: the directories a process needs (TASK
-                                   #     cgroup_dirs), a thread's own (THREAD cgroups)
+                                   #     cgroup_dirs), a thread's own (THREAD cgroups);
+                                   #     a thread's own credentials (THREAD creds)
 HEADER_SIZE = 24
 PAGES_DATA_OFFSET = PAGE_SIZE      # page data starts here in a PAGES file
 ENTRY_HEADER_SIZE = 8
@@ -526,6 +527,7 @@ ThreadRecord = Record(Thread, Struct(
     # entry_number, base_addr, limit, flags (seg_32bit .. useable as the kernel packs them)
     "tls" / Since(15, PrefixedArray(VarInt, Array(4, Int32ul))),
     "cgroups" / Since(17, Text),              # /proc/PID/task/TID/cgroup, "" when its process's
+    "creds" / Since(17, PrefixedArray(VarInt, CredsRecord)),   # its own CREDS, none when its process's
 ))
 
 # --- SIGACTION ---------------------------------------------------------------

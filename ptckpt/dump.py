@@ -364,18 +364,19 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
         vmas: list = []
         thread_records = []
         task_record = creds_record = mm = sigactions = None
+        own_creds = {}                           # each thread's: credentials are per thread
         for task in [leader] + [t for t in tasks if t is not leader]:
             comm = _thread_comm(pid, task.tid)
             with remote_syscalls(task, mem, gadget) as remote:
                 thread_records.append(threads.dump_thread_frozen(task, remote, comm))
+                own_creds[task.tid] = creds.dump_creds_frozen(pid, statuses[task.tid], remote, task)
                 if task is leader:
                     sigactions = signals.dump_sigactions_frozen(remote)
                     posix_timers, itimers = timers.dump_timers_frozen(pid, remote)
                     timers.check_dumpable(pid, posix_timers, [t.tid for t in tasks])
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
-                    creds_record = creds.dump_creds_frozen(pid, status, remote, tasks)
-                    creds.check_threads(pid, statuses)
+                    creds_record = own_creds[pid]
                     for tid, st in statuses.items():
                         claims.check_status(pid, tid, st.raw)
                     claims.check_numa(pid, remote, maps)
@@ -386,7 +387,8 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     plan.prepare(pid, vpid, remote)
                     vmas = _frozen_vmas(pid, plan, parent, cow)
                     aio.check_in_flight_frozen(pid, remote, vmas)
-        thread_records = [dataclasses.replace(t, cgroups=process.thread_cgroups(pid, t.tid, task_record.cgroups))
+        thread_records = [dataclasses.replace(t, cgroups=process.thread_cgroups(pid, t.tid, task_record.cgroups),
+                                              creds=creds.thread_creds(own_creds[t.tid], creds_record))
                           for t in thread_records]
         task_record = dataclasses.replace(task_record, cgroup_dirs=process.dump_cgroup_dirs(
             [task_record.cgroups] + [t.cgroups for t in thread_records]))

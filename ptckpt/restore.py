@@ -834,13 +834,21 @@ def _restore_signals_frozen(remote, mem: AddressSpace, leader, vpid: int, proc: 
 
 
 def _restore_creds_frozen(remote, mem: AddressSpace, leader, proc: ProcessImage, tasks: dict) -> list[str]:
-    """The seccomp filters, then the credentials of every thread (they are per thread)."""
-    creds.restore_seccomp_frozen(remote, proc.creds)
+    """Each thread's seccomp filters and credentials (they are per thread): its own where its
+    THREAD record has them, else its process's.  The filters all threads share go in first,
+    from the leader with TSYNC; then, in each thread, the rest of its own filters while it is
+    still privileged, and its credentials after them (ptckpt.resources.creds)."""
+    own = {t.tid: t.creds[0] if t.creds else proc.creds for t in proc.threads}
+    own[proc.task.pid] = proc.creds
+    shared = creds.shared_filters(list(own.values()))
+    creds.restore_seccomp_frozen(remote, proc.creds, upto=shared)
+    creds.restore_seccomp_frozen(remote, proc.creds, first=shared, tsync=False)
     warnings = creds.restore_creds_frozen(remote, proc.creds)
     for tid, task in tasks.items():
         if task is not leader:
             with _thread_syscalls(task, mem, remote) as tremote:
-                warnings += creds.restore_creds_frozen(tremote, proc.creds)
+                creds.restore_seccomp_frozen(tremote, own[tid], first=shared, tsync=False)
+                warnings += creds.restore_creds_frozen(tremote, own[tid])
     return warnings
 
 

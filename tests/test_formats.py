@@ -425,9 +425,26 @@ def test_cgroups_format_17_dirs_and_thread_cgroups():
     assert parse_record(EntryKind.TASK, payload[:-21], version=16) == dataclasses.replace(task, cgroup_dirs="")
     thread = dataclasses.replace(make_thread(5), cgroups="1:name=x:/a/b\n")
     payload = build_record(thread)
-    assert payload.endswith(b"\x0e" + thread.cgroups.encode())
+    assert payload.endswith(b"\x0e" + thread.cgroups.encode() + b"\x00")   # then no creds of its own
     assert parse_record(EntryKind.THREAD, payload) == thread
-    assert parse_record(EntryKind.THREAD, payload[:-15], version=16) == dataclasses.replace(thread, cgroups="")
+    assert parse_record(EntryKind.THREAD, payload[:-16], version=16) == dataclasses.replace(thread, cgroups="")
+
+
+def test_thread_format_17_own_creds():
+    """A THREAD record of format 17 ends with the thread's own credentials where they differ
+    from its process's: a VarInt count (0 or 1) of CREDS records; a format-16 one has none
+    and takes (): the process's."""
+    own = dataclasses.replace(make_creds(), cap_eff=0x20, seccomp=2, seccomp_filters=(b"\x06" + b"\x00" * 7,),
+                              seccomp_flags=(0,))
+    thread = dataclasses.replace(make_thread(5), creds=(own,))
+    payload = build_record(thread)
+    creds_payload = build_record(own)
+    assert payload.endswith(b"\x01" + creds_payload)
+    assert parse_record(EntryKind.THREAD, payload) == thread
+    old = parse_record(EntryKind.THREAD, payload[:-len(creds_payload) - 2], version=16)
+    assert old == dataclasses.replace(thread, creds=())
+    plain = make_thread(5)
+    assert build_record(plain).endswith(b"\x00\x00") and parse_record(EntryKind.THREAD, build_record(plain)) == plain
 
 
 def test_thread_format_15_tls_entries():
@@ -435,9 +452,9 @@ def test_thread_format_15_tls_entries():
     user_desc fields); a format-14 one has none and takes the default ()."""
     thread = dataclasses.replace(make_thread(5), tls=((12, 0xF7EE1580, 0xFFFFF, 0x51),))
     payload = build_record(thread)
-    assert payload.endswith(bytes.fromhex("01" "0c000000" "8015eef7" "ffff0f00" "51000000" "00"))
+    assert payload.endswith(bytes.fromhex("01" "0c000000" "8015eef7" "ffff0f00" "51000000" "00" "00"))
     assert parse_record(EntryKind.THREAD, payload) == thread
-    old = parse_record(EntryKind.THREAD, payload[:-18], version=14)
+    old = parse_record(EntryKind.THREAD, payload[:-19], version=14)
     assert old == dataclasses.replace(thread, tls=())
 
 

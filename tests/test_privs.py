@@ -1,7 +1,7 @@
 """Credentials and prctl state come back: uids, gids, groups, the five capability sets,
 securebits, no_new_privs, THP disable, KSM merging, MDWE, speculation control, timer slack,
-name -- in every thread; seccomp filters and threads with credentials of their own are
-refused by name (ptckpt.resources.creds, ptckpt.resources.process; fixtures/privs.c)."""
+name -- in every thread; seccomp filters; threads with credentials and seccomp filters of their
+own (ptckpt.resources.creds, ptckpt.resources.process; fixtures/privs.c)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 
 import pytest
 
-from ptckpt.errors import ExitCode
 from ptckpt.formats.image import ImageReader
 
 from test_restore import _dump_kill, _restore
@@ -106,14 +105,45 @@ def test_seccomp_strict_mode_is_entered_again(spawn, ptckpt, tmp_path):
     assert target.alive() and _status(target.pid)["State"].startswith("S"), "back in its read"
 
 
-@pytest.mark.parametrize("mode, words", [
-    ("thread-creds", "with credentials of its own (cap_eff differ"),
+OWN = KEPT + ("Seccomp", "Seccomp_filters")
+
+
+@pytest.mark.parametrize("pidns", [False, True], ids=["same-pids", "pidns"])
+@pytest.mark.parametrize("mode, differ", [
+    ("thread-creds", {"CapEff": ("0000000000002020", "0000000000002000")}),     # CAP_KILL dropped
+    ("thread-seccomp", {"Seccomp_filters": ("1", "2")}),        # the process's filter, then its own
+    ("thread-ids", {"Uid": ("1000\t1000\t1000\t1000", "1001\t1001\t1001\t1001"),
+                    "Gid": ("1000\t1000\t1000\t1000", "1001\t1001\t1001\t1001")}),
 ])
-def test_what_the_image_cannot_hold_is_refused_by_name(spawn, ptckpt, tmp_path, mode, words):
+def test_threads_keep_credentials_of_their_own(spawn, ptckpt, tmp_path, mode, differ, pidns):
+    """Credentials are per thread: a thread that changed its own (capabilities, a seccomp
+    filter over the process's, its uids and gids) gets them back, and the main thread keeps the process's;
+    each thread reads its own state again (privs checks it every 10 ms)."""
     target = spawn("privs", mode)
+    before = target.wait_for_line(r"^STATE ").string
+    mine = target.wait_for_line(r"^THREAD ").string
     target.wait_for_line(r"^READY ")
-    res = ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill")
-    assert res.returncode == ExitCode.UNSUPPORTED_RESOURCE, res.stderr
-    assert words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert not (tmp_path / "img").exists()
-    assert target.alive(), "a refused dump leaves the target running"
+    assert ("ppid_errno=1 " in mine) == (mode == "thread-seccomp") and "ppid_errno=0 " in before
+
+    def own(pid):
+        """(the leader's, the other thread's) credentials from /proc, as the kernel keeps them"""
+        tids = os.listdir(f"/proc/{pid}/task")
+        assert len(tids) == 2
+        other = next(t for t in tids if t != str(pid))
+        return tuple({k: _status_of(pid, t)[k] for k in OWN} for t in (str(pid), other))
+
+    seen = own(target.pid)
+    for key, (leader, other) in differ.items():
+        assert (seen[0][key], seen[1][key]) == (leader, other), key
+    _dump_kill(ptckpt, target, tmp_path / "img")
+    with ImageReader(tmp_path / "img") as reader:
+        proc = reader.process(reader.inventory.root_pid)
+        assert [len(t.creds) for t in proc.threads] == [0, 1], "the other thread's own, in its THREAD record"
+    pid = _restore(ptckpt, tmp_path / "img", *(["--pidns"] if pidns else []))
+    target.adopt(pid)
+    assert own(pid) == seen, "each thread has its own credentials again"
+    target.signal()
+    after = target.wait_for_line(r"^STATE ", count=2, timeout=15).string
+    status = target.wait_exit(10)
+    assert status == 0 or (pidns and status is None and target.failure() is None), target.describe()
+    assert after == before

@@ -328,7 +328,7 @@ def plan(run: RestoreRun) -> None:
     objects = memory_objects(procs)
     for p in run.members:
         plan_problems(image, procs[p], host, pidns=run.pidns, handed=run.plan, objects=objects)
-        creds.check_restorable(p, procs[p].creds)
+        creds.check_restorable(p, procs[p].creds, procs[p].threads)
     unsent = queue_refusal(image, procs)            # as the dump's check found none, none here
     if unsent is not None:
         raise unsent

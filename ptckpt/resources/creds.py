@@ -1,12 +1,18 @@
-"""Credentials: uids, gids, groups, the five capability sets, securebits, no_new_privs.
+"""Credentials: uids, gids, groups, the five capability sets, securebits, no_new_privs,
+seccomp mode and filters -- all per thread in the kernel.
 
-Dump half: :func:`dump_creds_frozen` (from /proc/PID/status, securebits by injection) and
-:func:`check_threads` (every thread must hold the process's credentials: the image keeps
-one set).  Seccomp filters are read through ptrace (one chain per process).
+Dump half: :func:`dump_creds_frozen`, run in every thread (from /proc/PID/task/TID/status,
+securebits by injection, the seccomp filters through ptrace); the leader's are the
+process's CREDS, and :func:`thread_creds` keeps another thread's own in its THREAD record
+where they differ.
 
-Restore half: :func:`restore_creds_frozen`, injected into the leader and into every other
-thread (credentials are per thread in the kernel).  The order matters:
+Restore half: :func:`restore_seccomp_frozen` then :func:`restore_creds_frozen`, in
+the leader and in every other thread, each with its own.  The order matters:
 
+0. the seccomp filters first, while the thread is still privileged (installing one needs
+   CAP_SYS_ADMIN or no_new_privs): the part of the chain every thread shares with TSYNC
+   from the leader (so it is one filter, shared, as a process's is), then in each thread the
+   rest of its own; the tracer has them suspended for what it injects afterwards;
 1. groups, then with SECBIT_NO_SETUID_FIXUP set the uid and gid changes leave the
    capability sets alone;
 2. the bounding set is cut (needs CAP_SETPCAP, still effective);
@@ -14,9 +20,6 @@ thread (credentials are per thread in the kernel).  The order matters:
 4. capset() sets effective, permitted and inheritable;
 5. the ambient set is raised (each needs to be permitted and inheritable);
 6. no_new_privs, which cannot be cleared once set.
-
-The seccomp filters (:func:`restore_seccomp_frozen`) go in before all that, while the stub
-is still privileged; the tracer has them suspended for what it injects afterwards.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import procfs
 from ..errors import PrivilegeNeeded, TraceeError, UnsupportedResource
-from ..formats.model import Creds
+from ..formats.model import Creds, Thread
 from .. import tracee
 from ..tracee import RemoteSyscalls, Task
 
@@ -45,12 +48,12 @@ def cap_last_cap() -> int:
 
 
 def dump_creds_frozen(pid: int, s: procfs.Status, remote: RemoteSyscalls | None = None,
-                      tasks: Sequence[Task] = ()) -> Creds:
-    """`s`: the process's /proc status, read while frozen; securebits come from inside, the
-    seccomp filters through ptrace from `tasks` (the process's threads, frozen)."""
+                      task: Task | None = None) -> Creds:
+    """One thread's credentials: `s` its /proc status, read while frozen; securebits come from
+    inside (`remote`, injecting into it), the seccomp filters through ptrace from `task`."""
     filters: list[tuple[int, bytes]] = []
-    if s.seccomp == SECCOMP_MODE_FILTER:
-        filters = _seccomp_filters(pid, tasks)
+    if s.seccomp == SECCOMP_MODE_FILTER and task is not None:
+        filters = _seccomp_filters(pid, task)
     securebits = 0
     if remote is not None:
         securebits = remote.checked("prctl", PR_GET_SECUREBITS, step="dump creds: securebits")
@@ -85,21 +88,16 @@ def refuse_strict_mode(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
                                       "unless ptckpt runs as root)")
 
 
-def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]:
-    """The process's filter chain, oldest first; refused when its threads' chains differ or a
-    filter hands syscalls to a user-space supervisor (its listener fd is not restored)."""
+def _seccomp_filters(pid: int, task: Task) -> list[tuple[int, bytes]]:
+    """A thread's filter chain, oldest first; refused when a filter hands syscalls to a
+    user-space supervisor (its listener fd is not restored)."""
     try:
-        chains = {t.tid: t.seccomp_filters() for t in tasks}
+        chain = task.seccomp_filters()
     except TraceeError as err:
         if "EACCES" not in str(err) and "EPERM" not in str(err):
             raise
         raise PrivilegeNeeded(f"process {pid} runs under seccomp filters: reading them "
                               f"(PTRACE_SECCOMP_GET_FILTER) needs CAP_SYS_ADMIN; dump it as root") from None
-    chain = chains.get(pid, [])
-    for tid, other in chains.items():
-        if other != chain:
-            raise UnsupportedResource(pid, f"thread {tid} with seccomp filters of its own (the image "
-                                      "keeps one chain per process)")
     for _flags, prog in chain:
         for code, _jt, _jf, k in _SOCK_FILTER.iter_unpack(prog):
             if code == BPF_RET_K and k & 0xFFFF0000 == SECCOMP_RET_USER_NOTIF:
@@ -108,47 +106,55 @@ def _seccomp_filters(pid: int, tasks: Sequence[Task]) -> list[tuple[int, bytes]]
     return chain
 
 
-def restore_seccomp_frozen(remote: RemoteSyscalls, creds: Creds) -> None:
-    """Install the filters again, oldest first, in every thread (TSYNC), before the credentials
-    (installing needs CAP_SYS_ADMIN or no_new_privs).  The syscalls injected after them pass
-    no filter: the restore traces with seccomp suspended (tracee.SUSPEND_SECCOMP)."""
-    for prog, flags in zip(creds.seccomp_filters, creds.seccomp_flags):
+def restore_seccomp_frozen(remote: RemoteSyscalls, creds: Creds, *, first: int = 0,
+                           upto: int | None = None, tsync: bool = True) -> None:
+    """Install the filters `first`..`upto` of `creds`, oldest first: with `tsync` in every
+    thread (TSYNC), else in the calling thread alone; before the credentials (installing
+    needs CAP_SYS_ADMIN or no_new_privs).  The syscalls injected after them pass no filter:
+    the restore traces with seccomp suspended (tracee.SUSPEND_SECCOMP)."""
+    sync = SECCOMP_FILTER_FLAG_TSYNC if tsync else 0
+    for prog, flags in list(zip(creds.seccomp_filters, creds.seccomp_flags))[first:upto]:
         with remote.scratch(prog) as pp, remote.scratch(struct.pack("<H6xQ", len(prog) // 8, int(pp))) as fp:
-            remote.checked("seccomp", SECCOMP_SET_MODE_FILTER, flags | SECCOMP_FILTER_FLAG_TSYNC, int(fp),
+            remote.checked("seccomp", SECCOMP_SET_MODE_FILTER, flags | sync, int(fp),
                            step=f"seccomp filter of {len(prog) // 8} instructions")
 
 
-_PER_THREAD = ("uids", "gids", "groups", "cap_inh", "cap_prm", "cap_eff", "cap_bnd", "cap_amb",
-               "no_new_privs", "seccomp")
+def shared_filters(all_creds: Sequence[Creds]) -> int:
+    """How many filters, oldest first, the chains of all of a process's threads share: those
+    the leader installs for all with TSYNC; each thread adds the rest of its own alone."""
+    chains = [list(zip(c.seccomp_filters, c.seccomp_flags)) for c in all_creds]
+    n = min(map(len, chains), default=0)
+    for i in range(n):
+        if any(chain[i] != chains[0][i] for chain in chains):
+            return i
+    return n
 
 
-def check_threads(pid: int, statuses: Mapping[int, procfs.Status]) -> None:
-    """Refuse a process whose threads do not all hold the leader's credentials
-    (`statuses`: each thread's /proc status, the leader's at `pid`)."""
-    leader = statuses[pid]
-    for tid, s in statuses.items():
-        differ = [name for name in _PER_THREAD if getattr(s, name) != getattr(leader, name)]
-        if differ:
-            raise UnsupportedResource(pid, f"thread {tid} with credentials of its own "
-                                      f"({', '.join(differ)} differ from the leader's): the image "
-                                      "keeps one set per process")
+def thread_creds(own: Creds, process: Creds) -> tuple[Creds, ...]:
+    """What a THREAD record keeps of a thread's credentials `own`: () when they are its
+    process's (the leader's), else them."""
+    return () if own == process else (own,)
 
 
 CAP_SETGID, CAP_SETUID = 6, 7
 
 
-def check_restorable(pid: int, creds: Creds) -> None:
+def check_restorable(pid: int, creds: Creds, threads: Sequence[Thread] = ()) -> None:
     """Refuse, before anything is made, credentials the restoring user could not take
     itself (an image of another user's or of root's process, or credentials edited in
-    an image): a restore never gives more than the user has."""
+    an image), the process's or one of its `threads`' own: a restore never gives more than
+    the user has."""
     caps = procfs.read_status(os.getpid()).cap_eff
     if caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1:
         return
     uids, gids = (*os.getresuid(), os.geteuid()), (*os.getresgid(), os.getegid())
-    differ = [f"{what} {'/'.join(map(str, theirs))} (yours {'/'.join(map(str, mine))})"
-              for what, theirs, mine in (("uids", creds.uids, uids), ("gids", creds.gids, gids),
-                                         ("groups", tuple(sorted(creds.groups)), tuple(sorted(os.getgroups()))))
-              if tuple(theirs) != tuple(mine)]
+    for c in (creds, *(c for t in threads for c in t.creds)):
+        differ = [f"{what} {'/'.join(map(str, theirs))} (yours {'/'.join(map(str, mine))})"
+                  for what, theirs, mine in (("uids", c.uids, uids), ("gids", c.gids, gids),
+                                             ("groups", tuple(sorted(c.groups)), tuple(sorted(os.getgroups()))))
+                  if tuple(theirs) != tuple(mine)]
+        if differ:
+            break
     if differ:
         raise PrivilegeNeeded(f"process {pid} of the image ran with {', '.join(differ)}: taking "
                               f"credentials that are not your own needs CAP_SETUID and CAP_SETGID; "
