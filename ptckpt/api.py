@@ -342,29 +342,27 @@ class Restored:
         return why_killed(self.page_server_log)
 
 
-def restore(directory: str | os.PathLike, *,
-            pidns: bool = False,
-            netns: bool = False,
-            lazy: bool = False,
-            file_policy: FilePolicy | Sequence[str] = (),
-            plugins: Sequence[Plugin | str] = (),
-            remap_path: Sequence[str] | Mapping[str, str] = (),
-            set_env: Sequence[str] | Mapping[str, str] = (),
-            unset_env: Sequence[str] = (),
-            reconnect: bool = False,
-            remap_addr: Sequence[str] | Mapping[str, str] = (),
-            inject: Sequence[str] = (),
-            seed: int | None = None,
-            faults_log: str | os.PathLike | None = None,
-            new_pty: bool = False,
-            new_pty_program: str | Sequence[str] | None = None,
-            inherit_stdio: bool = False,
-            hold_timeout: float | str = 30.0,
-            page_server: str | None = None,
-            token_file: str | os.PathLike | None = None,
-            tcp_close: bool = False,
-            cgroup_root: Sequence[str] = (),
-            cgroups: str = "join") -> Restored:
+def _cgroup_options(cgroup_root: Sequence[str] | str, cgroups: str) -> dict[str, str]:
+    """restore's cgroup_root items parsed ({controller or "": new root}), checked with `cgroups`."""
+    from .resources.process import parse_cgroup_roots
+    if cgroups not in ("join", "ignore"):
+        raise UsageError(f"cgroups {cgroups!r}: join or ignore")
+    roots = parse_cgroup_roots([cgroup_root] if isinstance(cgroup_root, str) else cgroup_root)
+    if roots and cgroups == "ignore":
+        raise UsageError("--cgroup-root and --cgroups ignore exclude each other")
+    return roots
+
+
+def restore(directory: str | os.PathLike, *, pidns: bool = False, netns: bool = False, lazy: bool = False,
+            file_policy: FilePolicy | Sequence[str] = (), plugins: Sequence[Plugin | str] = (),
+            remap_path: Sequence[str] | Mapping[str, str] = (), set_env: Sequence[str] | Mapping[str, str] = (),
+            unset_env: Sequence[str] = (), reconnect: bool = False,
+            remap_addr: Sequence[str] | Mapping[str, str] = (), inject: Sequence[str] = (),
+            seed: int | None = None, faults_log: str | os.PathLike | None = None, new_pty: bool = False,
+            new_pty_program: str | Sequence[str] | None = None, inherit_stdio: bool = False,
+            hold_timeout: float | str = 30.0, page_server: str | None = None,
+            token_file: str | os.PathLike | None = None, tcp_close: bool = False,
+            cgroup_root: Sequence[str] = (), cgroups: str = "join") -> Restored:
     """``ptckpt restore -D DIRECTORY --detach``: recreate the image's processes and return
     once they run.
 
@@ -413,14 +411,7 @@ def restore(directory: str | os.PathLike, *,
         raise UsageError("--new-pty-program needs --new-pty")
     policy = parse_file_policy(file_policy)
     hold = parse_duration(hold_timeout)
-    from .resources.process import parse_cgroup_roots
-    if cgroups not in ("join", "ignore"):
-        raise UsageError(f"cgroups {cgroups!r}: join or ignore")
-    if isinstance(cgroup_root, str):
-        cgroup_root = [cgroup_root]
-    roots = parse_cgroup_roots(cgroup_root)
-    if roots and cgroups == "ignore":
-        raise UsageError("--cgroup-root and --cgroups ignore exclude each other")
+    roots = _cgroup_options(cgroup_root, cgroups)
     remote = _page_server(page_server, token_file)
     loaded, injector = _restore_plugins(plugins, remap_path=remap_path, set_env=set_env, unset_env=unset_env,
                                         reconnect=reconnect, remap_addr=remap_addr, inject=inject, seed=seed,

@@ -363,7 +363,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
             plan.copy_early(pid, mem, memory.merge_spans(lent))
         vmas: list = []
         thread_records = []
-        task_record = creds_record = mm = sigactions = None
+        task_record = mm = sigactions = None
         own_creds = {}                           # each thread's: credentials are per thread
         for task in [leader] + [t for t in tasks if t is not leader]:
             comm = _thread_comm(pid, task.tid)
@@ -376,7 +376,6 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     timers.check_dumpable(pid, posix_timers, [t.tid for t in tasks])
                     mm = process.dump_mm_frozen(pid, stat, remote)
                     task_record = process.dump_task(pid, [t.tid for t in tasks], status, stat, remote)
-                    creds_record = own_creds[pid]
                     for tid, st in statuses.items():
                         claims.check_status(pid, tid, st.raw)
                     claims.check_numa(pid, remote, maps)
@@ -388,7 +387,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
                     vmas = _frozen_vmas(pid, plan, parent, cow)
                     aio.check_in_flight_frozen(pid, remote, vmas)
         thread_records = [dataclasses.replace(t, cgroups=process.thread_cgroups(pid, t.tid, task_record.cgroups),
-                                              creds=creds.thread_creds(own_creds[t.tid], creds_record))
+                                              creds=creds.thread_creds(own_creds[t.tid], own_creds[pid]))
                           for t in thread_records]
         task_record = dataclasses.replace(task_record, cgroup_dirs=process.dump_cgroup_dirs(
             [task_record.cgroups] + [t.cgroups for t in thread_records]))
@@ -400,7 +399,7 @@ def capture_process_frozen(session: Session, pid: int, writer: ImageWriter, vpid
             pending.extend(PendingSignal(task.tid, info) for _sig, info in task.deferred_signals)
         image = ProcessImage(
             task=task_record,
-            creds=creds_record,
+            creds=own_creds[pid],
             mm=mm,
             rlimits=tuple(process.dump_rlimits(pid)),
             vmas=tuple(vmas),

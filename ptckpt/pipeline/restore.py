@@ -144,10 +144,9 @@ class RestoreRun:
 
 
 def restore(directory: str, *, pidns: bool = False, netns: bool = False,
-            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(),
-            new_pty: bool = False, plugins: Sequence[Plugin] = (),
-            hold_timeout: float = 30.0, lazy: bool = False, before_resume=None,
-            group=None, page_server: str | None = None, token: bytes = b"",
+            file_policy: filepolicy.FilePolicy = filepolicy.FilePolicy(), new_pty: bool = False,
+            plugins: Sequence[Plugin] = (), hold_timeout: float = 30.0, lazy: bool = False,
+            before_resume=None, group=None, page_server: str | None = None, token: bytes = b"",
             tcp_close: bool = False, cgroup_roots: Mapping[str, str] | None = None,
             cgroups: str = "join") -> RestoreResult:
     """Recreate the processes of image `directory`; returns once they run (detached from ptckpt).
@@ -170,24 +169,18 @@ def restore(directory: str, *, pidns: bool = False, netns: bool = False,
     asked to hold the resume (hold_resume()), only that thread runs until it says
     ready(), up to `hold_timeout` seconds (then a warning, and the rest runs too).
 
-    An image of a tree that lived in a pid namespace of its own records the pids
-    it had there; it is restored in a new pid namespace whether `pidns` is asked
-    or not.
+    An image of a tree that lived in a pid namespace of its own records the pids it had
+    there; it is restored in a new pid namespace whether `pidns` is asked or not.
 
     With `netns` the tree gets a network namespace of its own (loopback up), where
     its sockets are made: copies of one server image listen on the same ports at
     once.  A TCP connection to a peer outside the image cannot go there (refused).
     TCP connections dumped with --tcp-established are rebuilt in repair mode and
-    leave it, and the image's network lock goes, once every process is rebuilt.  With
-    `tcp_close` they come back closed instead (as dump --tcp-close makes them: over, both
-    ways shut), the connections that waited in an accept queue are dropped, and the lock
-    goes all the same (as CRIU's restore --tcp-close).
+    leave it, and the image's network lock goes, once every process is rebuilt; with
+    `tcp_close` they come back closed, accept-queue ones dropped (CRIU's --tcp-close).
 
-    The tree goes back into its cgroups (made again where gone), or with `cgroup_roots`
-    ({controller, "" for every other hierarchy: new root}, as process.parse_cgroup_roots
-    makes) into the same cgroups under another root: the tree's common cgroup in a
-    hierarchy is replaced by the new root.  With `cgroups` "ignore" no cgroup is joined
-    or made: the tree stays in the restorer's (as CRIU's --manage-cgroups=ignore).
+    The tree goes back into its cgroups (made again where gone), or under other roots
+    (`cgroup_roots`: api.restore's cgroup_root), or with `cgroups` "ignore" stays in ours.
 
     With `lazy` the processes run before their private anonymous memory is in: a page
     server process (ptckpt.lazypages) puts it in, what they touch first; result.lazy_*
