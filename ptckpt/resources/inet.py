@@ -903,15 +903,7 @@ class InetRestore:
                 _check_refill(s, r)
             if r.dport or r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, r.dport))
-            sockopts.join_groups(s, r.multicast)
-            sockopts.attach_filter(s, r.filter)
-            if r.shutdown:
-                how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
-                try:
-                    s.shutdown(how)
-                except OSError as err:      # not connected: ENOTCONN, the socket shut all the same
-                    if err.errno != _errno.ENOTCONN:
-                        raise
+            _groups_filter_shutdown(s, r)
         except BaseException:
             s.close()
             raise
@@ -930,15 +922,7 @@ class InetRestore:
                 _bind(s, r)
             if r.state == tcp.ESTABLISHED:
                 s.connect(_addr(r.family, r.dst, 0))
-            sockopts.join_groups(s, r.multicast)
-            sockopts.attach_filter(s, r.filter)
-            if r.shutdown:
-                how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
-                try:
-                    s.shutdown(how)
-                except OSError as err:      # not connected: ENOTCONN, the socket shut all the same
-                    if err.errno != _errno.ENOTCONN:
-                        raise
+            _groups_filter_shutdown(s, r)
         except BaseException:
             s.close()
             raise
@@ -1081,3 +1065,17 @@ def _repair_leftovers(info) -> int:
                     tcp.leave_repair(copy, live[ino].reuseaddr)
                     count += 1
     return count
+
+
+def _groups_filter_shutdown(s: socket.socket, r: InetSocket) -> None:
+    """The last of a datagram or raw socket: its multicast groups, its filter, its shutdown
+    (one answering ENOTCONN, as for a socket never connected, shut all the same)."""
+    sockopts.join_groups(s, r.multicast)
+    sockopts.attach_filter(s, r.filter)
+    if r.shutdown:
+        how = {RCV_SHUTDOWN: socket.SHUT_RD, SEND_SHUTDOWN: socket.SHUT_WR}.get(r.shutdown, socket.SHUT_RDWR)
+        try:
+            s.shutdown(how)
+        except OSError as err:
+            if err.errno != _errno.ENOTCONN:
+                raise
