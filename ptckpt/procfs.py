@@ -1723,6 +1723,18 @@ def read_id_map(pid: int | str, name: str, *, procfs: str = "/proc") -> list[tup
     return out
 
 
+def capable_in_initial_ns(cap: int) -> bool:
+    """Whether ptckpt has capability `cap` (CAP_* number) effective in the initial user
+    namespace: what an operation on the host itself (mknod of a device, TIOCSTI on another's
+    tty) asks.  False where it cannot be told."""
+    try:
+        eff = read_status(os.getpid()).cap_eff
+        initial = read_id_map("self", "uid_map") == [(0, 0, 4294967295)]
+    except (OSError, PtckptError, ValueError):
+        return False
+    return initial and bool(eff >> cap & 1)
+
+
 class Statm(NamedTuple):
     """/proc/PID/statm, in pages (man 5 proc)."""
 

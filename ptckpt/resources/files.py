@@ -369,12 +369,7 @@ CAP_MKNOD = 27
 
 def can_make_devices() -> bool:
     """mknod(2) of a device node needs CAP_MKNOD (in the initial user namespace)."""
-    try:
-        eff = procfs.read_status(os.getpid()).cap_eff
-        initial = procfs.read_id_map("self", "uid_map") == [(0, 0, 4294967295)]
-    except (OSError, PtckptError, ValueError):
-        return False
-    return initial and bool(eff >> CAP_MKNOD & 1)
+    return procfs.capable_in_initial_ns(CAP_MKNOD)
 
 
 def _linked_ghost(pid: int, fd: int, st: os.stat_result, path: str, what: str) -> GhostFile:

@@ -434,12 +434,7 @@ def hung_up_record(index: int) -> Pty:
 
 def can_type_in() -> bool:
     """TIOCSTI on a tty that is not ours needs CAP_SYS_ADMIN in the initial user namespace."""
-    try:
-        eff = procfs.read_status(os.getpid()).cap_eff
-        initial = procfs.read_id_map("self", "uid_map") == [(0, 0, 4294967295)]
-    except (OSError, PtckptError, ValueError):
-        return False
-    return initial and bool(eff >> CAP_SYS_ADMIN & 1)
+    return procfs.capable_in_initial_ns(CAP_SYS_ADMIN)
 
 
 def _read_pending(master: int) -> bytes:
