@@ -97,10 +97,9 @@ def test_a_cgroup_gone_since_the_dump_is_made_again(spawn, ptckpt, tmp_path, cgr
     os.rmdir(os.path.join(path, "empty"))
 
 
-def test_a_hierarchy_not_mounted_at_restore_is_a_warning(spawn, ptckpt, tmp_path, named_hierarchy):
-    """Where the process's cgroup cannot be joined (its hierarchy mounted nowhere), the
-    restore says so."""
-    where, key = named_hierarchy
+def _dumped_in_sub(spawn, ptckpt, tmp_path, where: str):
+    """A counter put in the cgroup `sub` of hierarchy `where`, dumped to tmp_path/img and
+    killed (its pid free again)."""
     os.mkdir(os.path.join(where, "sub"))
     target = spawn("counter")
     with open(os.path.join(where, "sub", "cgroup.procs"), "w") as f:
@@ -108,6 +107,14 @@ def test_a_hierarchy_not_mounted_at_restore_is_a_warning(spawn, ptckpt, tmp_path
     assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
     target.wait_exit(10)
     wait_pid_free(target.pid)
+    return target
+
+
+def test_a_hierarchy_not_mounted_at_restore_is_a_warning(spawn, ptckpt, tmp_path, named_hierarchy):
+    """Where the process's cgroup cannot be joined (its hierarchy mounted nowhere), the
+    restore says so."""
+    where, key = named_hierarchy
+    target = _dumped_in_sub(spawn, ptckpt, tmp_path, where)
     subprocess.run(["umount", where], check=True)
     try:
         res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
@@ -202,13 +209,7 @@ def test_cgroup_root_puts_the_tree_under_another_root(spawn, ptckpt, tmp_path, n
 def test_cgroups_ignore_leaves_the_tree_in_the_restorers_cgroups(spawn, ptckpt, tmp_path, named_hierarchy):
     """--cgroups ignore (CRIU's --manage-cgroups=ignore): no cgroup is joined or made."""
     where, key = named_hierarchy
-    os.mkdir(os.path.join(where, "sub"))
-    target = spawn("counter")
-    with open(os.path.join(where, "sub", "cgroup.procs"), "w") as f:
-        f.write(str(target.pid))
-    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
-    target.wait_exit(10)
-    wait_pid_free(target.pid)
+    target = _dumped_in_sub(spawn, ptckpt, tmp_path, where)
     os.rmdir(os.path.join(where, "sub"))
     res = ptckpt("restore", "-D", tmp_path / "img", "--detach", "--cgroups", "ignore")
     assert res.returncode == 0, res.stderr
