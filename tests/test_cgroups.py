@@ -6,6 +6,7 @@ not a silence (ptckpt.resources.process)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -224,3 +225,30 @@ def test_cgroup_root_and_cgroups_ignore_exclude_each_other(ptckpt, tmp_path):
     assert res.returncode != 0 and "exclude each other" in res.stderr
     res = ptckpt("restore", "-D", tmp_path, "--cgroup-root", "new")
     assert res.returncode != 0 and "absolute cgroup path" in res.stderr
+
+
+def test_a_restore_stopped_after_making_a_cgroup_again_removes_it(spawn, ptckpt, tmp_path, cgroup):
+    """SIGTERM once the stub is seized (the gone cgroup, and the empty one below it, made
+    again by then): the restore says it was interrupted, no process of the image is left,
+    and the cgroups it made are gone again; the next restore makes them once more."""
+    path, key, rel = cgroup
+    target = spawn("counter")
+    os.mkdir(os.path.join(path, "empty"))
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(target.pid))
+    assert ptckpt("dump", target.pid, "-D", tmp_path / "img", "--kill").returncode == 0
+    target.wait_exit(10)
+    wait_pid_free(target.pid)
+    os.rmdir(os.path.join(path, "empty"))
+    os.rmdir(path)
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach",
+                 env={**os.environ, "PTCKPT_TEST_DIE_AT": "restore-stub:1:SIGTERM"})
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr
+    assert "interrupted by SIGTERM" in res.stderr and "Traceback" not in res.stderr
+    wait_pid_free(target.pid)
+    assert not os.path.exists(path), "the cgroups the restore made are removed again"
+    res = ptckpt("restore", "-D", tmp_path / "img", "--detach")
+    assert res.returncode == 0, res.stderr
+    target.adopt(target.pid)
+    assert _line(target.pid, key).endswith(":" + rel) and os.path.isdir(os.path.join(path, "empty"))
+    os.rmdir(os.path.join(path, "empty"))
